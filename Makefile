@@ -1,0 +1,42 @@
+# One entry point for humans and CI. Needs only Python 3.11+ and make.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: venv test test-fast lint typecheck demo bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test,lint]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+## The whole suite, slow and chaos tests included (CI runs this).
+test: $(STAMP)
+	$(BIN)/python -m pytest --run-slow --run-chaos $(PYTEST_ARGS)
+
+## The fast suite only (a few seconds).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check asynctaskd tests bench
+	$(BIN)/ruff format --check asynctaskd tests bench
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+## Embedded Valkey + fake vendor + daemon + 200 demo tasks with a live view.
+demo: $(STAMP)
+	$(BIN)/asynctaskd dev --demo 200
+
+## Quick benchmarks (FULL=1 for the long ones).
+bench: $(STAMP)
+	$(BIN)/python -m bench $(if $(FULL),--full,)
+
+clean:
+	rm -rf $(VENV) .asynctaskd .pytest_cache .mypy_cache .ruff_cache

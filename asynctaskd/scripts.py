@@ -1,0 +1,105 @@
+"""Reads lua/*.lua, parses their headers, and prepares them for EVALSHA."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from functools import cache
+from importlib.resources import files
+from typing import Final
+
+import msgspec
+
+from .model import LEGAL_TRANSITIONS
+
+__all__ = ["SCRIPT_NAMES", "Script", "load_scripts", "legal_table_lua"]
+
+SCRIPT_NAMES: Final = (
+    "create",
+    "claim",
+    "start",
+    "save",
+    "renew",
+    "release",
+    "cancel",
+    "reap",
+    "time_out",
+    "resolve",
+    "purge",
+    "quarantine",
+)
+
+_KEY_LINE: Final = re.compile(r"^-- KEYS\[(\d+)\] (\w+)")
+_ARGV_LINE: Final = re.compile(r"^-- ARGV\[(\d+)(\.\.)?\]")
+
+
+class Script(msgspec.Struct, frozen=True):
+    """One atomic operation: its name, header contract and the full source sent to Redis."""
+
+    name: str
+    summary: str
+    keys: tuple[str, ...]
+    argv_count: int  # fixed ARGV slots named in the header
+    variadic: bool  # the header names a trailing ARGV[n..] run
+    body: str  # the file as written
+    source: str  # legal table + prelude + body: what Redis runs
+    sha: str
+
+
+def legal_table_lua() -> str:
+    """The LEGAL transition table of model.py, as a Lua local (source -> target -> actors)."""
+    rows: dict[str, dict[str, str]] = {}
+    for t in LEGAL_TRANSITIONS:
+        if t.source is None:
+            continue
+        rows.setdefault(t.source.value, {})[t.target.value] = t.actors
+    parts = []
+    for source, targets in sorted(rows.items()):
+        inner = ", ".join(f"{target} = '{actors}'" for target, actors in sorted(targets.items()))
+        parts.append(f"  {source} = {{{inner}}},")
+    return "local LEGAL = {\n" + "\n".join(parts) + "\n}\n"
+
+
+def _read(name: str) -> str:
+    return (files("asynctaskd") / "lua" / f"{name}.lua").read_text(encoding="utf-8")
+
+
+def parse_header(name: str, body: str) -> tuple[str, tuple[str, ...], int, bool]:
+    """Return (summary, key names, fixed ARGV count, variadic) from a script header."""
+    lines = body.splitlines()
+    first = lines[0]
+    if not first.startswith(f"-- {name}: "):
+        raise ValueError(f"lua/{name}.lua: line 1 must start with '-- {name}: '")
+    keys: list[str] = []
+    argv = 0
+    variadic = False
+    for line in lines:
+        if not line.startswith("--"):
+            break
+        if m := _KEY_LINE.match(line):
+            if int(m[1]) != len(keys) + 1:
+                raise ValueError(f"lua/{name}.lua: KEYS are not numbered 1..n")
+            keys.append(m[2])
+        elif m := _ARGV_LINE.match(line):
+            if m[2]:
+                variadic = True
+            else:
+                if int(m[1]) != argv + 1:
+                    raise ValueError(f"lua/{name}.lua: ARGV are not numbered 1..n")
+                argv += 1
+    return first[len(f"-- {name}: ") :], tuple(keys), argv, variadic
+
+
+@cache
+def load_scripts() -> dict[str, Script]:
+    """Every script, parsed once per process."""
+    prelude = _read("_prelude")
+    legal = legal_table_lua()
+    out = {}
+    for name in SCRIPT_NAMES:
+        body = _read(name)
+        summary, keys, argv, variadic = parse_header(name, body)
+        source = f"{legal}{prelude}\n-- script: {name}\n{body}"
+        sha = hashlib.sha1(source.encode()).hexdigest()
+        out[name] = Script(name, summary, keys, argv, variadic, body, source, sha)
+    return out

@@ -1,0 +1,555 @@
+"""The only code that talks to Redis about tasks: one method per Lua script, typed results.
+
+Each operation is built once as a `Call` (script, keys, arguments, reply decoder) by a
+pure function, then run by `Store` (asyncio) or `SyncStore` (blocking, for producers in
+sync web apps). redis-py exceptions never leave this module: they become
+`StoreUnavailable` or `ScriptError`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Final, Generic, TypeVar
+
+import msgspec
+import redis.asyncio
+import redis.exceptions as rex
+from redis import Redis as SyncRedis
+
+from .codec import decode_task, pairs_to_dict
+from .errors import CorruptTask, ScriptError, StoreUnavailable
+from .keys import Keys
+from .model import Phase, Status, Task, shard_of
+from .scripts import Script, load_scripts
+
+__all__ = [
+    "Call",
+    "ClaimBatch",
+    "Claimed",
+    "Code",
+    "Created",
+    "Lease",
+    "Result",
+    "Store",
+    "SyncStore",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Code(enum.IntEnum):
+    """Reply codes shared by every script (docs/protocol.md lists the same table)."""
+
+    OK = 1
+    ACCEPTED = 2  # create: deduped to a live task; cancel: requested from the holder
+    NOT_FOUND = -1
+    STALE_FENCE = -2
+    WRONG_VERSION = -3
+    NO_LEASE = -4
+    EXISTS = -5
+    CANCEL_REQUESTED = -6
+    ILLEGAL = -7
+    STARTED = -8
+    TERMINAL = -9
+
+
+class Result(msgspec.Struct, frozen=True):
+    """Outcome of a single-task write. Rejections are values, not exceptions."""
+
+    code: Code
+    version: int = 0
+    status: Status | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.code is Code.OK
+
+
+class Created(msgspec.Struct, frozen=True):
+    task_id: str
+    deduped: bool
+    version: int = 1
+    created_ms: int = 0
+    due_ms: int = 0
+
+
+class Lease(msgspec.Struct, frozen=True):
+    """What a worker holds while it works on a task: the fence and the version it read."""
+
+    task_id: str
+    fence: int
+    version: int
+
+    @property
+    def shard(self) -> int:
+        return shard_of(self.task_id)
+
+
+class Claimed(msgspec.Struct, frozen=True):
+    lease: Lease
+    task: Task
+
+
+class ClaimBatch(msgspec.Struct, frozen=True):
+    claimed: list[Claimed]
+    next_due_ms: int | None  # earliest due time still waiting in the phase, None if none
+    ready_left: int  # due tasks still waiting to be claimed
+    dropped: int  # entries found unclaimable (gone, timed out, canceled, quarantined)
+    corrupt: list[CorruptTask] = []
+
+
+class Call(Generic[T]):
+    """One script invocation: everything needed to run it and read its reply."""
+
+    __slots__ = ("args", "decode", "keys", "script")
+
+    def __init__(
+        self, script: str, keys: list[str], args: list[Any], decode: Callable[[Any], T]
+    ) -> None:
+        self.script = script
+        self.keys = keys
+        self.args = args
+        self.decode = decode
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _result(reply: Any) -> Result:
+    try:
+        code = Code(int(reply[0]))
+        if code in (Code.OK, Code.ACCEPTED, Code.CANCEL_REQUESTED) and len(reply) > 1:
+            status = Status(_s(reply[2])) if len(reply) > 2 else None
+            return Result(code, int(reply[1]), status)
+        if code in (Code.ILLEGAL, Code.TERMINAL) and len(reply) > 1:
+            return Result(code, 0, Status(_s(reply[1])))
+        return Result(code)
+    except (ValueError, TypeError, IndexError) as exc:
+        raise ScriptError(f"unexpected reply {reply!r}: {exc}") from None
+
+
+def _codes(reply: Any) -> list[Code]:
+    try:
+        return [Code(int(c)) for c in reply]
+    except (ValueError, TypeError) as exc:
+        raise ScriptError(f"unexpected reply {reply!r}: {exc}") from None
+
+
+def _id_list(reply: Any) -> list[str]:
+    count = int(reply[0])
+    ids = [_s(x) for x in reply[1:]]
+    if len(ids) != count:
+        raise ScriptError(f"reply says {count} ids but has {len(ids)}")
+    return ids
+
+
+def _pairs(reply: Any) -> list[tuple[str, Status]]:
+    count = int(reply[0])
+    flat = reply[1:]
+    out = [(_s(flat[i]), Status(_s(flat[i + 1]))) for i in range(0, len(flat), 2)]
+    if len(out) != count:
+        raise ScriptError(f"reply says {count} tasks but has {len(out)}")
+    return out
+
+
+def _ms(seconds: float) -> int:
+    return max(0, round(seconds * 1000))
+
+
+class Ops:
+    """Builds every Call for one namespace. Pure: no I/O."""
+
+    def __init__(self, keys: Keys) -> None:
+        self.keys = keys
+
+    def _prefix(self, shard: int) -> str:
+        return self.keys.tag(shard) + ":"
+
+    def _task(self, task_id: str) -> tuple[str, str]:
+        shard = shard_of(task_id)
+        if shard >= self.keys.shards:
+            raise ValueError(
+                f"task id {task_id!r} is on shard {shard}, but only {self.keys.shards} "
+                "shard(s) are configured"
+            )
+        return self._prefix(shard), self.keys.task(shard, task_id)
+
+    def create(
+        self,
+        task_id: str,
+        handler: str,
+        params_json: bytes,
+        *,
+        timeout_ms: int,
+        provider: str = "",
+        tenant: str = "",
+        account: str = "",
+        priority: int = 0,
+        delay_ms: int = 0,
+        not_before_ms: int = 0,
+        metadata_json: bytes = b"",
+        dedup_key: str = "",
+    ) -> Call[Created]:
+        prefix, task_key = self._task(task_id)
+        shard = shard_of(task_id)
+        dedup = self.keys.dedup(shard, tenant, dedup_key) if dedup_key else self.keys.no_dedup(shard)
+
+        def decode(reply: Any) -> Created:
+            code = int(reply[0])
+            if code == 1:
+                return Created(task_id, False, int(reply[1]), int(reply[2]), int(reply[3]))
+            if code == 2:
+                return Created(_s(reply[1]), True)
+            if code == Code.EXISTS:
+                raise ScriptError(f"task id {task_id} already exists: ids must be unique")
+            raise ScriptError(f"unexpected create reply {reply!r}")
+
+        args = [task_id, handler, provider, tenant, account, priority, delay_ms,
+                not_before_ms, timeout_ms, params_json, metadata_json, dedup_key]  # fmt: skip
+        return Call("create", [prefix, task_key, dedup], args, decode)
+
+    def claim(
+        self, shard: int, phase: Phase, n: int, lease_ms: int, owner: str, promote_limit: int
+    ) -> Call[ClaimBatch]:
+        def decode(reply: Any) -> ClaimBatch:
+            next_due = int(reply[0]) or None
+            claimed: list[Claimed] = []
+            corrupt: list[CorruptTask] = []
+            for item in reply[3:]:
+                task_id = _s(item[0])
+                try:
+                    task = decode_task(pairs_to_dict(item[3]), task_id)
+                except CorruptTask as exc:
+                    corrupt.append(exc)
+                    continue
+                claimed.append(Claimed(Lease(task_id, int(item[1]), int(item[2])), task))
+            return ClaimBatch(claimed, next_due, int(reply[1]), int(reply[2]), corrupt)
+
+        args = [phase, n, lease_ms, owner, promote_limit]
+        return Call("claim", [self._prefix(shard)], args, decode)
+
+    def start(self, lease: Lease, idempotent: bool) -> Call[Result]:
+        prefix, task_key = self._task(lease.task_id)
+        args = [lease.task_id, lease.fence, lease.version, "1" if idempotent else "0"]
+        return Call("start", [prefix, task_key], args, _result)
+
+    def save(
+        self,
+        lease: Lease,
+        status: Status,
+        *,
+        delay_ms: int = 0,
+        fields: dict[str, str | bytes | int | float] | None = None,
+    ) -> Call[Result]:
+        prefix, task_key = self._task(lease.task_id)
+        args: list[Any] = [lease.task_id, lease.fence, lease.version, status.value, delay_ms]
+        for name, value in (fields or {}).items():
+            args.append(name)
+            args.append(value)
+        return Call("save", [prefix, task_key], args, _result)
+
+    def renew(self, shard: int, lease_ms: int, leases: Sequence[Lease]) -> Call[list[Code]]:
+        args: list[Any] = [lease_ms]
+        for lease in leases:
+            args.append(lease.task_id)
+            args.append(lease.fence)
+        return Call("renew", [self._prefix(shard)], args, _codes)
+
+    def release(self, shard: int, leases: Sequence[Lease]) -> Call[list[Code]]:
+        args: list[Any] = []
+        for lease in leases:
+            args.extend((lease.task_id, lease.fence, lease.version))
+        return Call("release", [self._prefix(shard)], args, _codes)
+
+    def cancel(self, task_id: str, tenant: str | None = None) -> Call[Result]:
+        prefix, task_key = self._task(task_id)
+        args = [task_id, "0" if tenant is None else "1", tenant or ""]
+        return Call("cancel", [prefix, task_key], args, _result)
+
+    def reap(self, shard: int, limit: int, max_reclaims: int) -> Call[list[tuple[str, Status]]]:
+        return Call("reap", [self._prefix(shard)], [limit, max_reclaims], _pairs)
+
+    def time_out(self, shard: int, limit: int) -> Call[list[str]]:
+        return Call("time_out", [self._prefix(shard)], [limit], _id_list)
+
+    def resolve(
+        self,
+        task_id: str,
+        target: Status,
+        *,
+        external_id: str = "",
+        handle_json: bytes = b"",
+        message: str = "",
+    ) -> Call[Result]:
+        prefix, task_key = self._task(task_id)
+        args = [task_id, target.value, external_id, handle_json, message]
+        return Call("resolve", [prefix, task_key], args, _result)
+
+    def purge(self, shard: int, older_than_ms: int, limit: int) -> Call[list[str]]:
+        return Call("purge", [self._prefix(shard)], [older_than_ms, limit], _id_list)
+
+    def quarantine(self, task_id: str, reason: str) -> Call[Result]:
+        prefix, task_key = self._task(task_id)
+        return Call("quarantine", [prefix, task_key], [task_id, reason[:500]], _result)
+
+
+@contextmanager
+def _mapped(what: str) -> Iterator[None]:
+    """The one place redis-py errors become ours."""
+    try:
+        yield
+    except rex.NoScriptError:
+        raise
+    except (rex.ConnectionError, rex.TimeoutError, rex.BusyLoadingError, rex.ReadOnlyError) as exc:
+        raise StoreUnavailable(f"{what}: Redis is unavailable ({type(exc).__name__}: {exc})") from exc
+    except rex.ResponseError as exc:
+        text = str(exc)
+        if "asynctaskd:" in text:
+            raise ScriptError(f"{what}: {text}") from exc
+        if any(m in text for m in ("MASTERDOWN", "LOADING", "READONLY", "CLUSTERDOWN", "TRYAGAIN")):
+            raise StoreUnavailable(f"{what}: {text}") from exc
+        raise ScriptError(f"{what}: Redis refused the script: {text}") from exc
+    except rex.RedisError as exc:
+        raise StoreUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+def _task_reply(raw: Any, task_id: str) -> Task | None:
+    if not raw:
+        return None
+    return decode_task(raw, task_id)
+
+
+class _Base:
+    def __init__(self, keys: Keys, settings: dict[str, int] | None = None) -> None:
+        self.keys = keys
+        self.ops = Ops(keys)
+        self.scripts: dict[str, Script] = load_scripts()
+        self.settings = settings or {}
+        self.round_trips: dict[str, int] = {}
+
+    def _count(self, name: str) -> None:
+        self.round_trips[name] = self.round_trips.get(name, 0) + 1
+
+
+class Store(_Base):
+    """Asyncio access to tasks in Redis. One instance per daemon or client."""
+
+    def __init__(
+        self, redis: redis.asyncio.Redis, keys: Keys, settings: dict[str, int] | None = None
+    ) -> None:
+        super().__init__(keys, settings)
+        self.redis = redis
+
+    async def prepare(self) -> None:
+        """Load every script into Redis and write the per-shard settings."""
+        with _mapped("loading scripts"):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for script in self.scripts.values():
+                    pipe.script_load(script.source)
+                for shard in range(self.keys.shards):
+                    if self.settings:
+                        pipe.hset(self.keys.tag(shard) + ":settings", mapping=self.settings)
+                await pipe.execute()
+
+    async def run(self, call: Call[T]) -> T:
+        """Run one script call and decode its reply."""
+        script = self.scripts[call.script]
+        self._count(call.script)
+        with _mapped(call.script):
+            try:
+                reply = await self.redis.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+            except rex.NoScriptError:
+                # The server lost its script cache (restart, failover): NOSCRIPT means it
+                # did not run, so loading and running again is safe.
+                await self.redis.script_load(script.source)
+                reply = await self.redis.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+        return call.decode(reply)
+
+    async def run_many(self, calls: Sequence[Call[Any]]) -> list[Any]:
+        """Run several calls in one round trip; each result is a value or the exception."""
+        if not calls:
+            return []
+        self._count("pipeline")
+        with _mapped("pipeline"):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for call in calls:
+                    script = self.scripts[call.script]
+                    pipe.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+                replies = await pipe.execute(raise_on_error=False)
+        out: list[Any] = []
+        for call, reply in zip(calls, replies, strict=True):
+            if isinstance(reply, rex.NoScriptError):
+                out.append(await self._safe_run(call))
+            elif isinstance(reply, Exception):
+                try:
+                    with _mapped(call.script):
+                        raise reply
+                except (StoreUnavailable, ScriptError) as exc:
+                    out.append(exc)
+            else:
+                try:
+                    out.append(call.decode(reply))
+                except Exception as exc:  # noqa: BLE001 - returned to the caller as a value
+                    out.append(exc)
+        return out
+
+    async def _safe_run(self, call: Call[Any]) -> Any:
+        try:
+            return await self.run(call)
+        except (StoreUnavailable, ScriptError) as exc:
+            return exc
+
+    async def get(self, task_id: str) -> Task | None:
+        """The task's snapshot, or None. Raises CorruptTask if it cannot be read."""
+        _, task_key = self.ops._task(task_id)
+        self._count("get")
+        with _mapped("get"):
+            raw = await self.redis.hgetall(task_key)
+        return _task_reply(raw, task_id)
+
+    async def counts(self) -> dict[str, int]:
+        """Exact per-status (and `STATUS@handler`) counts summed over every shard."""
+        out: dict[str, int] = {}
+        with _mapped("counts"):
+            for shard in range(self.keys.shards):
+                raw = await self.redis.hgetall(self.keys.counts(shard))
+                for k, v in raw.items():
+                    name = _s(k)
+                    out[name] = out.get(name, 0) + int(v)
+        return out
+
+    async def server_time(self) -> float:
+        with _mapped("time"):
+            sec, usec = await self.redis.time()
+        return float(sec) + usec / 1e6
+
+    # Convenience wrappers over Ops, one per script.
+
+    async def claim(
+        self,
+        shard: int,
+        phase: Phase,
+        n: int,
+        lease_ms: int,
+        owner: str,
+        promote_limit: int = 1000,
+    ) -> ClaimBatch:
+        """Claim up to n due tasks; corrupt ones are quarantined and reported, not returned."""
+        batch = await self.run(self.ops.claim(shard, phase, n, lease_ms, owner, promote_limit))
+        for bad in batch.corrupt:
+            logger.error("quarantining corrupt task: %s", bad.reason, extra={"task_id": bad.task_id})
+            await self.run(self.ops.quarantine(bad.task_id, bad.reason))
+        return batch
+
+    async def start(self, lease: Lease, idempotent: bool) -> Result:
+        return await self.run(self.ops.start(lease, idempotent))
+
+    async def save(
+        self,
+        lease: Lease,
+        status: Status,
+        *,
+        delay_ms: int = 0,
+        fields: dict[str, str | bytes | int | float] | None = None,
+    ) -> Result:
+        return await self.run(self.ops.save(lease, status, delay_ms=delay_ms, fields=fields))
+
+    async def renew(self, lease_ms: int, leases: Sequence[Lease]) -> dict[str, Code]:
+        """Renew many leases, one call per shard; returns each task's code."""
+        by_shard: dict[int, list[Lease]] = {}
+        for lease in leases:
+            by_shard.setdefault(lease.shard, []).append(lease)
+        out: dict[str, Code] = {}
+        for shard, group in by_shard.items():
+            codes = await self.run(self.ops.renew(shard, lease_ms, group))
+            out.update(zip((lease.task_id for lease in group), codes, strict=True))
+        return out
+
+    async def release(self, leases: Sequence[Lease]) -> dict[str, Code]:
+        by_shard: dict[int, list[Lease]] = {}
+        for lease in leases:
+            by_shard.setdefault(lease.shard, []).append(lease)
+        out: dict[str, Code] = {}
+        for shard, group in by_shard.items():
+            codes = await self.run(self.ops.release(shard, group))
+            out.update(zip((lease.task_id for lease in group), codes, strict=True))
+        return out
+
+    async def cancel(self, task_id: str, tenant: str | None = None) -> Result:
+        return await self.run(self.ops.cancel(task_id, tenant))
+
+    async def reap(self, shard: int, limit: int, max_reclaims: int) -> list[tuple[str, Status]]:
+        return await self.run(self.ops.reap(shard, limit, max_reclaims))
+
+    async def time_out(self, shard: int, limit: int) -> list[str]:
+        return await self.run(self.ops.time_out(shard, limit))
+
+    async def resolve(
+        self,
+        task_id: str,
+        target: Status,
+        *,
+        external_id: str = "",
+        handle_json: bytes = b"",
+        message: str = "",
+    ) -> Result:
+        return await self.run(
+            self.ops.resolve(
+                task_id, target, external_id=external_id, handle_json=handle_json, message=message
+            )
+        )
+
+    async def purge(self, shard: int, older_than_ms: int, limit: int) -> list[str]:
+        return await self.run(self.ops.purge(shard, older_than_ms, limit))
+
+
+class SyncStore(_Base):
+    """Blocking access for producers (Django, Flask): the same Calls, run synchronously."""
+
+    def __init__(
+        self, redis: SyncRedis, keys: Keys, settings: dict[str, int] | None = None
+    ) -> None:
+        super().__init__(keys, settings)
+        self.redis = redis
+
+    def run(self, call: Call[T]) -> T:
+        script = self.scripts[call.script]
+        self._count(call.script)
+        with _mapped(call.script):
+            try:
+                reply = self.redis.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+            except rex.NoScriptError:
+                self.redis.script_load(script.source)
+                reply = self.redis.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+        return call.decode(reply)
+
+    def get(self, task_id: str) -> Task | None:
+        _, task_key = self.ops._task(task_id)
+        with _mapped("get"):
+            raw = self.redis.hgetall(task_key)
+        return _task_reply(raw, task_id)
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        with _mapped("counts"):
+            for shard in range(self.keys.shards):
+                raw: dict[bytes, bytes] = self.redis.hgetall(self.keys.counts(shard))  # type: ignore[assignment]  # sync client returns a dict
+                for k, v in raw.items():
+                    name = _s(k)
+                    out[name] = out.get(name, 0) + int(v)
+        return out
+
+
+def now_ms() -> int:
+    """Local wall clock in ms, for figures only; scripts use the server's TIME."""
+    return int(time.time() * 1000)
+
+
+DEFAULT_PROMOTE_LIMIT: Final = 1000

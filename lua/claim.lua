@@ -1,0 +1,96 @@
+-- claim: lease up to n due tasks of one phase to a worker, each with a new fence.
+--
+-- KEYS[1] prefix   string  <ns>:{s<N>}:  shard prefix; the script uses, under it:
+--                          due:<phase> ready:<phase> leases deadlines counts idx:<status>
+--                          events quarantine settings task:<id>
+-- ARGV[1] phase            'submit' or 'query'
+-- ARGV[2] n                how many tasks at most, integer 0..1000 (0: only report due times)
+-- ARGV[3] lease_ms         lease length, integer > 0
+-- ARGV[4] owner            worker id, recorded in the task
+-- ARGV[5] promote_limit    how many newly due tasks to move into the ready set at most
+--
+-- Returns {next_due_ms, ready_left, dropped, task, task, ...} where each task is
+--   {task_id, fence, version, {field, value, ...}}  (the whole hash after the claim)
+-- next_due_ms is the earliest due time still waiting in this phase (0 if none), ready_left
+-- how many due tasks are still ready, dropped how many entries were not claimable
+-- (gone, timed out, canceled, or quarantined because their hash is unreadable).
+-- Invariants: a task is claimed only if its status belongs to the phase, it is not
+-- leased, and its deadline has not passed; a past deadline times the task out here
+-- instead (no vendor call after the deadline); a canceled PENDING_SUBMIT task becomes
+-- CANCELED here; every claim increments the fence, so older holders become stale.
+
+local phase = ARGV[1]
+if phase ~= 'submit' and phase ~= 'query' then
+  error("asynctaskd: ARGV phase must be 'submit' or 'query', got " .. tostring(phase))
+end
+local n = int_arg(ARGV[2], 'n', 0, 1000)
+local lease_ms = int_arg(ARGV[3], 'lease_ms', 1)
+local owner = ARGV[4]
+local promote_limit = int_arg(ARGV[5], 'promote_limit', 0, 100000)
+local due_key = P .. 'due:' .. phase
+local ready_key = P .. 'ready:' .. phase
+local leases = P .. 'leases'
+local quarantine = P .. 'quarantine'
+
+-- Promote newly due tasks, bounded, into the priority-ordered ready set.
+if promote_limit > 0 then
+  local due = redis.call('ZRANGEBYSCORE', due_key, '-inf', NOW, 'WITHSCORES', 'LIMIT', 0,
+                         promote_limit)
+  for i = 1, #due, 2 do
+    local id = due[i]
+    local pr = tonumber(redis.call('HGET', task_key(id), 'priority') or '0') or 0
+    if pr < -100 or pr > 100 then pr = 0 end
+    redis.call('ZADD', ready_key, (100 - pr) * PRIO_SPAN + tonumber(due[i + 1]), id)
+    redis.call('ZREM', due_key, id)
+  end
+end
+
+local reply = {0, 0, 0}
+local dropped = 0
+local want = (phase == 'submit') and {PENDING_SUBMIT = true} or {SUBMITTED = true, RUNNING = true}
+local got = 0
+while got < n do
+  local popped = redis.call('ZPOPMIN', ready_key)
+  if #popped == 0 then break end
+  local id = popped[1]
+  local tk = task_key(id)
+  local t = redis.call('HMGET', tk, 'status', 'deadline_ms', 'cancel_requested', 'handler')
+  local status, deadline_ms, handler = t[1], tonumber(t[2]), t[4]
+  if not status then
+    dropped = dropped + 1                       -- hash gone: nothing to do
+  elseif not KNOWN[status] or not deadline_ms or not handler then
+    redis.call('ZADD', quarantine, NOW, id)     -- unreadable: park it for an operator
+    dropped = dropped + 1
+  elseif not want[status] or redis.call('ZSCORE', leases, id) then
+    dropped = dropped + 1                       -- index disagreed with the hash: the sweep repairs
+  elseif deadline_ms <= NOW then
+    local v = bump(tk)
+    finish(tk, id, status, 'TRACKING_TIMED_OUT', handler)
+    emit(id, 'TRACKING_TIMED_OUT', v)
+    dropped = dropped + 1
+  elseif phase == 'submit' and t[3] == '1' then
+    local v = bump(tk)
+    finish(tk, id, status, 'CANCELED', handler)
+    emit(id, 'CANCELED', v)
+    dropped = dropped + 1
+  else
+    local fence = redis.call('HINCRBY', tk, 'fence', 1)
+    local v = bump(tk)
+    redis.call('HSET', tk, 'owner', owner)
+    redis.call('HDEL', tk, 'due_ms')
+    if phase == 'submit' then
+      move_status(tk, id, status, 'SUBMITTING', handler)
+      redis.call('HDEL', tk, 'started_fence')
+      emit(id, 'SUBMITTING', v)
+    end
+    redis.call('ZADD', leases, NOW + lease_ms, id)
+    got = got + 1
+    reply[#reply + 1] = {id, fence, v, redis.call('HGETALL', tk)}
+  end
+end
+
+local first = redis.call('ZRANGE', due_key, 0, 0, 'WITHSCORES')
+if #first > 0 then reply[1] = tonumber(first[2]) end
+reply[2] = redis.call('ZCARD', ready_key)
+reply[3] = dropped
+return reply

@@ -1,0 +1,27 @@
+-- quarantine: take a task whose stored data cannot be read out of circulation.
+--
+-- KEYS[1] prefix   string  <ns>:{s<N>}:  shard prefix
+-- KEYS[2] task     hash    <ns>:{s<N>}:task:<id>
+-- ARGV[1] task_id
+-- ARGV[2] reason           short text for the operator
+--
+-- Returns {1} quarantined, or {-1} NOT_FOUND.
+-- The task leaves the due sets, the lease index and the deadline index, keeps its status
+-- (and so its counter), and is listed in <prefix>quarantine for an operator. Nothing else
+-- of the hash is touched, so what was corrupt can still be inspected.
+
+local tk = KEYS[2]
+local id = ARGV[1]
+if redis.call('EXISTS', tk) == 0 then
+  redis.call('ZREM', P .. 'quarantine', id)
+  unschedule(id)
+  redis.call('ZREM', P .. 'leases', id)
+  redis.call('ZREM', P .. 'deadlines', id)
+  return {-1}
+end
+unschedule(id)
+redis.call('ZREM', P .. 'leases', id)
+redis.call('ZREM', P .. 'deadlines', id)
+redis.call('ZADD', P .. 'quarantine', NOW, id)
+redis.call('HSET', tk, 'quarantined', ARGV[2])
+return {1}

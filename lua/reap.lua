@@ -1,0 +1,79 @@
+-- reap: act on leases that expired, bounded; the holder is presumed dead.
+--
+-- KEYS[1] prefix   string  <ns>:{s<N>}:  shard prefix
+-- ARGV[1] limit            how many expired leases at most, integer 1..10000
+-- ARGV[2] max_reclaims     query-phase lease expiries tolerated before FAILED (poison task)
+--
+-- Returns {count, task_id, new_status, task_id, new_status, ...}
+-- Per expired lease, re-checked inside the script so two reapers never both act:
+--   SUBMITTING, call marked started under the current fence -> SUBMIT_UNKNOWN, or
+--       PENDING_SUBMIT due now if the handler declared idempotent submits; the fence is
+--       kept so the original submitter's late save can still land its handle
+--   SUBMITTING, call never started -> PENDING_SUBMIT, due now
+--   SUBMITTED / RUNNING -> the same status, due now (reclaims + 1), or FAILED with
+--       error_code RECLAIM_LIMIT once reclaims exceed max_reclaims
+--   deadline passed (and no started submit) -> TRACKING_TIMED_OUT
+--   anything else (hash gone, terminal, parked) -> the stray lease entry is removed
+-- Invariant: after the script, no task in the lease index has an expired lease among
+-- those it looked at.
+
+local limit = int_arg(ARGV[1], 'limit', 1, 10000)
+local max_reclaims = int_arg(ARGV[2], 'max_reclaims', 0)
+local leases = P .. 'leases'
+local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', NOW, 'LIMIT', 0, limit)
+local out = {0}
+local any_due = false
+for _, id in ipairs(expired) do
+  redis.call('ZREM', leases, id)
+  local tk = task_key(id)
+  local t = redis.call('HMGET', tk, 'status', 'fence', 'started_fence', 'idempotent',
+                       'reclaims', 'handler', 'priority', 'deadline_ms')
+  local status, handler = t[1], t[6]
+  local new = nil
+  if status and PHASE[status] and handler then
+    redis.call('HDEL', tk, 'owner')
+    local started = status == 'SUBMITTING' and t[3] and t[3] == t[2]
+    local late = (tonumber(t[8]) or 0) <= NOW
+    local v = bump(tk)
+    if started then
+      if t[4] == '1' and not late then
+        new = 'PENDING_SUBMIT'
+        redis.call('HDEL', tk, 'started_fence')
+      else
+        new = 'SUBMIT_UNKNOWN'
+        redis.call('HSET', tk, 'error_code', 'LEASE_EXPIRED_IN_SUBMIT',
+          'error_message', 'the worker lost its lease after starting the vendor submit')
+      end
+    elseif late then
+      new = 'TRACKING_TIMED_OUT'
+    elseif status == 'SUBMITTING' then
+      new = 'PENDING_SUBMIT'
+    else
+      local reclaims = redis.call('HINCRBY', tk, 'reclaims', 1)
+      if reclaims > max_reclaims then
+        new = 'FAILED'
+        redis.call('HSET', tk, 'error_code', 'RECLAIM_LIMIT', 'error_message',
+          'the task lost its lease ' .. reclaims .. ' times in the query phase')
+      else
+        new = status
+      end
+    end
+    if TERMINAL[new] then
+      finish(tk, id, status, new, handler)
+    elseif new == 'SUBMIT_UNKNOWN' then
+      move_status(tk, id, status, new, handler)
+      redis.call('ZREM', P .. 'deadlines', id)
+      redis.call('HDEL', tk, 'due_ms')
+    else
+      move_status(tk, id, status, new, handler)
+      redis.call('HSET', tk, 'due_ms', schedule(id, PHASE[new], NOW, tonumber(t[7]) or 0))
+      any_due = true
+    end
+    emit(id, new, v, {'reaped', '1'})
+    out[1] = out[1] + 1
+    out[#out + 1] = id
+    out[#out + 1] = new
+  end
+end
+if any_due then wake() end
+return out

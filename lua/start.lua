@@ -1,0 +1,30 @@
+-- start: mark that the vendor submit call is about to start under this fence.
+--
+-- KEYS[1] prefix   string  <ns>:{s<N>}:  shard prefix (leases)
+-- KEYS[2] task     hash    <ns>:{s<N>}:task:<id>
+-- ARGV[1] task_id
+-- ARGV[2] fence            fence the worker received from claim
+-- ARGV[3] version          version the worker last read
+-- ARGV[4] idempotent       '1' if the handler's vendor dedups on the idempotency key
+--
+-- Returns {1, new_version} marked, or one of
+--   {-1} NOT_FOUND  {-2} STALE_FENCE  {-3} WRONG_VERSION  {-4} NO_LEASE
+--   {-6, version} CANCEL_REQUESTED  a cancel arrived: do not call the vendor, save CANCELED
+--   {-7} ILLEGAL    the task is not SUBMITTING, or its deadline has passed
+-- Invariants: a rejected mark writes nothing. Once marked, a lease that expires in
+-- SUBMITTING parks the task in SUBMIT_UNKNOWN (or requeues it if idempotent) instead of
+-- resubmitting it; the caller must make this write durable before calling the vendor.
+
+local tk = KEYS[2]
+local id = ARGV[1]
+local t = redis.call('HMGET', tk, 'status', 'fence', 'version', 'deadline_ms',
+                     'cancel_requested', 'cancel_version')
+if not t[1] then return {-1} end
+if t[2] ~= ARGV[2] then return {-2} end
+if not redis.call('ZSCORE', P .. 'leases', id) then return {-4} end
+if not version_holds(t[3], t[6], ARGV[3]) then return {-3} end
+if t[1] ~= 'SUBMITTING' or (tonumber(t[4]) or 0) <= NOW then return {-7} end
+if t[5] == '1' then return {-6, tonumber(t[3])} end
+redis.call('HSET', tk, 'started_fence', ARGV[2], 'idempotent', ARGV[4] == '1' and '1' or '0')
+redis.call('HINCRBY', tk, 'submit_attempts', 1)
+return {1, bump(tk)}

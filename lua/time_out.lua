@@ -1,0 +1,41 @@
+-- time_out: move tasks whose deadline passed while nobody held them to TRACKING_TIMED_OUT.
+--
+-- KEYS[1] prefix   string  <ns>:{s<N>}:  shard prefix
+-- ARGV[1] limit            how many deadline entries to look at, integer 1..10000
+--
+-- Returns {count, task_id, task_id, ...} of the tasks timed out.
+-- Covers tasks that were never claimed (paused, throttled, no worker running). A task
+-- whose lease is live is left to its holder (its save clamps to the deadline) and is
+-- looked at again when that lease expires, so leased tasks never block the sweep.
+-- Parked (SUBMIT_UNKNOWN), terminal and vanished tasks leave the deadline index.
+
+local limit = int_arg(ARGV[1], 'limit', 1, 10000)
+local deadlines = P .. 'deadlines'
+local leases = P .. 'leases'
+local due = redis.call('ZRANGEBYSCORE', deadlines, '-inf', NOW, 'LIMIT', 0, limit)
+local out = {0}
+for _, id in ipairs(due) do
+  local tk = task_key(id)
+  local t = redis.call('HMGET', tk, 'status', 'deadline_ms', 'handler')
+  local status, deadline_ms = t[1], tonumber(t[2])
+  if not status or not PHASE[status] or not deadline_ms or not t[3] then
+    redis.call('ZREM', deadlines, id)
+  elseif deadline_ms > NOW then
+    redis.call('ZADD', deadlines, deadline_ms, id)
+  else
+    local lease = redis.call('ZSCORE', leases, id)
+    if lease and tonumber(lease) > NOW then
+      redis.call('ZADD', deadlines, tonumber(lease) + 1, id)
+    elseif lease then
+      -- expired, not yet reaped: the reaper decides (a started submit must park instead)
+      redis.call('ZADD', deadlines, NOW + 1000, id)
+    else
+      local v = bump(tk)
+      finish(tk, id, status, 'TRACKING_TIMED_OUT', t[3])
+      emit(id, 'TRACKING_TIMED_OUT', v)
+      out[1] = out[1] + 1
+      out[#out + 1] = id
+    end
+  end
+end
+return out

@@ -1,0 +1,117 @@
+"""Shared fixtures: private Redis-protocol servers (redis and valkey), stores, wait_until."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import pytest
+import redis.asyncio
+from redis import Redis as SyncRedis
+
+from asynctaskd.embedded import ServerProcess, find_binary
+from asynctaskd.keys import Keys
+from asynctaskd.store import Store, SyncStore
+
+SERVER_BINARIES = ("redis-server", "valkey-server")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-slow", action="store_true", help="run tests marked slow")
+    parser.addoption("--run-chaos", action="store_true", help="run tests marked chaos")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if "slow" in item.keywords and not config.getoption("--run-slow"):
+            item.add_marker(pytest.mark.skip(reason="slow: run with --run-slow (make test does)"))
+        if "chaos" in item.keywords and not config.getoption("--run-chaos"):
+            item.add_marker(pytest.mark.skip(reason="chaos: run with --run-chaos (make test does)"))
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="session", params=SERVER_BINARIES)
+def server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
+    """One private server per binary per session, on a free loopback port."""
+    binary = find_binary(request.param)
+    if binary is None:
+        pytest.skip(f"{request.param} is not installed")
+    proc = ServerProcess(binary).start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+def redis_url(server: ServerProcess) -> str:
+    return server.url
+
+
+@pytest.fixture
+async def redis_client(redis_url: str) -> AsyncIterator[redis.asyncio.Redis]:
+    client = redis.asyncio.Redis.from_url(redis_url)
+    await client.flushdb()  # our own private server: safe
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+@pytest.fixture
+def sync_redis(redis_url: str) -> Iterator[SyncRedis]:
+    client = SyncRedis.from_url(redis_url)
+    client.flushdb()
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def keys() -> Keys:
+    return Keys("atd", 1)
+
+
+@pytest.fixture
+async def store(redis_client: redis.asyncio.Redis, keys: Keys) -> Store:
+    s = Store(redis_client, keys)
+    await s.prepare()
+    return s
+
+
+@pytest.fixture
+def sync_store(sync_redis: SyncRedis, keys: Keys) -> SyncStore:
+    return SyncStore(sync_redis, keys)
+
+
+async def wait_until(
+    predicate: Callable[[], Awaitable[Any]], what: str, timeout: float = 5.0
+) -> Any:
+    """Poll an async predicate every 10 ms until it returns a truthy value."""
+    import anyio
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await anyio.sleep(0.01)
+
+
+def wait_until_sync(predicate: Callable[[], Any], what: str, timeout: float = 5.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.01)

@@ -1,0 +1,119 @@
+"""Seeding and after-state helpers for the script tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis.asyncio
+
+from asynctaskd.codec import encode_json
+from asynctaskd.keys import Keys, new_task_id
+from asynctaskd.model import Status
+from asynctaskd.store import Claimed, Code, Created, Lease, Store
+
+INDEXES = ("due:submit", "due:query", "ready:submit", "ready:query", "leases", "deadlines",
+           "quarantine")  # fmt: skip
+
+
+async def create(
+    store: Store,
+    *,
+    handler: str = "h",
+    timeout_ms: int = 60_000,
+    priority: int = 0,
+    delay_ms: int = 0,
+    tenant: str = "",
+    dedup_key: str = "",
+    params: Any = None,
+) -> Created:
+    task_id = new_task_id()
+    return await store.run(
+        store.ops.create(
+            task_id,
+            handler,
+            encode_json(params if params is not None else {"n": 1}),
+            timeout_ms=timeout_ms,
+            priority=priority,
+            delay_ms=delay_ms,
+            tenant=tenant,
+            dedup_key=dedup_key,
+        )
+    )
+
+
+async def claim_one(store: Store, phase: str = "submit", lease_ms: int = 10_000) -> Claimed:
+    batch = await store.claim(0, phase, 1, lease_ms, "w1")  # type: ignore[arg-type]
+    assert len(batch.claimed) == 1, f"expected one {phase} task, got {batch}"
+    return batch.claimed[0]
+
+
+async def submitted(store: Store, lease_ms: int = 10_000, **kw: Any) -> Lease:
+    """Create a task and drive it to SUBMITTED (due at once); return the spent lease."""
+    await create(store, **kw)
+    c = await claim_one(store, "submit", lease_ms)
+    r = await store.start(c.lease, False)
+    assert r.code is Code.OK
+    lease = Lease(c.lease.task_id, c.lease.fence, r.version)
+    r = await store.save(
+        lease, Status.SUBMITTED, fields={"external_id": "x1", "handle": b'{"external_id":"x1"}'}
+    )
+    assert r.code is Code.OK, r
+    return lease
+
+
+async def snapshot(r: redis.asyncio.Redis, keys: Keys, task_id: str) -> dict[str, Any]:
+    """Everything the scripts may touch about one task: hash, index memberships, counts."""
+    tag = keys.tag(0)
+    out: dict[str, Any] = {"hash": await r.hgetall(keys.task(0, task_id))}
+    for name in INDEXES:
+        out[name] = await r.zscore(f"{tag}:{name}", task_id)
+    for s in Status:
+        out[f"idx:{s.value}"] = await r.zscore(keys.index(0, s), task_id)
+    out["counts"] = await r.hgetall(keys.counts(0))
+    return out
+
+
+async def status_of(r: redis.asyncio.Redis, keys: Keys, task_id: str) -> Status:
+    return Status((await r.hget(keys.task(0, task_id), "status")).decode())
+
+
+async def lease_expired(r: redis.asyncio.Redis, keys: Keys, task_id: str) -> bool:
+    score = await r.zscore(keys.leases(0), task_id)
+    sec, usec = await r.time()
+    return score is not None and score < sec * 1000 + usec // 1000
+
+
+async def check_invariants(r: redis.asyncio.Redis, keys: Keys) -> None:
+    """Counters equal real counts; each live task is in exactly one due set or leased."""
+    tag = keys.tag(0)
+    tasks: dict[str, dict[bytes, bytes]] = {}
+    async for k in r.scan_iter(match=f"{tag}:task:*", count=1000):
+        tid = k.decode().rsplit(":", 1)[1]
+        tasks[tid] = await r.hgetall(k)
+    real: dict[str, int] = {}
+    for h in tasks.values():
+        s = h[b"status"].decode()
+        real[s] = real.get(s, 0) + 1
+    counts = {k.decode(): int(v) for k, v in (await r.hgetall(keys.counts(0))).items()}
+    for s in Status:
+        assert counts.get(s.value, 0) == real.get(s.value, 0), f"counter {s}: {counts} vs {real}"
+        members = {m.decode() for m in await r.zrange(keys.index(0, s), 0, -1)}
+        expected = {tid for tid, h in tasks.items() if h[b"status"].decode() == s.value}
+        assert members == expected, f"index {s} disagrees"
+    leased = {m.decode() for m in await r.zrange(keys.leases(0), 0, -1)}
+    sets = {}
+    for name in ("due:submit", "due:query", "ready:submit", "ready:query"):
+        sets[name] = {m.decode() for m in await r.zrange(f"{tag}:{name}", 0, -1)}
+    for tid, h in tasks.items():
+        s = Status(h[b"status"].decode())
+        places = [n for n, members in sets.items() if tid in members]
+        if tid in leased:
+            places.append("leases")
+        if s.is_terminal or s is Status.SUBMIT_UNKNOWN:
+            assert places == [], f"{tid} {s} still in {places}"
+        else:
+            assert len(places) == 1, f"{tid} {s} in {places}"
+            if s is Status.SUBMITTING:
+                assert places == ["leases"]
+            elif "leases" not in places:
+                assert places[0].endswith(s.phase or "?"), f"{tid} {s} in {places}"

@@ -1,0 +1,583 @@
+"""Each script against a real server: seed, call once, assert the reply and the after-state."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import redis.asyncio
+
+from asynctaskd.errors import ScriptError
+from asynctaskd.keys import Keys, new_task_id
+from asynctaskd.model import Status
+from asynctaskd.store import Code, Lease, Store
+from tests.conftest import wait_until
+from tests.lua.helpers import (
+    check_invariants,
+    claim_one,
+    create,
+    lease_expired,
+    snapshot,
+    status_of,
+    submitted,
+)
+
+pytestmark = pytest.mark.anyio
+
+
+# --- create -------------------------------------------------------------------------------
+
+
+async def test_create_writes_the_whole_task(store: Store, redis_client: redis.asyncio.Redis,
+                                            keys: Keys) -> None:  # fmt: skip
+    created = await create(store, priority=5, tenant="t1", params={"url": "u"})
+    assert not created.deduped and created.version == 1
+    task = await store.get(created.task_id)
+    assert task is not None
+    assert task.status is Status.PENDING_SUBMIT
+    assert task.params == {"url": "u"} and task.tenant == "t1" and task.priority == 5
+    assert task.deadline_at == pytest.approx(task.created_at + 60, abs=0.01)
+    snap = await snapshot(redis_client, keys, created.task_id)
+    assert snap["ready:submit"] is not None and snap["due:submit"] is None
+    assert snap["deadlines"] == task.deadline_at * 1000
+    assert snap["idx:PENDING_SUBMIT"] is not None
+    assert snap["counts"] == {b"PENDING_SUBMIT": b"1", b"PENDING_SUBMIT@h": b"1"}
+    assert await redis_client.llen(keys.wake(0)) == 1
+    events = await redis_client.xrange(keys.events(0))
+    assert events[-1][1][b"status"] == b"PENDING_SUBMIT"
+    await check_invariants(redis_client, keys)
+
+
+async def test_create_dedup_returns_the_live_task(store: Store) -> None:
+    a = await create(store, tenant="t1", dedup_key="order-42")
+    b = await create(store, tenant="t1", dedup_key="order-42")
+    c = await create(store, tenant="t2", dedup_key="order-42")
+    assert b.deduped and b.task_id == a.task_id
+    assert not c.deduped and c.task_id != a.task_id
+    # once the first is terminal, the key is free again
+    assert (await store.cancel(a.task_id)).code is Code.OK
+    d = await create(store, tenant="t1", dedup_key="order-42")
+    assert not d.deduped and d.task_id != a.task_id
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("priority", 101), ("priority", "high"), ("timeout_ms", 0), ("delay_ms", -5)],
+)
+async def test_create_refuses_malformed_argv_and_writes_nothing(
+    store: Store, redis_client: redis.asyncio.Redis, field: str, value: object
+) -> None:
+    kw: dict[str, object] = {"timeout_ms": 1000, field: value}
+    call = store.ops.create(new_task_id(), "h", b"{}", **kw)  # type: ignore[arg-type]
+    with pytest.raises(ScriptError, match=field):
+        await store.run(call)
+    assert await redis_client.dbsize() == 4 - 4  # nothing but what prepare() wrote (nothing)
+
+
+# --- claim --------------------------------------------------------------------------------
+
+
+async def test_claim_leases_with_a_new_fence(store: Store, redis_client: redis.asyncio.Redis,
+                                             keys: Keys) -> None:  # fmt: skip
+    created = await create(store)
+    c = await claim_one(store)
+    assert c.task.status is Status.SUBMITTING and c.lease.fence == 1
+    assert c.task.owner == "w1" and c.lease.version == 2
+    snap = await snapshot(redis_client, keys, created.task_id)
+    assert snap["leases"] is not None and snap["ready:submit"] is None
+    again = await store.claim(0, "submit", 10, 10_000, "w2")
+    assert again.claimed == []
+    await check_invariants(redis_client, keys)
+
+
+async def test_claim_orders_by_priority_then_fifo(store: Store) -> None:
+    low1 = await create(store, priority=0)
+    high = await create(store, priority=9)
+    low2 = await create(store, priority=0)
+    neg = await create(store, priority=-3)
+    batch = await store.claim(0, "submit", 10, 10_000, "w")
+    order = [c.lease.task_id for c in batch.claimed]
+    assert order == [high.task_id, low1.task_id, low2.task_id, neg.task_id]
+
+
+async def test_delayed_task_is_not_claimed_early(store: Store) -> None:
+    created = await create(store, delay_ms=300)
+    batch = await store.claim(0, "submit", 10, 10_000, "w")
+    assert batch.claimed == [] and batch.next_due_ms == created.due_ms
+
+    async def due() -> bool:
+        b = await store.claim(0, "submit", 10, 10_000, "w")
+        return bool(b.claimed)
+
+    await wait_until(due, "the delayed task to become claimable")
+    assert (await store.server_time()) * 1000 >= created.due_ms
+
+
+async def test_concurrent_claimers_claim_each_task_once(store: Store) -> None:
+    total = 2000
+    pipe_calls = [
+        store.ops.create(new_task_id(), "h", b"{}", timeout_ms=60_000) for _ in range(total)
+    ]
+    for i in range(0, total, 500):
+        await store.run_many(pipe_calls[i : i + 500])
+    seen: list[str] = []
+
+    async def claimer(name: str) -> None:
+        while True:
+            batch = await store.claim(0, "submit", 7, 30_000, name)
+            if not batch.claimed and not batch.ready_left:
+                return
+            seen.extend(c.lease.task_id for c in batch.claimed)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(20):
+            tg.start_soon(claimer, f"w{i}")
+    assert len(seen) == total and len(set(seen)) == total
+
+
+async def test_claim_times_out_a_task_past_its_deadline(store: Store,
+                                                        redis_client: redis.asyncio.Redis,
+                                                        keys: Keys) -> None:  # fmt: skip
+    created = await create(store, timeout_ms=100, delay_ms=150)
+
+    async def due_now() -> bool:
+        return (await store.server_time()) * 1000 >= created.due_ms
+
+    await wait_until(due_now, "due time")
+    batch = await store.claim(0, "submit", 10, 10_000, "w")
+    assert batch.claimed == [] and batch.dropped == 1
+    assert await status_of(redis_client, keys, created.task_id) is Status.TRACKING_TIMED_OUT
+    await check_invariants(redis_client, keys)
+
+
+async def test_corrupt_task_is_quarantined_and_does_not_block_others(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    bad = await create(store)
+    good = await create(store)
+    await redis_client.hset(keys.task(0, bad.task_id), "params", b"{not json")
+    batch = await store.claim(0, "submit", 10, 10_000, "w")
+    assert [c.lease.task_id for c in batch.claimed] == [good.task_id]
+    assert [c.task_id for c in batch.corrupt] == [bad.task_id]
+    assert await redis_client.zscore(keys.quarantine(0), bad.task_id) is not None
+    assert await redis_client.zscore(keys.leases(0), bad.task_id) is None
+    # garbage status: the script itself sets the entry aside
+    worse = await create(store)
+    await redis_client.hset(keys.task(0, worse.task_id), "status", "BANANA")
+    again = await store.claim(0, "submit", 10, 10_000, "w")
+    assert again.claimed == [] and again.dropped == 1
+    assert await redis_client.zscore(keys.quarantine(0), worse.task_id) is not None
+
+
+# --- start / save: the full happy path ---------------------------------------------------
+
+
+async def test_full_lifecycle_and_terminal_bookkeeping(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    lease = await submitted(store)
+    tid = lease.task_id
+    task = await store.get(tid)
+    assert task is not None and task.status is Status.SUBMITTED and task.external_id == "x1"
+    assert task.submit_attempts == 1 and task.started_fence == 0
+    c = await claim_one(store, "query")
+    assert c.lease.fence == 2 and c.task.handle == {"external_id": "x1"}
+    r = await store.save(c.lease, Status.RUNNING, delay_ms=5_000,
+                         fields={"progress": "0.5", "stage": "ocr", "poll_count": 1})  # fmt: skip
+    assert r.code is Code.OK and r.status is Status.RUNNING
+    snap = await snapshot(redis_client, keys, tid)
+    assert snap["due:query"] is not None and snap["leases"] is None
+    events = await redis_client.xrange(keys.events(0))
+    assert events[-1][1][b"progress"] == b"0.5"
+    # nothing due now: the next claim finds nothing but reports the due time
+    batch = await store.claim(0, "query", 10, 10_000, "w")
+    assert batch.claimed == [] and batch.next_due_ms == int(snap["due:query"])
+    await check_invariants(redis_client, keys)
+
+
+async def test_succeeded_is_terminal_with_expiry_and_no_indexes(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    await submitted(store)
+    c = await claim_one(store, "query")
+    r = await store.save(c.lease, Status.SUCCEEDED, fields={"result": b'{"text":"hi"}'})
+    assert r.code is Code.OK
+    snap = await snapshot(redis_client, keys, c.lease.task_id)
+    assert snap["idx:SUCCEEDED"] is not None and snap["deadlines"] is None
+    assert all(snap[n] is None for n in ("due:query", "ready:query", "leases"))
+    assert await redis_client.pttl(keys.task(0, c.lease.task_id)) > 0
+    task = await store.get(c.lease.task_id)
+    assert task is not None and task.result == {"text": "hi"} and task.finished_at
+    await check_invariants(redis_client, keys)
+
+
+# --- rejections: stale fence, wrong version, no lease ------------------------------------
+
+
+async def test_stale_fence_after_reclaim_changes_nothing(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    await submitted(store)
+    old = (await claim_one(store, "query", lease_ms=100)).lease
+    await wait_until(lambda: lease_expired(redis_client, keys, old.task_id), "lease expiry")
+    assert await store.reap(0, 100, 5) == [(old.task_id, Status.SUBMITTED)]
+    new = (await claim_one(store, "query")).lease
+    assert new.fence == old.fence + 1
+    before = await snapshot(redis_client, keys, old.task_id)
+    r = await store.save(old, Status.SUCCEEDED, fields={"result": b"1"})
+    assert r.code is Code.STALE_FENCE
+    assert (await store.renew(10_000, [old]))[old.task_id] is Code.STALE_FENCE
+    assert (await store.release([old]))[old.task_id] is Code.STALE_FENCE
+    assert (await store.start(old, False)).code is Code.STALE_FENCE
+    after = await snapshot(redis_client, keys, old.task_id)
+    before["counts"] = after["counts"] = None
+    assert before == after
+    # the current holder is unaffected
+    assert (await store.save(new, Status.SUCCEEDED)).code is Code.OK
+
+
+async def test_forged_fence_is_refused(store: Store) -> None:
+    await create(store)
+    c = await claim_one(store)
+    forged = Lease(c.lease.task_id, c.lease.fence + 7, c.lease.version)
+    assert (await store.start(forged, False)).code is Code.STALE_FENCE
+    assert (await store.save(forged, Status.FAILED)).code is Code.STALE_FENCE
+
+
+async def test_wrong_version_is_refused(store: Store, redis_client: redis.asyncio.Redis,
+                                        keys: Keys) -> None:  # fmt: skip
+    await create(store)
+    c = await claim_one(store)
+    stale = Lease(c.lease.task_id, c.lease.fence, c.lease.version - 1)
+    before = await snapshot(redis_client, keys, c.lease.task_id)
+    assert (await store.start(stale, False)).code is Code.WRONG_VERSION
+    assert (await store.save(stale, Status.FAILED)).code is Code.WRONG_VERSION
+    assert (await store.release([stale]))[stale.task_id] is Code.WRONG_VERSION
+    assert before == await snapshot(redis_client, keys, c.lease.task_id)
+
+
+async def test_no_lease_after_reap_in_query_phase(store: Store, redis_client: redis.asyncio.Redis,
+                                                  keys: Keys) -> None:  # fmt: skip
+    await submitted(store)
+    c = await claim_one(store, "query", lease_ms=100)
+    await wait_until(lambda: lease_expired(redis_client, keys, c.lease.task_id), "lease expiry")
+    await store.reap(0, 100, 5)
+    before = await snapshot(redis_client, keys, c.lease.task_id)
+    assert (await store.save(c.lease, Status.SUCCEEDED)).code is Code.NO_LEASE
+    assert (await store.renew(1000, [c.lease]))[c.lease.task_id] is Code.NO_LEASE
+    assert before == await snapshot(redis_client, keys, c.lease.task_id)
+
+
+async def test_illegal_worker_transitions_are_refused(store: Store) -> None:
+    await create(store)
+    c = await claim_one(store)
+    for target in (Status.RUNNING, Status.SUCCEEDED, Status.SUBMITTING):
+        assert (await store.save(c.lease, target)).code is Code.ILLEGAL, target
+    q = await submitted(store)
+    c2 = await claim_one(store, "query")
+    assert c2.lease.task_id == q.task_id
+    for target in (Status.PENDING_SUBMIT, Status.SUBMITTING, Status.SUBMIT_UNKNOWN):
+        assert (await store.save(c2.lease, target)).code is Code.ILLEGAL, target
+
+
+async def test_save_refuses_fields_it_does_not_own(store: Store) -> None:
+    await create(store)
+    c = await claim_one(store)
+    with pytest.raises(ScriptError, match="may not write field fence"):
+        await store.save(c.lease, Status.FAILED, fields={"fence": "99"})
+
+
+# --- cancel -------------------------------------------------------------------------------
+
+
+async def test_cancel_pending_is_immediate(store: Store, redis_client: redis.asyncio.Redis,
+                                           keys: Keys) -> None:  # fmt: skip
+    created = await create(store, tenant="t1")
+    assert (await store.cancel(created.task_id, tenant="t2")).code is Code.NOT_FOUND
+    r = await store.cancel(created.task_id, tenant="t1")
+    assert r.code is Code.OK
+    assert await status_of(redis_client, keys, created.task_id) is Status.CANCELED
+    r2 = await store.cancel(created.task_id)
+    assert r2.code is Code.TERMINAL and r2.status is Status.CANCELED
+    await check_invariants(redis_client, keys)
+
+
+async def test_cancel_during_submit_lease_stops_the_vendor_call(store: Store) -> None:
+    created = await create(store)
+    c = await claim_one(store)
+    assert (await store.cancel(created.task_id)).code is Code.ACCEPTED
+    r = await store.start(c.lease, False)
+    assert r.code is Code.CANCEL_REQUESTED
+    lease = Lease(c.lease.task_id, c.lease.fence, r.version)
+    saved = await store.save(lease, Status.CANCELED)
+    assert saved.code is Code.OK and saved.status is Status.CANCELED
+
+
+async def test_cancel_during_query_lease_is_merged_at_next_save(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    await submitted(store)
+    c = await claim_one(store, "query")
+    assert (await store.cancel(c.lease.task_id)).code is Code.ACCEPTED
+    r = await store.save(c.lease, Status.RUNNING, delay_ms=60_000, fields={"progress": "0.2"})
+    assert r.code is Code.OK and r.status is Status.RUNNING
+    # due at once despite the long poll interval, so a worker cancels at the vendor
+    c2 = await claim_one(store, "query")
+    assert c2.task.cancel_requested
+    assert (await store.save(c2.lease, Status.CANCELED)).status is Status.CANCELED
+    await check_invariants(redis_client, keys)
+
+
+async def test_terminal_outcome_wins_over_cancel(store: Store) -> None:
+    await submitted(store)
+    c = await claim_one(store, "query")
+    await store.cancel(c.lease.task_id)
+    r = await store.save(c.lease, Status.SUCCEEDED, fields={"result": b"42"})
+    assert r.code is Code.OK and r.status is Status.SUCCEEDED
+
+
+async def test_cancel_idle_submitted_task_makes_it_due_now(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    await submitted(store)
+    c = await claim_one(store, "query")
+    await store.save(c.lease, Status.RUNNING, delay_ms=3_600_000)
+    assert (await store.claim(0, "query", 1, 1000, "w")).claimed == []
+    assert (await store.cancel(c.lease.task_id)).code is Code.ACCEPTED
+    c2 = await claim_one(store, "query")
+    assert c2.task.cancel_requested
+    await check_invariants(redis_client, keys)
+
+
+# --- reap and the late save --------------------------------------------------------------
+
+
+async def _expire(store: Store, r: redis.asyncio.Redis, keys: Keys, task_id: str) -> list[
+    tuple[str, Status]]:  # fmt: skip
+    await wait_until(lambda: lease_expired(r, keys, task_id), "lease expiry")
+    return await store.reap(0, 100, 2)
+
+
+async def test_reap_started_submit_parks_in_submit_unknown(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    await create(store)
+    c = await claim_one(store, lease_ms=100)
+    started = await store.start(c.lease, False)
+    assert await _expire(store, redis_client, keys, c.lease.task_id) == [
+        (c.lease.task_id, Status.SUBMIT_UNKNOWN)
+    ]
+    task = await store.get(c.lease.task_id)
+    assert task is not None and task.error is not None
+    assert task.error.code == "LEASE_EXPIRED_IN_SUBMIT"
+    # parked: never claimed again
+    assert (await store.claim(0, "submit", 10, 1000, "w")).claimed == []
+    # the original submitter comes back late with the handle: accepted, same fence
+    late = Lease(c.lease.task_id, c.lease.fence, started.version)
+    r = await store.save(late, Status.SUBMITTED, fields={"external_id": "v-9"})
+    assert r.code is Code.OK and r.status is Status.SUBMITTED
+    await check_invariants(redis_client, keys)
+
+
+async def test_reap_unstarted_submit_goes_back_to_pending(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    await create(store)
+    c = await claim_one(store, lease_ms=100)
+    assert await _expire(store, redis_client, keys, c.lease.task_id) == [
+        (c.lease.task_id, Status.PENDING_SUBMIT)
+    ]
+    c2 = await claim_one(store)
+    assert c2.lease.fence == c.lease.fence + 1
+    assert (await store.save(c.lease, Status.SUBMITTED)).code is Code.STALE_FENCE
+    await check_invariants(redis_client, keys)
+
+
+async def test_reap_idempotent_started_submit_is_requeued(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    await create(store)
+    c = await claim_one(store, lease_ms=100)
+    await store.start(c.lease, True)
+    assert await _expire(store, redis_client, keys, c.lease.task_id) == [
+        (c.lease.task_id, Status.PENDING_SUBMIT)
+    ]
+
+
+async def test_late_save_after_knowing_resubmit_is_stale(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    await create(store)
+    c = await claim_one(store, lease_ms=100)
+    started = await store.start(c.lease, False)
+    await _expire(store, redis_client, keys, c.lease.task_id)
+    assert (await store.resolve(c.lease.task_id, Status.PENDING_SUBMIT)).code is Code.OK
+    await claim_one(store)
+    late = Lease(c.lease.task_id, c.lease.fence, started.version)
+    assert (await store.save(late, Status.SUBMITTED)).code is Code.STALE_FENCE
+
+
+async def test_reap_query_lease_makes_task_due_and_counts_reclaims(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    await submitted(store)
+    for expected in (Status.SUBMITTED, Status.SUBMITTED, Status.FAILED):
+        c = await claim_one(store, "query", lease_ms=100)
+        assert await _expire(store, redis_client, keys, c.lease.task_id) == [
+            (c.lease.task_id, expected)
+        ]
+    task = await store.get(c.lease.task_id)
+    assert task is not None and task.error is not None and task.error.code == "RECLAIM_LIMIT"
+    await check_invariants(redis_client, keys)
+
+
+async def test_two_reapers_never_both_act(store: Store, redis_client: redis.asyncio.Redis,
+                                          keys: Keys) -> None:  # fmt: skip
+    for _ in range(50):
+        await create(store)
+    batch = await store.claim(0, "submit", 50, 100, "w")
+    assert len(batch.claimed) == 50
+    last = batch.claimed[-1].lease.task_id
+    await wait_until(lambda: lease_expired(redis_client, keys, last), "lease expiry")
+    results: list[list[tuple[str, Status]]] = []
+
+    async def reaper() -> None:
+        results.append(await store.reap(0, 30, 5))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(4):
+            tg.start_soon(reaper)
+    reaped = [tid for r in results for tid, _ in r]
+    assert len(reaped) == 50 and len(set(reaped)) == 50
+    await check_invariants(redis_client, keys)
+
+
+# --- renew and release ----------------------------------------------------------------------
+
+
+async def test_renew_many_in_one_call(store: Store, redis_client: redis.asyncio.Redis,
+                                      keys: Keys) -> None:  # fmt: skip
+    for _ in range(3):
+        await create(store)
+    batch = await store.claim(0, "submit", 3, 200, "w")
+    leases = [c.lease for c in batch.claimed]
+    before = await redis_client.zscore(keys.leases(0), leases[0].task_id)
+    codes = await store.renew(60_000, leases)
+    assert set(codes.values()) == {Code.OK}
+    after = await redis_client.zscore(keys.leases(0), leases[0].task_id)
+    assert after is not None and before is not None and after > before + 50_000
+    # renew does not change the version: the holder's next save still matches
+    assert (await store.start(leases[0], False)).code is Code.OK
+
+
+async def test_release_returns_unstarted_work_and_refuses_started(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    await create(store)
+    await create(store)
+    a, b = (await store.claim(0, "submit", 2, 10_000, "w")).claimed
+    started = await store.start(b.lease, False)
+    codes = await store.release(
+        [a.lease, Lease(b.lease.task_id, b.lease.fence, started.version)]
+    )
+    assert codes == {a.lease.task_id: Code.OK, b.lease.task_id: Code.STARTED}
+    assert await status_of(redis_client, keys, a.lease.task_id) is Status.PENDING_SUBMIT
+    assert await status_of(redis_client, keys, b.lease.task_id) is Status.SUBMITTING
+    await check_invariants(redis_client, keys)
+
+
+# --- deadlines ----------------------------------------------------------------------------
+
+
+async def test_time_out_sweep_covers_never_claimed_tasks(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    created = await create(store, timeout_ms=100)
+    leased = await create(store, timeout_ms=100)
+    c = await claim_one(store)
+    assert c.lease.task_id in (created.task_id, leased.task_id)
+    other = leased.task_id if c.lease.task_id == created.task_id else created.task_id
+
+    async def swept() -> list[str]:
+        return await store.time_out(0, 100)
+
+    assert await wait_until(swept, "the deadline sweep") == [other]
+    # the leased one is left to its holder, whose save clamps to the deadline
+    assert await status_of(redis_client, keys, c.lease.task_id) is Status.SUBMITTING
+    r = await store.save(c.lease, Status.PENDING_SUBMIT, delay_ms=10)
+    assert r.status is Status.TRACKING_TIMED_OUT
+    await check_invariants(redis_client, keys)
+
+
+async def test_start_refused_after_deadline(store: Store) -> None:
+    created = await create(store, timeout_ms=150)
+    c = await claim_one(store)
+
+    async def past() -> bool:
+        task = await store.get(created.task_id)
+        return task is not None and await store.server_time() >= task.deadline_at
+
+    await wait_until(past, "the deadline")
+    assert (await store.start(c.lease, False)).code is Code.ILLEGAL
+
+
+# --- resolve and purge --------------------------------------------------------------------
+
+
+async def _parked(store: Store, r: redis.asyncio.Redis, keys: Keys) -> str:
+    await create(store)
+    c = await claim_one(store)
+    started = await store.start(c.lease, False)
+    lease = Lease(c.lease.task_id, c.lease.fence, started.version)
+    assert (await store.save(lease, Status.SUBMIT_UNKNOWN)).status is Status.SUBMIT_UNKNOWN
+    return c.lease.task_id
+
+
+@pytest.mark.parametrize(
+    "target", [Status.SUBMITTED, Status.PENDING_SUBMIT, Status.FAILED, Status.CANCELED]
+)
+async def test_resolve_submit_unknown(store: Store, redis_client: redis.asyncio.Redis,
+                                      keys: Keys, target: Status) -> None:  # fmt: skip
+    tid = await _parked(store, redis_client, keys)
+    r = await store.resolve(tid, target, external_id="v-1", handle_json=b'{"external_id":"v-1"}')
+    assert r.code is Code.OK
+    task = await store.get(tid)
+    assert task is not None and task.status is target
+    if target is Status.SUBMITTED:
+        assert task.external_id == "v-1"
+        assert (await claim_one(store, "query")).task.handle == {"external_id": "v-1"}
+    await check_invariants(redis_client, keys)
+
+
+async def test_resolve_refuses_other_statuses(store: Store) -> None:
+    await submitted(store)
+    c = await claim_one(store, "query")
+    r = await store.resolve(c.lease.task_id, Status.FAILED)
+    assert r.code is Code.ILLEGAL and r.status is Status.SUBMITTED
+    assert (await store.resolve("01NOPE", Status.FAILED)).code is Code.NOT_FOUND
+
+
+async def test_requeue_failed_task(store: Store, redis_client: redis.asyncio.Redis,
+                                   keys: Keys) -> None:  # fmt: skip
+    await create(store)
+    c = await claim_one(store)
+    await store.save(c.lease, Status.FAILED, fields={"error_code": "x", "error_message": "y"})
+    assert (await store.resolve(c.lease.task_id, Status.PENDING_SUBMIT)).code is Code.OK
+    assert await redis_client.pttl(keys.task(0, c.lease.task_id)) == -1
+    again = await claim_one(store)
+    assert again.task.error is None and again.lease.fence == c.lease.fence + 1
+    await check_invariants(redis_client, keys)
+
+
+async def test_purge_deletes_old_terminal_tasks_with_exact_counts(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    done = await create(store)
+    live = await create(store)
+    await store.cancel(done.task_id)
+    assert await store.purge(0, 60_000, 100) == []
+    assert await store.purge(0, 0, 100) == [done.task_id]
+    assert await redis_client.exists(keys.task(0, done.task_id)) == 0
+    assert await store.get(live.task_id) is not None
+    counts = await store.counts()
+    assert counts.get("CANCELED", 0) == 0 and counts["PENDING_SUBMIT"] == 1
+    await check_invariants(redis_client, keys)
