@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -28,6 +29,7 @@ from .scripts import Script, load_scripts
 
 __all__ = [
     "Call",
+    "Gate",
     "ClaimBatch",
     "Claimed",
     "Code",
@@ -36,6 +38,7 @@ __all__ = [
     "Result",
     "Store",
     "SyncStore",
+    "open_redis",
 ]
 
 logger = logging.getLogger(__name__)
@@ -509,6 +512,111 @@ class Store(_Base):
     async def purge(self, shard: int, older_than_ms: int, limit: int) -> list[str]:
         return await self.run(self.ops.purge(shard, older_than_ms, limit))
 
+    # Durability, wake-ups and the daemon registry.
+
+    async def start_durable(
+        self, lease: Lease, idempotent: bool, gate: Gate | None
+    ) -> tuple[Result, bool, float]:
+        """Mark the submit started and make that durable before the vendor is called.
+
+        The gate (WAITAOF or WAIT) runs on the same connection right after the mark,
+        in one pipeline, so it waits for exactly that write. Returns (result, durable,
+        gate seconds); without a gate, durable is True.
+        """
+        call = self.ops.start(lease, idempotent)
+        if gate is None:
+            return await self.run(call), True, 0.0
+        script = self.scripts["start"]
+        self._count("start")
+        t0 = time.perf_counter()
+        with _mapped("start"):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+                pipe.execute_command(*gate.command())
+                replies = await pipe.execute(raise_on_error=False)
+        if isinstance(replies[0], rex.NoScriptError):
+            return await self.start_durable(lease, idempotent, gate)
+        if isinstance(replies[0], Exception):
+            with _mapped("start"):
+                raise replies[0]
+        result = call.decode(replies[0])
+        elapsed = time.perf_counter() - t0
+        if isinstance(replies[1], Exception):
+            logger.warning("durability gate failed: %s", replies[1])
+            return result, False, elapsed
+        return result, gate.satisfied(replies[1]), elapsed
+
+    async def detect_gate(self, mode: str, timeout_ms: int, replicas: int) -> Gate | None:
+        """Choose the durability gate for `mode` (auto, waitaof, wait, off)."""
+        if mode == "off":
+            return None
+        with _mapped("durability check"):
+            info = await self.redis.info("persistence")
+            repl = await self.redis.info("replication")
+            server = await self.redis.info("server")
+        # WAITAOF arrived in Redis 7.2; Valkey reports redis_version 7.2.x for compatibility.
+        version = tuple(int(p) for p in str(server.get("redis_version", "0.0")).split(".")[:2])
+        has_waitaof = version >= (7, 2)
+        aof = int(info.get("aof_enabled", 0)) == 1
+        connected = int(repl.get("connected_slaves", 0))
+        if mode == "waitaof" or (mode == "auto" and aof and has_waitaof):
+            if not has_waitaof:
+                raise StoreUnavailable("durability = 'waitaof' but this server has no WAITAOF")
+            return Gate("WAITAOF", 1 if aof else 0, replicas, timeout_ms)
+        if mode == "wait" or (mode == "auto" and connected > 0):
+            return Gate("WAIT", 0, max(1, replicas or connected), timeout_ms)
+        return None
+
+    async def wait_wake(self, timeout: float) -> bool:
+        """Block until a create/release/reap pushes a wake marker, or timeout (seconds)."""
+        keys = [self.keys.wake(s) for s in range(self.keys.shards)]
+        timeout = max(0.01, timeout)
+        with _mapped("wake"):
+            reply = await self.redis.blpop(keys, timeout=timeout)
+        return reply is not None
+
+    async def publish_daemon(
+        self, daemon_id: str, handler_keys: Sequence[str], record: bytes, ttl_ms: int
+    ) -> None:
+        """Heartbeat: this daemon and the handler keys it serves, valid for ttl_ms."""
+        expiry = str(int(time.time() * 1000) + ttl_ms)
+        with _mapped("heartbeat"):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                if handler_keys:
+                    pipe.hset(self.keys.handlers(), mapping=dict.fromkeys(handler_keys, expiry))
+                pipe.hset(self.keys.daemons(), daemon_id, record)
+                await pipe.execute()
+
+    async def remove_daemon(self, daemon_id: str) -> None:
+        with _mapped("heartbeat"):
+            await self.redis.hdel(self.keys.daemons(), daemon_id)
+
+    async def settings_write(self) -> None:
+        if not self.settings:
+            return
+        with _mapped("settings"):
+            for shard in range(self.keys.shards):
+                await self.redis.hset(self.keys.tag(shard) + ":settings", mapping=self.settings)
+
+
+class Gate(msgspec.Struct, frozen=True):
+    """A durability gate: WAITAOF numlocal numreplicas timeout, or WAIT numreplicas timeout."""
+
+    kind: str
+    local: int
+    replicas: int
+    timeout_ms: int
+
+    def command(self) -> tuple[str | int, ...]:
+        if self.kind == "WAITAOF":
+            return ("WAITAOF", self.local, self.replicas, self.timeout_ms)
+        return ("WAIT", self.replicas, self.timeout_ms)
+
+    def satisfied(self, reply: Any) -> bool:
+        if self.kind == "WAITAOF":
+            return int(reply[0]) >= self.local and int(reply[1]) >= self.replicas
+        return int(reply) >= self.replicas
+
 
 class SyncStore(_Base):
     """Blocking access for producers (Django, Flask): the same Calls, run synchronously."""
@@ -545,6 +653,43 @@ class SyncStore(_Base):
                     name = _s(k)
                     out[name] = out.get(name, 0) + int(v)
         return out
+
+
+def redis_credentials() -> dict[str, str]:
+    """Username and password from REDIS_USERNAME / REDIS_PASSWORD or systemd credentials
+    (files redis-username, redis-password in $CREDENTIALS_DIRECTORY); never from config."""
+    out: dict[str, str] = {}
+    cred_dir = os.environ.get("CREDENTIALS_DIRECTORY")
+    for name, env in (("username", "REDIS_USERNAME"), ("password", "REDIS_PASSWORD")):
+        value = os.environ.get(env)
+        if value is None and cred_dir:
+            path = os.path.join(cred_dir, f"redis-{name}")
+            if os.path.exists(path):
+                with open(path, encoding="utf-8") as f:
+                    value = f.read().strip()
+        if value:
+            out[name] = value
+    return out
+
+
+def open_redis(
+    url: str, *, max_connections: int = 64, socket_timeout: float | None = 10.0
+) -> redis.asyncio.Redis:
+    """An asyncio client whose pool waits for a free connection instead of failing.
+
+    Redis runs commands one at a time, so a few dozen connections serve thousands of
+    concurrent handler calls; callers queue for a connection rather than erroring.
+    """
+    pool = redis.asyncio.BlockingConnectionPool.from_url(
+        url,
+        max_connections=max_connections,
+        timeout=None,
+        socket_timeout=socket_timeout,
+        socket_connect_timeout=5.0,
+        health_check_interval=30,
+        **redis_credentials(),
+    )
+    return redis.asyncio.Redis(connection_pool=pool)
 
 
 def now_ms() -> int:

@@ -77,7 +77,6 @@ while got < n do
     local fence = redis.call('HINCRBY', tk, 'fence', 1)
     local v = bump(tk)
     redis.call('HSET', tk, 'owner', owner)
-    redis.call('HDEL', tk, 'due_ms')
     if phase == 'submit' then
       move_status(tk, id, status, 'SUBMITTING', handler)
       redis.call('HDEL', tk, 'started_fence')

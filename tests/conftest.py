@@ -12,7 +12,7 @@ from redis import Redis as SyncRedis
 
 from asynctaskd.embedded import ServerProcess, find_binary
 from asynctaskd.keys import Keys
-from asynctaskd.store import Store, SyncStore
+from asynctaskd.store import Store, SyncStore, open_redis
 
 SERVER_BINARIES = ("redis-server", "valkey-server")
 
@@ -55,7 +55,7 @@ def redis_url(server: ServerProcess) -> str:
 
 @pytest.fixture
 async def redis_client(redis_url: str) -> AsyncIterator[redis.asyncio.Redis]:
-    client = redis.asyncio.Redis.from_url(redis_url)
+    client = open_redis(redis_url)
     await client.flushdb()  # our own private server: safe
     try:
         yield client

@@ -1,0 +1,658 @@
+"""The daemon loop: claim due work, run handler calls concurrently, save outcomes, drain.
+
+One claim loop feeds a task group of handler calls, bounded by `max_inflight` slots;
+it claims only as many tasks as it has free slots, so nothing claimed waits for a slot.
+A renewal loop extends every held lease in one call per shard and cancels a call whose
+lease is gone. Every outcome goes through `Store.save`, which enforces fence and version.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import socket
+import time
+from collections.abc import Awaitable
+from typing import Any
+
+import anyio
+import httpx
+
+from .codec import check_json_like, encode_json
+from .config import Config
+from .errors import HandlerError, InvalidTask, PermanentError, StoreUnavailable
+from .handlers import Failed, HandlerContext, HandlerEntry, Running, Submitted, Succeeded
+from .handlers import valid_progress
+from .metrics import Metrics
+from .model import Phase, Status, Task
+from .retry import SubmitFailure, backoff, classify_submit_error, clamp_delay, retry_after
+from .store import Claimed, Code, Gate, Lease, Result, Store
+
+__all__ = ["Worker", "default_worker_id"]
+
+logger = logging.getLogger(__name__)
+
+PHASES: tuple[Phase, Phase] = ("query", "submit")
+_MAX_TEXT = 1000  # stage/message stored at most this long
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class _Active:
+    """A call in flight: the lease it holds and the scope that cancels it."""
+
+    __slots__ = ("handler", "lease", "lost", "phase", "saved", "saving", "scope", "started")
+
+    def __init__(self, lease: Lease, phase: Phase, handler: str) -> None:
+        self.lease = lease
+        self.phase = phase
+        self.handler = handler  # metric label: a registered key, or "other"
+        self.saved = False  # an outcome landed, or there is nothing left to give back
+        self.saving = False  # a save is in flight: a NO_LEASE from renew may be that save
+        self.scope = anyio.CancelScope()
+        self.lost = False
+        self.started = False  # submit marked started: cancelling now would be ambiguous
+
+
+class Worker:
+    """Claims and runs tasks for the handlers it was given. See module docstring."""
+
+    def __init__(
+        self,
+        store: Store,
+        handlers: dict[str, HandlerEntry],
+        config: Config,
+        *,
+        http: httpx.AsyncClient,
+        metrics: Metrics | None = None,
+        worker_id: str | None = None,
+        gate: Gate | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.store = store
+        self.handlers = handlers
+        self.config = config
+        self.http = http
+        self.metrics = metrics or Metrics()
+        self.id = worker_id or config.worker.id or default_worker_id()
+        self.gate = gate
+        self.rng = rng or random.Random()
+        w = config.worker
+        self.max_inflight = w.max_inflight
+        self.lease_ms = max(1000, round(float(w.lease) * 1000))
+        self._active: dict[str, _Active] = {}
+        self._handler_slots = {
+            key: anyio.Semaphore(e.concurrency) for key, e in handlers.items() if e.concurrency
+        }
+        self._slot_freed = anyio.Event()
+        self._nudge = anyio.Event()
+        self._intake = anyio.CancelScope()
+        self._everything = anyio.CancelScope()
+        self._stopping = False
+        self._burst = False
+        self._sleep_until = math.inf
+        self.last_claim_at = time.monotonic()
+        self.due_waiting_since: float | None = None
+        self.completed = 0
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    @property
+    def draining(self) -> bool:
+        return self._stopping
+
+    @property
+    def inflight(self) -> int:
+        return len(self._active)
+
+    def stop(self, *, now: bool = False) -> None:
+        """Stop claiming; let calls finish for `shutdown_grace` (or not at all if now)."""
+        self._stopping = True
+        self._intake.cancel()
+        grace = 0.0 if now else float(self.config.worker.shutdown_grace)
+        self._everything.deadline = min(self._everything.deadline, anyio.current_time() + grace)
+
+    async def run(self) -> None:
+        """Claim and run until stopped, then drain (see daemon.py for the whole order)."""
+        with self._everything:
+            async with anyio.create_task_group() as calls:
+                calls.start_soon(self._renew_loop)
+                with self._intake:
+                    await self._claim_loop(calls)
+                # Intake stopped: wait for calls, then stop the renewal loop.
+                while self._active:
+                    await self._wait_slot(1.0)
+                calls.cancel_scope.cancel()
+
+    async def run_until_idle(self) -> None:
+        """Claim until nothing is due, finish every call, return (tests and benchmarks)."""
+        self._burst = True
+        await self.run()
+
+    # --- claiming -------------------------------------------------------------------------
+
+    async def _claim_loop(self, calls: anyio.abc.TaskGroup) -> None:
+        shards = range(self.store.keys.shards)
+        batch = self.config.worker.batch_size
+        while True:
+            free = self.max_inflight - len(self._active)
+            if free <= 0:
+                await self._wait_slot(1.0)
+                continue
+            got = 0
+            more = False
+            busy_before = bool(self._active)  # a call may save new due work during the pass
+            next_due: float = math.inf
+            for shard in shards:
+                for phase in PHASES:
+                    free = self.max_inflight - len(self._active)
+                    if free <= 0:
+                        more = True
+                        break
+                    # Query work is cheap and keeps vendor jobs moving; give it half first.
+                    share = free if phase == "submit" else max(1, free // 2)
+                    try:
+                        result = await self.store.claim(
+                            shard, phase, min(batch, share), self.lease_ms, self.id
+                        )
+                    except StoreUnavailable as exc:
+                        self.metrics.store_errors.labels("claim").inc()
+                        logger.warning("claim failed, retrying: %s", exc)
+                        await anyio.sleep(0.5)
+                        more = True
+                        continue
+                    now = time.time()
+                    for claimed in result.claimed:
+                        self._launch(calls, claimed, phase, now)
+                    got += len(result.claimed)
+                    self.metrics.quarantined.inc(len(result.corrupt))
+                    if result.ready_left:
+                        more = True
+                    if result.next_due_ms:
+                        next_due = min(next_due, result.next_due_ms / 1000)
+            if got:
+                self.last_claim_at = time.monotonic()
+            self._watch(got, more, next_due)
+            if got or more:
+                continue
+            if self._burst:
+                if not busy_before and not self._active and next_due == math.inf:
+                    return
+                await self._wait_slot(0.05)
+                continue
+            await self._idle(next_due)
+
+    def _watch(self, got: int, more: bool, next_due: float) -> None:
+        """Track 'due work exists but nothing was claimed' for the watchdog."""
+        due_now = more or next_due <= time.time()
+        if got or not due_now or len(self._active) >= self.max_inflight:
+            self.due_waiting_since = None
+        elif self.due_waiting_since is None:
+            self.due_waiting_since = time.monotonic()
+
+    @property
+    def stalled_for(self) -> float:
+        """Seconds that due work has waited with free slots and no claim (0 if none)."""
+        if self.due_waiting_since is None:
+            return 0.0
+        return time.monotonic() - self.due_waiting_since
+
+    async def _idle(self, next_due: float) -> None:
+        """Sleep until the earliest due time, new work (wake marker), or a local nudge."""
+        cap = 5.0  # below the client socket timeout, so a blocked read is never cut short
+        timeout = min(cap, max(0.0, next_due - time.time()))
+        if timeout <= 0.001:
+            return
+        self._sleep_until = time.time() + timeout
+        self._nudge = anyio.Event()
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def blpop() -> None:
+                    try:
+                        with anyio.move_on_after(timeout + 1.0):
+                            await self.store.wait_wake(timeout)
+                    except StoreUnavailable as exc:
+                        logger.warning("waiting for work failed: %s", exc)
+                        await anyio.sleep(min(timeout, 0.5))
+                    tg.cancel_scope.cancel()
+
+                async def nudged() -> None:
+                    await self._nudge.wait()
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(blpop)
+                tg.start_soon(nudged)
+        finally:
+            self._sleep_until = math.inf
+
+    def _scheduled(self, delay: float) -> None:
+        """A save made something due sooner than the claim loop's wake-up: wake it."""
+        if time.time() + delay < self._sleep_until:
+            self._nudge.set()
+
+    async def _wait_slot(self, timeout: float) -> None:
+        self._slot_freed = anyio.Event()
+        with anyio.move_on_after(timeout):
+            await self._slot_freed.wait()
+
+    def _launch(self, calls: anyio.abc.TaskGroup, claimed: Claimed, phase: Phase, now: float) -> None:
+        key = claimed.task.handler
+        active = _Active(claimed.lease, phase, key if key in self.handlers else "other")
+        self._active[claimed.lease.task_id] = active
+        self.metrics.inflight.set(len(self._active))
+        self.metrics.claimed.labels(phase).inc()
+        if claimed.task.due_at is not None:
+            self.metrics.due_lag.labels(phase).observe(max(0.0, now - claimed.task.due_at))
+        calls.start_soon(self._run_call, claimed, active)
+
+    # --- lease renewal --------------------------------------------------------------------
+
+    async def _renew_loop(self) -> None:
+        interval = self.lease_ms / 3000
+        while True:
+            await anyio.sleep(interval)
+            if not self._active:
+                continue
+            held = [a for a in self._active.values() if not a.saved]
+            try:
+                codes = await self.store.renew(self.lease_ms, [a.lease for a in held])
+            except StoreUnavailable as exc:
+                self.metrics.store_errors.labels("renew").inc()
+                logger.warning("lease renewal failed: %s", exc)
+                continue
+            for active in held:
+                code = codes.get(active.lease.task_id, Code.OK)
+                # Skip calls that saved (and gave the lease back) while renew was in flight.
+                if code is Code.OK or active.saved or active.saving or active.lost:
+                    continue
+                task_id = active.lease.task_id
+                active.lost = True
+                self.metrics.leases_lost.inc()
+                logger.warning(
+                    "lease lost (%s), cancelling the call",
+                    code.name,
+                    extra={"task_id": task_id, "fence": active.lease.fence},
+                )
+                # A started submit may still return a handle that the late-save rule
+                # accepts (same fence); only a newer fence makes it pointless.
+                if not (active.started and code is Code.NO_LEASE):
+                    active.scope.cancel()
+
+    # --- one call -------------------------------------------------------------------------
+
+    async def _run_call(self, claimed: Claimed, active: _Active) -> None:
+        task = claimed.task
+        entry = self.handlers.get(task.handler)
+        try:
+            with active.scope:
+                if entry is None:
+                    await self._unknown_handler(active, task)
+                elif active.phase == "submit":
+                    await self._with_slot(entry, self._submit(entry, task, active))
+                else:
+                    await self._with_slot(entry, self._query(entry, task, active))
+        except Exception:
+            self.metrics.handler_crashes.labels(task.handler).inc()
+            logger.exception(
+                "unexpected error handling task; its lease will expire and the reaper acts",
+                extra={"task_id": task.id, "handler": task.handler},
+            )
+        finally:
+            self._forget(active)
+            self.completed += 1
+            if not active.lost and not active.saved:
+                await self._release(active)
+            self._slot_freed.set()
+
+    def _forget(self, active: _Active) -> None:
+        """The call no longer holds its lease: free its slot (once)."""
+        task_id = active.lease.task_id
+        if self._active.get(task_id) is active:
+            del self._active[task_id]
+            self.metrics.inflight.set(len(self._active))
+            self._slot_freed.set()
+
+    async def _with_slot(self, entry: HandlerEntry, work: Awaitable[None]) -> None:
+        sem = self._handler_slots.get(entry.key)
+        if sem is None:
+            await work
+            return
+        async with sem:
+            await work
+
+    async def _release(self, active: _Active) -> None:
+        """Give back a lease without an outcome (shielded, capped): peers take it at once."""
+        with anyio.move_on_after(2.0, shield=True):
+            try:
+                codes = await self.store.release([active.lease])
+                if codes.get(active.lease.task_id) is Code.STARTED:
+                    # The vendor call may have gone out: only the operator can know.
+                    await self._save(
+                        active,
+                        Status.SUBMIT_UNKNOWN,
+                        fields={
+                            "error_code": "INTERRUPTED_IN_SUBMIT",
+                            "error_message": "the daemon stopped during the vendor submit",
+                        },
+                    )
+            except StoreUnavailable as exc:
+                logger.warning("release failed; the lease will expire: %s", exc)
+
+    def _ctx(self, entry: HandlerEntry, task: Task, lease: Lease) -> HandlerContext:
+        extra = {"task_id": task.id, "handler": task.handler, "fence": lease.fence}
+        return HandlerContext(
+            task_id=task.id,
+            idempotency_key=task.id,
+            handler=task.handler,
+            tenant=task.tenant,
+            account=task.account,
+            provider=entry.provider if task.provider == task.handler else task.provider,
+            submit_attempt=task.submit_attempts,
+            poll_count=task.poll_count,
+            deadline_at=task.deadline_at,
+            cancel_requested=task.cancel_requested,
+            http=self.http,
+            logger=logging.LoggerAdapter(logging.getLogger(f"asynctaskd.handler.{task.handler}"), extra),
+            metadata=task.metadata,
+        )
+
+    # --- saving ---------------------------------------------------------------------------
+
+    async def _save(
+        self,
+        active: _Active,
+        status: Status,
+        *,
+        delay: float = 0.0,
+        fields: dict[str, Any] | None = None,
+        must_land: bool = False,
+    ) -> Result | None:
+        active.saving = True
+        try:
+            return await self._save_once(
+                active, status, delay=delay, fields=fields, must_land=must_land
+            )
+        finally:
+            active.saving = False
+
+    async def _save_once(
+        self,
+        active: _Active,
+        status: Status,
+        *,
+        delay: float = 0.0,
+        fields: dict[str, Any] | None = None,
+        must_land: bool = False,
+    ) -> Result | None:
+        """Save an outcome; retry while Redis is away (and, if must_land, while the fence
+        is current: a returned vendor handle is never dropped)."""
+        cfg = self.config.worker
+        give_up_at = time.monotonic() + (float(cfg.save_retry_for) if must_land else self.lease_ms / 1000)
+        attempt = 0
+        with anyio.CancelScope(shield=must_land):
+            while True:
+                attempt += 1
+                try:
+                    result = await self.store.save(
+                        active.lease, status, delay_ms=round(delay * 1000), fields=fields
+                    )
+                except StoreUnavailable as exc:
+                    self.metrics.store_errors.labels("save").inc()
+                    if time.monotonic() > give_up_at:
+                        logger.error("giving up saving %s: %s", status, exc,
+                                     extra={"task_id": active.lease.task_id})  # fmt: skip
+                        return None
+                    await anyio.sleep(min(2.0, 0.05 * 2 ** min(attempt, 6)))
+                    continue
+                if result.ok:
+                    active.saved = True
+                    self._forget(active)
+                    final = result.status or status
+                    self.metrics.transitions.labels(active.handler, final.value).inc()
+                    if not final.is_settled:
+                        self._scheduled(delay if final is status else 0.0)
+                    return result
+                self.metrics.rejected_writes.labels("save", result.code.name.lower()).inc()
+                if must_land and result.code is Code.NO_LEASE and time.monotonic() < give_up_at:
+                    # The lease expired under a started submit; once the reaper parks the
+                    # task in SUBMIT_UNKNOWN the late save with this fence lands.
+                    await anyio.sleep(min(1.0, self.lease_ms / 4000))
+                    continue
+                logger.warning(
+                    "save refused: %s", result.code.name,
+                    extra={"task_id": active.lease.task_id, "fence": active.lease.fence},
+                )  # fmt: skip
+                active.saved = True  # nothing more to do with this lease
+                return result
+
+    # --- submit phase -----------------------------------------------------------------------
+
+    async def _submit(self, entry: HandlerEntry, task: Task, active: _Active) -> None:
+        idem = entry.idempotent
+        result, durable, gate_s = await self.store.start_durable(active.lease, idem, self.gate)
+        if self.gate is not None:
+            self.metrics.durability_gate.labels("ok" if durable else "timeout").observe(gate_s)
+        if result.code is Code.CANCEL_REQUESTED:
+            active.lease = Lease(active.lease.task_id, active.lease.fence, result.version)
+            await self._save(active, Status.CANCELED)
+            return
+        if not result.ok:
+            self.metrics.rejected_writes.labels("start", result.code.name.lower()).inc()
+            active.saved = result.code is not Code.ILLEGAL  # ILLEGAL: release it
+            return
+        active.lease = Lease(active.lease.task_id, active.lease.fence, result.version)
+        if not durable:
+            # The started mark might not survive a failover: do not call the vendor.
+            await self._save(active, Status.PENDING_SUBMIT, delay=0.5,
+                             fields={"error_code": "DURABILITY_TIMEOUT", "error_message": ""})  # fmt: skip
+            return
+        active.started = True
+        ctx = self._ctx(entry, task, active.lease)
+        ctx.submit_attempt = task.submit_attempts + 1
+        t0 = time.perf_counter()
+        outcome = "ok"
+        try:
+            out = await entry.handler.submit(task.params, ctx)
+        except anyio.get_cancelled_exc_class():
+            raise
+        except BaseException as exc:  # noqa: BLE001 - a handler must never kill the daemon
+            outcome = "error"
+            await self._submit_failed(entry, task, active, exc)
+            return
+        finally:
+            self.metrics.calls.labels(task.handler, "submit", outcome).observe(time.perf_counter() - t0)
+        if not isinstance(out, Submitted) or not isinstance(out.external_id, str) or not out.external_id:
+            await self._submit_failed(
+                entry, task, active,
+                InvalidTask(f"submit() returned {type(out).__name__}, not Submitted(external_id)"),
+            )  # fmt: skip
+            return
+        try:
+            handle = encode_json({"external_id": out.external_id, "query": out.query})
+            check_json_like(out.query, "Submitted.query")
+        except (InvalidTask, TypeError) as exc:
+            handle = encode_json({"external_id": out.external_id, "query": {}})
+            logger.error("Submitted.query is not JSON data, dropped: %s", exc, extra={"task_id": task.id})
+        poll = entry.poll_interval or float(self.config.retry.poll_interval)
+        await self._save(
+            active,
+            Status.SUBMITTED,
+            delay=clamp_delay(poll, time.time(), task.deadline_at),
+            fields={"external_id": out.external_id[:512], "handle": handle,
+                    "error_code": "", "error_message": ""},
+            must_land=True,
+        )  # fmt: skip
+
+    async def _submit_failed(
+        self, entry: HandlerEntry, task: Task, active: _Active, exc: BaseException
+    ) -> None:
+        kind = classify_submit_error(exc)
+        code, message = _describe(exc)
+        retry = self.config.retry
+        attempts = task.submit_attempts + 1
+        log_extra = {"task_id": task.id, "handler": task.handler, "fence": active.lease.fence}
+        if kind is SubmitFailure.AMBIGUOUS and entry.idempotent:
+            kind = SubmitFailure.NEVER_SENT  # the vendor dedups on the idempotency key
+        if kind is SubmitFailure.PERMANENT:
+            await self._save(active, Status.FAILED, fields={"error_code": code, "error_message": message})
+        elif kind is SubmitFailure.AMBIGUOUS:
+            logger.warning("submit outcome unknown: %s", message, extra=log_extra)
+            await self._save(active, Status.SUBMIT_UNKNOWN,
+                             fields={"error_code": code, "error_message": message})  # fmt: skip
+        elif kind is SubmitFailure.THROTTLED:
+            delay = max(retry_after(exc) or 0.0,
+                        backoff(1, float(retry.first_error_delay), float(retry.max_error_delay), retry.jitter, self.rng))  # fmt: skip
+            await self._save(active, Status.PENDING_SUBMIT, delay=delay,
+                             fields={"error_code": code, "error_message": message})  # fmt: skip
+        elif attempts > retry.max_submit_retries:
+            await self._save(active, Status.FAILED, fields={
+                "error_code": "SUBMIT_RETRIES_EXHAUSTED",
+                "error_message": f"{attempts} submit attempts never reached the vendor; last: {message}"})  # fmt: skip
+        else:
+            delay = max(retry_after(exc) or 0.0,
+                        backoff(attempts, float(retry.first_error_delay), float(retry.max_error_delay), retry.jitter, self.rng))  # fmt: skip
+            await self._save(active, Status.PENDING_SUBMIT, delay=delay,
+                             fields={"error_code": code, "error_message": message})  # fmt: skip
+
+    # --- query phase ------------------------------------------------------------------------
+
+    async def _query(self, entry: HandlerEntry, task: Task, active: _Active) -> None:
+        handle = task.handle or {}
+        ctx = self._ctx(entry, task, active.lease)
+        if task.cancel_requested:
+            await self._cancel_remote(entry, task, handle, ctx)
+            await self._save(active, Status.CANCELED)
+            return
+        query_handle = dict(handle.get("query") or {})
+        query_handle.setdefault("external_id", handle.get("external_id") or task.external_id)
+        t0 = time.perf_counter()
+        outcome = "ok"
+        budget = max(0.0, task.deadline_at - time.time()) + 0.05
+        try:
+            with anyio.fail_after(budget):
+                out = await entry.handler.query(query_handle, ctx)
+        except anyio.get_cancelled_exc_class():
+            raise
+        except TimeoutError:
+            outcome = "deadline"
+            await self._save(active, task.status, delay=0)  # the save clamps to the deadline
+            return
+        except BaseException as exc:  # noqa: BLE001 - a handler must never kill the daemon
+            outcome = "error"
+            await self._query_failed(task, active, exc)
+            return
+        finally:
+            self.metrics.calls.labels(task.handler, "query", outcome).observe(time.perf_counter() - t0)
+        now = time.time()
+        poll = entry.poll_interval or float(self.config.retry.poll_interval)
+        if isinstance(out, Running):
+            delay = poll if out.next_poll is None or not out.next_poll >= 0 else float(out.next_poll)
+            fields: dict[str, Any] = {"poll_count": task.poll_count + 1, "consecutive_errors": ""}
+            progress = valid_progress(out.progress)
+            if progress is not None:
+                fields["progress"] = repr(progress)
+            if isinstance(out.stage, str):
+                fields["stage"] = out.stage[:_MAX_TEXT]
+            if isinstance(out.message, str):
+                fields["message"] = out.message[:_MAX_TEXT]
+            if isinstance(out.handle, dict):
+                try:
+                    check_json_like(out.handle, "Running.handle")
+                    fields["handle"] = encode_json({"external_id": task.external_id, "query": out.handle})
+                except InvalidTask as exc:
+                    logger.error("ignoring a replacement handle: %s", exc, extra={"task_id": task.id})
+            await self._save(active, Status.RUNNING, delay=clamp_delay(delay, now, task.deadline_at), fields=fields)
+        elif isinstance(out, Succeeded):
+            await self._succeeded(entry, task, active, ctx, out.result)
+        elif isinstance(out, Failed):
+            code = out.code if isinstance(out.code, str) and out.code else "VENDOR_FAILED"
+            await self._save(active, Status.FAILED, fields={
+                "error_code": code[:200], "error_message": str(out.message)[:_MAX_TEXT],
+                "poll_count": task.poll_count + 1})  # fmt: skip
+        else:
+            await self._query_failed(
+                task, active,
+                InvalidTask(f"query() returned {type(out).__name__}, not Running/Succeeded/Failed"),
+            )  # fmt: skip
+
+    async def _succeeded(
+        self, entry: HandlerEntry, task: Task, active: _Active, ctx: HandlerContext, result: Any
+    ) -> None:
+        finalize = entry.hook("finalize")
+        if finalize is not None:
+            try:
+                result = await finalize(result, ctx)
+            except anyio.get_cancelled_exc_class():
+                raise
+            except BaseException as exc:  # noqa: BLE001 - retried as a query error
+                await self._query_failed(task, active, exc)
+                return
+        try:
+            check_json_like(result, "result")
+            blob = encode_json(result)
+        except InvalidTask as exc:
+            await self._save(active, Status.FAILED, fields={
+                "error_code": "INVALID_RESULT", "error_message": str(exc)[:_MAX_TEXT]})  # fmt: skip
+            return
+        await self._save(active, Status.SUCCEEDED, fields={
+            "result": blob, "poll_count": task.poll_count + 1, "progress": "1.0"})  # fmt: skip
+
+    async def _query_failed(self, task: Task, active: _Active, exc: BaseException) -> None:
+        retry = self.config.retry
+        code, message = _describe(exc)
+        if isinstance(exc, PermanentError):
+            await self._save(active, Status.FAILED, fields={"error_code": code, "error_message": message})
+            return
+        if getattr(exc, "throttled", False):
+            delay = max(retry_after(exc) or 0.0, float(retry.first_error_delay))
+            await self._save(active, task.status, delay=delay, fields={"error_code": code, "error_message": message})
+            return
+        errors = task.consecutive_errors + 1
+        if errors >= retry.max_consecutive_errors:
+            await self._save(active, Status.FAILED, fields={
+                "error_code": "QUERY_ERRORS",
+                "error_message": f"{errors} query errors in a row; last: {code}: {message}"[:_MAX_TEXT],
+                "consecutive_errors": errors})  # fmt: skip
+            return
+        delay = max(retry_after(exc) or 0.0,
+                    backoff(errors, float(retry.first_error_delay), float(retry.max_error_delay), retry.jitter, self.rng))  # fmt: skip
+        await self._save(active, task.status, delay=clamp_delay(delay, time.time(), task.deadline_at),
+                         fields={"consecutive_errors": errors, "error_code": code, "error_message": message})  # fmt: skip
+
+    async def _cancel_remote(
+        self, entry: HandlerEntry, task: Task, handle: dict[str, Any], ctx: HandlerContext
+    ) -> None:
+        cancel = entry.hook("cancel")
+        if cancel is None:
+            return
+        query_handle = dict(handle.get("query") or {})
+        query_handle.setdefault("external_id", handle.get("external_id") or task.external_id)
+        with anyio.move_on_after(max(1.0, self.lease_ms / 2000)):
+            try:
+                await cancel(query_handle, ctx)
+            except anyio.get_cancelled_exc_class():
+                raise
+            except BaseException as exc:  # noqa: BLE001 - best effort by contract
+                logger.warning("remote cancel failed: %s", exc, extra={"task_id": task.id})
+
+    async def _unknown_handler(self, active: _Active, task: Task) -> None:
+        message = f"no handler {task.handler!r} is registered in daemon {self.id}"
+        if active.phase == "submit":
+            # Nothing was sent: the task cannot run anywhere that lacks the handler.
+            await self._save(active, Status.FAILED,
+                             fields={"error_code": "UNKNOWN_HANDLER", "error_message": message})  # fmt: skip
+        else:
+            await self._query_failed(task, active, HandlerError(message, code="UNKNOWN_HANDLER"))
+
+
+def _describe(exc: BaseException) -> tuple[str, str]:
+    if isinstance(exc, HandlerError):
+        return exc.code[:200], (exc.message or str(exc))[:_MAX_TEXT]
+    return type(exc).__name__[:200], str(exc)[:_MAX_TEXT]
+
+

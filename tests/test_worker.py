@@ -1,0 +1,405 @@
+"""The worker against real Redis and the fake vendor over real sockets, in one process."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+import redis.asyncio
+
+from asynctaskd.codec import encode_json
+from asynctaskd.config import Config, parse_config
+from asynctaskd.demo import DemoHandler
+from asynctaskd.errors import NotSent, PermanentError, RetryableError
+from asynctaskd.fakevendor import Behaviour, FakeVendorProcess
+from asynctaskd.handlers import (
+    Failed,
+    HandlerContext,
+    HandlerEntry,
+    Running,
+    Submitted,
+    Succeeded,
+)
+from asynctaskd.keys import Keys, new_task_id
+from asynctaskd.model import Status
+from asynctaskd.store import Store
+from asynctaskd.worker import Worker
+from tests.conftest import wait_until
+from tests.lua.helpers import check_invariants
+
+pytestmark = pytest.mark.anyio
+
+
+def make_config(**sections: dict[str, Any]) -> Config:
+    base: dict[str, dict[str, Any]] = {
+        "worker": {"lease": "2s", "max_inflight": 100, "shutdown_grace": "5s"},
+        "retry": {"poll_interval": "50ms", "first_error_delay": "20ms",
+                  "max_error_delay": "200ms", "jitter": 0},  # fmt: skip
+    }
+    for name, values in sections.items():
+        base.setdefault(name, {}).update(values)
+    lines = []
+    for name, values in base.items():
+        lines.append(f"[{name}]")
+        for k, v in values.items():
+            lines.append(f"{k} = {encode_json(v).decode()}")
+    return parse_config("\n".join(lines))
+
+
+@pytest.fixture(scope="module")
+def vendor() -> Iterator[FakeVendorProcess]:
+    with FakeVendorProcess.start(Behaviour(polls_to_done=2)) as v:
+        yield v
+
+
+@pytest.fixture
+def fresh_vendor(vendor: FakeVendorProcess) -> FakeVendorProcess:
+    vendor.reset()
+    defaults = {f: getattr(Behaviour(), f) for f in Behaviour.__struct_fields__}
+    vendor.configure(**{**defaults, "polls_to_done": 2})
+    return vendor
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(5.0)) as client:
+        yield client
+
+
+async def submit_many(store: Store, n: int, handler: str = "demo", **kw: Any) -> list[str]:
+    ids = [new_task_id() for _ in range(n)]
+    calls = [
+        store.ops.create(i, handler, encode_json({"i": k}), timeout_ms=kw.get("timeout_ms", 60_000))
+        for k, i in enumerate(ids)
+    ]
+    for start in range(0, n, 500):
+        await store.run_many(calls[start : start + 500])
+    return ids
+
+
+async def statuses(store: Store, ids: list[str]) -> Counter[Status]:
+    out: Counter[Status] = Counter()
+    for tid in ids:
+        task = await store.get(tid)
+        assert task is not None
+        out[task.status] += 1
+    return out
+
+
+def entry(handler: Any, key: str = "demo", **kw: Any) -> dict[str, HandlerEntry]:
+    return {key: HandlerEntry(key=key, handler=handler, provider=key, **kw)}
+
+
+async def test_end_to_end_500_tasks_each_submitted_once(
+    store: Store, fresh_vendor: FakeVendorProcess, http: httpx.AsyncClient,
+    redis_client: redis.asyncio.Redis, keys: Keys,
+) -> None:  # fmt: skip
+    ids = await submit_many(store, 500)
+    worker = Worker(store, entry(DemoHandler("demo", fresh_vendor.url)), make_config(), http=http)
+    with anyio.fail_after(60):
+        await worker.run_until_idle()
+    assert await statuses(store, ids) == Counter({Status.SUCCEEDED: 500})
+    refs = Counter(e["ref"] for e in fresh_vendor.submit_log() if e["outcome"] == "created")
+    assert set(refs) == set(ids) and max(refs.values()) == 1
+    await check_invariants(redis_client, keys)
+
+
+class Scripted:
+    """A handler whose behaviour each test sets; records every call."""
+
+    def __init__(self, key: str = "demo", idempotent: bool = False) -> None:
+        self.key = key
+        self.idempotent_submit = idempotent
+        self.submits: list[str] = []
+        self.queries: list[str] = []
+        self.cancels: list[str] = []
+        self.on_submit: Any = lambda ctx: Submitted("x-" + ctx.task_id)
+        self.on_query: Any = lambda ctx: Succeeded({"ok": True})
+
+    async def submit(self, params: Any, ctx: HandlerContext) -> Submitted:
+        self.submits.append(ctx.task_id)
+        out = self.on_submit(ctx)
+        if isinstance(out, BaseException):
+            raise out
+        return await out if hasattr(out, "__await__") else out  # type: ignore[no-any-return]
+
+    async def query(self, handle: dict[str, Any], ctx: HandlerContext) -> Any:
+        self.queries.append(ctx.task_id)
+        out = self.on_query(ctx)
+        if isinstance(out, BaseException):
+            raise out
+        return await out if hasattr(out, "__await__") else out
+
+    async def cancel(self, handle: dict[str, Any], ctx: HandlerContext) -> None:
+        self.cancels.append(handle["external_id"])
+
+
+async def run(store: Store, handler: Any, config: Config | None = None) -> Worker:
+    async with httpx.AsyncClient() as http:
+        worker = Worker(store, entry(handler), config or make_config(), http=http)
+        with anyio.fail_after(30):
+            await worker.run_until_idle()
+    return worker
+
+
+async def test_permanent_submit_error_fails(store: Store) -> None:
+    h = Scripted()
+    h.on_submit = lambda ctx: PermanentError("bad input", code="HTTP_400")
+    [tid] = await submit_many(store, 1)
+    await run(store, h)
+    task = await store.get(tid)
+    assert task is not None and task.status is Status.FAILED
+    assert task.error is not None and task.error.code == "HTTP_400"
+
+
+async def test_ambiguous_submit_parks_and_is_never_resubmitted(store: Store) -> None:
+    h = Scripted()
+    h.on_submit = lambda ctx: httpx.ReadTimeout("read timed out")
+    [tid] = await submit_many(store, 1)
+    await run(store, h)
+    task = await store.get(tid)
+    assert task is not None and task.status is Status.SUBMIT_UNKNOWN
+    assert h.submits == [tid]
+    await run(store, h)  # another round: still parked, not resubmitted
+    assert h.submits == [tid]
+
+
+async def test_ambiguous_submit_with_idempotent_handler_is_retried(store: Store) -> None:
+    h = Scripted(idempotent=True)
+    calls = iter([httpx.ReadTimeout("t"), Submitted("x-1")])
+    h.on_submit = lambda ctx: next(calls)
+    [tid] = await submit_many(store, 1)
+    await run(store, h)
+    task = await store.get(tid)
+    assert task is not None and task.status is Status.SUCCEEDED and len(h.submits) == 2
+
+
+async def test_never_sent_retries_up_to_the_limit(store: Store) -> None:
+    h = Scripted()
+    h.on_submit = lambda ctx: NotSent("connect refused")
+    [tid] = await submit_many(store, 1)
+    await run(store, h, make_config(retry={"max_submit_retries": 2}))
+    task = await store.get(tid)
+    assert task is not None and task.status is Status.FAILED
+    assert task.error is not None and task.error.code == "SUBMIT_RETRIES_EXHAUSTED"
+    assert len(h.submits) == 3
+
+
+async def test_error_budget_resets_on_success_and_fails_when_spent(store: Store) -> None:
+    h = Scripted()
+    script = iter([RetryableError("e")] * 2 + [Running(progress=0.5)] + [RetryableError("e")] * 3)
+    h.on_query = lambda ctx: next(script)
+    [tid] = await submit_many(store, 1)
+    await run(store, h, make_config(retry={"max_consecutive_errors": 3}))
+    task = await store.get(tid)
+    assert task is not None and task.status is Status.FAILED
+    assert task.error is not None and task.error.code == "QUERY_ERRORS"
+    assert len(h.queries) == 6  # 2 errors, 1 good (reset), 3 errors
+
+
+async def test_throttling_does_not_spend_the_error_budget(store: Store) -> None:
+    h = Scripted()
+    throttles = [RetryableError("429", throttled=True, retry_after=0.05) for _ in range(5)]
+    script = iter([*throttles, Succeeded(1)])
+    h.on_query = lambda ctx: next(script)
+    [tid] = await submit_many(store, 1)
+    await run(store, h, make_config(retry={"max_consecutive_errors": 2}))
+    task = await store.get(tid)
+    assert task is not None and task.status is Status.SUCCEEDED
+
+
+async def test_retry_after_is_respected(store: Store) -> None:
+    h = Scripted()
+    seen: list[float] = []
+    script = iter([RetryableError("429", throttled=True, retry_after=0.4), Succeeded(1)])
+
+    def on_query(ctx: HandlerContext) -> Any:
+        seen.append(anyio.current_time())
+        return next(script)
+
+    h.on_query = on_query
+    await submit_many(store, 1)
+    await run(store, h)
+    assert len(seen) == 2 and seen[1] - seen[0] >= 0.39
+
+
+async def test_vendor_failure_and_progress(store: Store) -> None:
+    h = Scripted()
+    script = iter([Running(progress=0.3, stage="ocr", message="page 1"), Failed("bad_pdf", "x")])
+    h.on_query = lambda ctx: next(script)
+    [tid] = await submit_many(store, 1)
+    await run(store, h)
+    task = await store.get(tid)
+    assert task is not None and task.status is Status.FAILED and task.progress == 0.3
+    assert task.stage == "ocr" and task.error is not None and task.error.code == "bad_pdf"
+
+
+async def test_garbage_and_base_exceptions_from_handlers_are_contained(store: Store) -> None:
+    h = Scripted()
+    script = iter([KeyboardInterrupt(), "garbage", Succeeded({"x": 1})])
+    h.on_query = lambda ctx: next(script)
+    [tid] = await submit_many(store, 1)
+    await run(store, h)
+    task = await store.get(tid)
+    assert task is not None and task.status is Status.SUCCEEDED
+
+
+async def test_non_json_result_fails_clearly(store: Store) -> None:
+    h = Scripted()
+    h.on_query = lambda ctx: Succeeded({b"bytes-key": 1})
+    [tid] = await submit_many(store, 1)
+    await run(store, h)
+    task = await store.get(tid)
+    assert task is not None and task.status is Status.FAILED
+    assert task.error is not None and task.error.code == "INVALID_RESULT"
+
+
+async def test_deadline_times_out_a_running_task(store: Store) -> None:
+    h = Scripted()
+    h.on_query = lambda ctx: Running(progress=0.1)
+    [tid] = await submit_many(store, 1, timeout_ms=400)
+    await run(store, h)
+    task = await store.get(tid)
+    assert task is not None and task.status is Status.TRACKING_TIMED_OUT
+
+
+async def test_cancel_in_flight_calls_remote_cancel(store: Store) -> None:
+    h = Scripted()
+    inside = anyio.Event()
+    release = anyio.Event()
+
+    async def slow(ctx: HandlerContext) -> Running:
+        inside.set()
+        await release.wait()
+        return Running(progress=0.2)
+
+    h.on_query = slow
+    [tid] = await submit_many(store, 1)
+    async with httpx.AsyncClient() as http, anyio.create_task_group() as tg:
+        worker = Worker(store, entry(h), make_config(), http=http)
+        tg.start_soon(worker.run_until_idle)
+        with anyio.fail_after(10):
+            await inside.wait()
+            await store.cancel(tid)
+            release.set()
+    task = await store.get(tid)
+    assert task is not None and task.status is Status.CANCELED
+    assert h.cancels == ["x-" + tid]
+
+
+async def test_unknown_handler_fails_in_submit_phase(store: Store) -> None:
+    [tid] = await submit_many(store, 1, handler="nobody")
+    await run(store, Scripted())
+    task = await store.get(tid)
+    assert task is not None and task.status is Status.FAILED
+    assert task.error is not None and task.error.code == "UNKNOWN_HANDLER"
+
+
+async def test_lost_lease_cancels_the_query_call(store: Store, redis_client: redis.asyncio.Redis,
+                                                 keys: Keys) -> None:  # fmt: skip
+    h = Scripted()
+    inside = anyio.Event()
+    cancelled = anyio.Event()
+
+    async def hang(ctx: HandlerContext) -> Running:
+        inside.set()
+        try:
+            await anyio.sleep_forever()
+        finally:
+            cancelled.set()
+        raise AssertionError("unreachable")
+
+    h.on_query = hang
+    [tid] = await submit_many(store, 1)
+    async with httpx.AsyncClient() as http, anyio.create_task_group() as tg:
+        worker = Worker(store, entry(h), make_config(worker={"lease": "1s"}), http=http)
+        tg.start_soon(worker.run)
+        with anyio.fail_after(10):
+            await inside.wait()
+            # an operator-like intervention: the lease vanishes under the worker
+            await redis_client.zrem(keys.leases(0), tid)
+            await cancelled.wait()
+        assert worker.metrics.leases_lost._value.get() == 1
+        worker.stop(now=True)
+
+
+async def test_stop_drains_in_flight_calls(store: Store) -> None:
+    h = Scripted()
+    started = 0
+    all_in = anyio.Event()
+    gate = anyio.Event()
+
+    async def slow(ctx: HandlerContext) -> Succeeded:
+        nonlocal started
+        started += 1
+        if started == 50:
+            all_in.set()
+        await gate.wait()
+        return Succeeded(1)
+
+    h.on_query = slow
+    ids = await submit_many(store, 50)
+    async with httpx.AsyncClient() as http, anyio.create_task_group() as tg:
+        worker = Worker(store, entry(h), make_config(), http=http)
+        tg.start_soon(worker.run)
+        with anyio.fail_after(10):
+            await all_in.wait()
+            worker.stop()
+            await anyio.sleep(0)
+            gate.set()
+    assert await statuses(store, ids) == Counter({Status.SUCCEEDED: 50})
+
+
+async def test_hard_stop_releases_leases_for_peers(store: Store) -> None:
+    h = Scripted()
+    all_in = anyio.Event()
+
+    async def hang(ctx: HandlerContext) -> Succeeded:
+        if len(h.queries) == 20:
+            all_in.set()
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    h.on_query = hang
+    ids = await submit_many(store, 20)
+    async with httpx.AsyncClient() as http, anyio.create_task_group() as tg:
+        worker = Worker(store, entry(h), make_config(worker={"lease": "30s"}), http=http)
+        tg.start_soon(worker.run)
+        with anyio.fail_after(10):
+            await all_in.wait()
+            worker.stop(now=True)
+    # every lease was given back: a peer claims them all at once, long before 30 s
+    batch = await store.claim(0, "query", 100, 10_000, "peer")
+    assert {c.lease.task_id for c in batch.claimed} == set(ids)
+
+
+async def test_new_work_wakes_an_idle_worker_fast(store: Store) -> None:
+    h = Scripted()
+    submitted_at: list[float] = []
+    done = anyio.Event()
+
+    def on_submit(ctx: HandlerContext) -> Submitted:
+        submitted_at.append(anyio.current_time())
+        done.set()
+        return Submitted("x")
+
+    h.on_submit = on_submit
+    async with httpx.AsyncClient() as http, anyio.create_task_group() as tg:
+        worker = Worker(store, entry(h), make_config(), http=http)
+        tg.start_soon(worker.run)
+        await wait_until(lambda: _true_after_idle(worker), "the worker to go idle")
+        t0 = anyio.current_time()
+        await submit_many(store, 1)
+        with anyio.fail_after(2):
+            await done.wait()
+        worker.stop(now=True)
+    # an idle worker blocks on the wake marker; 1 s would mean it slept instead
+    assert submitted_at[0] - t0 < 1.0
+
+
+async def _true_after_idle(worker: Worker) -> bool:
+    return worker.last_claim_at > 0 and worker._sleep_until != float("inf")
