@@ -54,7 +54,9 @@ class DemoHandler:
             raise RetryableError(f"submit: unreadable answer {response.text[:200]!r}") from exc
         return Submitted(str(job_id))
 
-    async def query(self, handle: dict[str, Any], ctx: HandlerContext) -> Running | Succeeded | Failed:
+    async def query(
+        self, handle: dict[str, Any], ctx: HandlerContext
+    ) -> Running | Succeeded | Failed:
         response = await ctx.http.get(f"{self.base_url}/v1/jobs/{handle['external_id']}")
         _raise_for(response, "query")
         try:

@@ -88,7 +88,7 @@ LEGAL_TRANSITIONS: Final[tuple[Transition, ...]] = (
     Transition(None, _S.PENDING_SUBMIT, "C", "create"),
     # Submit phase.
     Transition(_S.PENDING_SUBMIT, _S.SUBMITTING, "W", "claim for submit"),
-    Transition(_S.PENDING_SUBMIT, _S.CANCELED, "CO", "cancel before any vendor call"),
+    Transition(_S.PENDING_SUBMIT, _S.CANCELED, "CWO", "cancel before any vendor call"),
     Transition(_S.PENDING_SUBMIT, _S.TRACKING_TIMED_OUT, "WR", "deadline before submit"),
     Transition(_S.SUBMITTING, _S.SUBMITTED, "W", "vendor returned a handle"),
     Transition(_S.SUBMITTING, _S.FAILED, "W", "vendor refused for good"),
@@ -100,7 +100,8 @@ LEGAL_TRANSITIONS: Final[tuple[Transition, ...]] = (
     Transition(_S.SUBMIT_UNKNOWN, _S.SUBMITTED, "WO", "late handle, or resolved with one"),
     Transition(_S.SUBMIT_UNKNOWN, _S.FAILED, "WO", "late refusal, or resolved as failed"),
     Transition(_S.SUBMIT_UNKNOWN, _S.PENDING_SUBMIT, "WO", "late never-sent, or knowing resubmit"),
-    Transition(_S.SUBMIT_UNKNOWN, _S.CANCELED, "CO", "resolved as canceled"),
+    Transition(_S.SUBMIT_UNKNOWN, _S.CANCELED, "CWO", "canceled, or late save merging a cancel"),
+    Transition(_S.SUBMIT_UNKNOWN, _S.TRACKING_TIMED_OUT, "W", "late save after the deadline"),
     # Query phase.
     Transition(_S.SUBMITTED, _S.RUNNING, "W", "vendor says running"),
     Transition(_S.SUBMITTED, _S.SUCCEEDED, "W", "vendor says done"),

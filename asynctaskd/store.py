@@ -202,7 +202,9 @@ class Ops:
     ) -> Call[Created]:
         prefix, task_key = self._task(task_id)
         shard = shard_of(task_id)
-        dedup = self.keys.dedup(shard, tenant, dedup_key) if dedup_key else self.keys.no_dedup(shard)
+        dedup = (
+            self.keys.dedup(shard, tenant, dedup_key) if dedup_key else self.keys.no_dedup(shard)
+        )
 
         def decode(reply: Any) -> Created:
             code = int(reply[0])
@@ -311,7 +313,9 @@ def _mapped(what: str) -> Iterator[None]:
     except rex.NoScriptError:
         raise
     except (rex.ConnectionError, rex.TimeoutError, rex.BusyLoadingError, rex.ReadOnlyError) as exc:
-        raise StoreUnavailable(f"{what}: Redis is unavailable ({type(exc).__name__}: {exc})") from exc
+        raise StoreUnavailable(
+            f"{what}: Redis is unavailable ({type(exc).__name__}: {exc})"
+        ) from exc
     except rex.ResponseError as exc:
         text = str(exc)
         if "asynctaskd:" in text:
@@ -447,7 +451,9 @@ class Store(_Base):
         """Claim up to n due tasks; corrupt ones are quarantined and reported, not returned."""
         batch = await self.run(self.ops.claim(shard, phase, n, lease_ms, owner, promote_limit))
         for bad in batch.corrupt:
-            logger.error("quarantining corrupt task: %s", bad.reason, extra={"task_id": bad.task_id})
+            logger.error(
+                "quarantining corrupt task: %s", bad.reason, extra={"task_id": bad.task_id}
+            )
             await self.run(self.ops.quarantine(bad.task_id, bad.reason))
         return batch
 
@@ -698,3 +704,31 @@ def now_ms() -> int:
 
 
 DEFAULT_PROMOTE_LIMIT: Final = 1000
+
+
+# ---------------------------------------------------------------------------------------
+# Plain reads for asynctaskd.client (snapshots, indexes, the event stream, registries).
+# Added for the client; the scripts above stay the only writers. Each read is a redis-py
+# method name with its arguments, so both clients share one description of the work.
+
+Read = tuple[str, tuple[Any, ...], dict[str, Any]]
+
+
+async def read_many(store: Store, reads: Sequence[Read]) -> list[Any]:
+    """Run read commands in one pipeline (one round trip); redis errors are mapped here."""
+    store._count("read")
+    with _mapped("read"):
+        async with store.redis.pipeline(transaction=False) as pipe:
+            for name, args, kwargs in reads:
+                getattr(pipe, name)(*args, **kwargs)
+            return list(await pipe.execute())
+
+
+def read_many_sync(store: SyncStore, reads: Sequence[Read]) -> list[Any]:
+    """Blocking `read_many`."""
+    store._count("read")
+    with _mapped("read"):
+        with store.redis.pipeline(transaction=False) as pipe:
+            for name, args, kwargs in reads:
+                getattr(pipe, name)(*args, **kwargs)
+            return list(pipe.execute())

@@ -240,7 +240,9 @@ class Worker:
         with anyio.move_on_after(timeout):
             await self._slot_freed.wait()
 
-    def _launch(self, calls: anyio.abc.TaskGroup, claimed: Claimed, phase: Phase, now: float) -> None:
+    def _launch(
+        self, calls: anyio.abc.TaskGroup, claimed: Claimed, phase: Phase, now: float
+    ) -> None:
         key = claimed.task.handler
         active = _Active(claimed.lease, phase, key if key in self.handlers else "other")
         self._active[claimed.lease.task_id] = active
@@ -326,19 +328,16 @@ class Worker:
             await work
 
     async def _release(self, active: _Active) -> None:
-        """Give back a lease without an outcome (shielded, capped): peers take it at once."""
+        """Give back a lease without an outcome (shielded, capped): peers take it at once.
+        A submit cut off after its vendor call started is parked by the script itself."""
         with anyio.move_on_after(2.0, shield=True):
             try:
                 codes = await self.store.release([active.lease])
-                if codes.get(active.lease.task_id) is Code.STARTED:
-                    # The vendor call may have gone out: only the operator can know.
-                    await self._save(
-                        active,
-                        Status.SUBMIT_UNKNOWN,
-                        fields={
-                            "error_code": "INTERRUPTED_IN_SUBMIT",
-                            "error_message": "the daemon stopped during the vendor submit",
-                        },
+                code = codes.get(active.lease.task_id)
+                if code is Code.STARTED:
+                    logger.warning(
+                        "submit interrupted after the vendor call started: SUBMIT_UNKNOWN",
+                        extra={"task_id": active.lease.task_id},
                     )
             except StoreUnavailable as exc:
                 logger.warning("release failed; the lease will expire: %s", exc)
@@ -357,7 +356,9 @@ class Worker:
             deadline_at=task.deadline_at,
             cancel_requested=task.cancel_requested,
             http=self.http,
-            logger=logging.LoggerAdapter(logging.getLogger(f"asynctaskd.handler.{task.handler}"), extra),
+            logger=logging.LoggerAdapter(
+                logging.getLogger(f"asynctaskd.handler.{task.handler}"), extra
+            ),
             metadata=task.metadata,
         )
 
@@ -392,7 +393,9 @@ class Worker:
         """Save an outcome; retry while Redis is away (and, if must_land, while the fence
         is current: a returned vendor handle is never dropped)."""
         cfg = self.config.worker
-        give_up_at = time.monotonic() + (float(cfg.save_retry_for) if must_land else self.lease_ms / 1000)
+        give_up_at = time.monotonic() + (
+            float(cfg.save_retry_for) if must_land else self.lease_ms / 1000
+        )
         attempt = 0
         with anyio.CancelScope(shield=must_land):
             while True:
@@ -465,8 +468,14 @@ class Worker:
             await self._submit_failed(entry, task, active, exc)
             return
         finally:
-            self.metrics.calls.labels(task.handler, "submit", outcome).observe(time.perf_counter() - t0)
-        if not isinstance(out, Submitted) or not isinstance(out.external_id, str) or not out.external_id:
+            self.metrics.calls.labels(task.handler, "submit", outcome).observe(
+                time.perf_counter() - t0
+            )
+        if (
+            not isinstance(out, Submitted)
+            or not isinstance(out.external_id, str)
+            or not out.external_id
+        ):
             await self._submit_failed(
                 entry, task, active,
                 InvalidTask(f"submit() returned {type(out).__name__}, not Submitted(external_id)"),
@@ -477,7 +486,9 @@ class Worker:
             check_json_like(out.query, "Submitted.query")
         except (InvalidTask, TypeError) as exc:
             handle = encode_json({"external_id": out.external_id, "query": {}})
-            logger.error("Submitted.query is not JSON data, dropped: %s", exc, extra={"task_id": task.id})
+            logger.error(
+                "Submitted.query is not JSON data, dropped: %s", exc, extra={"task_id": task.id}
+            )
         poll = entry.poll_interval or float(self.config.retry.poll_interval)
         await self._save(
             active,
@@ -499,7 +510,9 @@ class Worker:
         if kind is SubmitFailure.AMBIGUOUS and entry.idempotent:
             kind = SubmitFailure.NEVER_SENT  # the vendor dedups on the idempotency key
         if kind is SubmitFailure.PERMANENT:
-            await self._save(active, Status.FAILED, fields={"error_code": code, "error_message": message})
+            await self._save(
+                active, Status.FAILED, fields={"error_code": code, "error_message": message}
+            )
         elif kind is SubmitFailure.AMBIGUOUS:
             logger.warning("submit outcome unknown: %s", message, extra=log_extra)
             await self._save(active, Status.SUBMIT_UNKNOWN,
@@ -547,11 +560,15 @@ class Worker:
             await self._query_failed(task, active, exc)
             return
         finally:
-            self.metrics.calls.labels(task.handler, "query", outcome).observe(time.perf_counter() - t0)
+            self.metrics.calls.labels(task.handler, "query", outcome).observe(
+                time.perf_counter() - t0
+            )
         now = time.time()
         poll = entry.poll_interval or float(self.config.retry.poll_interval)
         if isinstance(out, Running):
-            delay = poll if out.next_poll is None or not out.next_poll >= 0 else float(out.next_poll)
+            delay = (
+                poll if out.next_poll is None or not out.next_poll >= 0 else float(out.next_poll)
+            )
             fields: dict[str, Any] = {"poll_count": task.poll_count + 1, "consecutive_errors": ""}
             progress = valid_progress(out.progress)
             if progress is not None:
@@ -563,10 +580,19 @@ class Worker:
             if isinstance(out.handle, dict):
                 try:
                     check_json_like(out.handle, "Running.handle")
-                    fields["handle"] = encode_json({"external_id": task.external_id, "query": out.handle})
+                    fields["handle"] = encode_json(
+                        {"external_id": task.external_id, "query": out.handle}
+                    )
                 except InvalidTask as exc:
-                    logger.error("ignoring a replacement handle: %s", exc, extra={"task_id": task.id})
-            await self._save(active, Status.RUNNING, delay=clamp_delay(delay, now, task.deadline_at), fields=fields)
+                    logger.error(
+                        "ignoring a replacement handle: %s", exc, extra={"task_id": task.id}
+                    )
+            await self._save(
+                active,
+                Status.RUNNING,
+                delay=clamp_delay(delay, now, task.deadline_at),
+                fields=fields,
+            )
         elif isinstance(out, Succeeded):
             await self._succeeded(entry, task, active, ctx, out.result)
         elif isinstance(out, Failed):
@@ -606,11 +632,18 @@ class Worker:
         retry = self.config.retry
         code, message = _describe(exc)
         if isinstance(exc, PermanentError):
-            await self._save(active, Status.FAILED, fields={"error_code": code, "error_message": message})
+            await self._save(
+                active, Status.FAILED, fields={"error_code": code, "error_message": message}
+            )
             return
         if getattr(exc, "throttled", False):
             delay = max(retry_after(exc) or 0.0, float(retry.first_error_delay))
-            await self._save(active, task.status, delay=delay, fields={"error_code": code, "error_message": message})
+            await self._save(
+                active,
+                task.status,
+                delay=delay,
+                fields={"error_code": code, "error_message": message},
+            )
             return
         errors = task.consecutive_errors + 1
         if errors >= retry.max_consecutive_errors:
@@ -654,5 +687,3 @@ def _describe(exc: BaseException) -> tuple[str, str]:
     if isinstance(exc, HandlerError):
         return exc.code[:200], (exc.message or str(exc))[:_MAX_TEXT]
     return type(exc).__name__[:200], str(exc)[:_MAX_TEXT]
-
-

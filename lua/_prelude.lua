@@ -2,7 +2,7 @@
 --
 -- Every script receives KEYS[1] = "<ns>:{s<N>}:", the shard prefix. Keys of that shard
 -- are built from it here, so they all share the {s<N>} hash tag and one cluster slot.
--- The loader appends the LEGAL transition table generated from asynctaskd/model.py.
+-- The loader puts the LEGAL transition table, generated from asynctaskd/model.py, before this.
 
 local P = KEYS[1]
 local TIME_ = redis.call('TIME')

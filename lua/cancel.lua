@@ -7,7 +7,7 @@
 -- ARGV[3] tenant
 --
 -- Returns {1, version} CANCELED now (PENDING_SUBMIT, or SUBMIT_UNKNOWN by decision), or
---   {2, version}  REQUESTED: a worker holds or will promptly take the task and cancels it
+--   {2, version}  ACCEPTED (requested): a worker holds or will promptly take the task and cancels it
 --                 at its next save (calling the handler's cancel() for a submitted job)
 --   {-1}          NOT_FOUND (also for another tenant's task: existence is not revealed)
 --   {-9, status}  TERMINAL: already finished, nothing changed
@@ -23,8 +23,8 @@ local status = t[1]
 if not status then return {-1} end
 if ARGV[2] == '1' and (t[2] or '') ~= ARGV[3] then return {-1} end
 if TERMINAL[status] then return {-9, status} end
-if t[3] == '1' then return {2, tonumber(t[6])} end
 
+-- Nobody holds these (a parked task may carry a flag from before it was parked).
 if status == 'PENDING_SUBMIT' or status == 'SUBMIT_UNKNOWN' then
   local v = bump(tk)
   redis.call('HSET', tk, 'cancel_requested', '1')
@@ -32,6 +32,7 @@ if status == 'PENDING_SUBMIT' or status == 'SUBMIT_UNKNOWN' then
   emit(id, 'CANCELED', v)
   return {1, v}
 end
+if t[3] == '1' then return {2, tonumber(t[6])} end
 
 local v = bump(tk)
 redis.call('HSET', tk, 'cancel_requested', '1', 'cancel_version', v)

@@ -18,7 +18,7 @@
 -- ARGV[12] dedup_key       '' for none; must match KEYS[3]
 --
 -- Returns {1, version, created_ms, due_ms} created, or one of
---   {2, existing_id}  DEDUPED: a live task with the same tenant and dedup key exists
+--   {2, existing_id}  ACCEPTED (deduped): a live task with the same tenant and dedup key exists
 --   {-5}              EXISTS: the task id is taken
 -- Invariant: nothing is written unless the task is created whole; the status index,
 -- counters, deadline index and due set all agree with the hash when the script ends.

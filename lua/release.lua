@@ -4,11 +4,14 @@
 -- ARGV[1..] task_id, fence, version triples
 --
 -- Returns {code, code, ...}, one per triple, in order: 1 released (due at once), or
---   -1 NOT_FOUND  -2 STALE_FENCE  -3 WRONG_VERSION  -4 NO_LEASE
---   -8 STARTED    the submit call was marked started: only an outcome may be saved
+--   -1 NOT_FOUND  -2 STALE_FENCE  -4 NO_LEASE  -7 ILLEGAL (not a leased phase status)
+--   -8 STARTED    the submit call had been marked started: the task was parked in
+--                 SUBMIT_UNKNOWN (or requeued, for an idempotent handler), as reap does
 -- Invariants: a released SUBMITTING task whose call never started goes back to
 -- PENDING_SUBMIT; SUBMITTED/RUNNING stay and become due at once; the fence is kept, so
--- the next claim makes this holder stale. A rejected release writes nothing.
+-- the next claim makes this holder stale. Only the fence and the lease are checked, not
+-- the version: a holder may give back a lease after losing the reply to its own write.
+-- A rejected release writes nothing.
 
 if #ARGV % 3 ~= 0 then error('asynctaskd: release takes task_id, fence, version triples') end
 local leases = P .. 'leases'
@@ -19,15 +22,31 @@ for i = 1, #ARGV, 3 do
   local tk = task_key(id)
   local t = redis.call('HMGET', tk, 'status', 'fence', 'version', 'cancel_version',
                        'started_fence', 'handler', 'priority')
+  if ARGV[i + 2] == '' then error('asynctaskd: release needs task_id, fence, version') end
   if not t[1] then
     out[#out + 1] = -1
   elseif t[2] ~= ARGV[i + 1] then
     out[#out + 1] = -2
   elseif not redis.call('ZSCORE', leases, id) then
     out[#out + 1] = -4
-  elseif not version_holds(t[3], t[4], ARGV[i + 2]) then
-    out[#out + 1] = -3
   elseif t[1] == 'SUBMITTING' and t[5] == t[2] then
+    local v = bump(tk)
+    redis.call('ZREM', leases, id)
+    redis.call('HDEL', tk, 'owner')
+    if redis.call('HGET', tk, 'idempotent') == '1' then
+      redis.call('HDEL', tk, 'started_fence')
+      move_status(tk, id, 'SUBMITTING', 'PENDING_SUBMIT', t[6])
+      redis.call('HSET', tk, 'due_ms', schedule(id, 'submit', NOW, tonumber(t[7]) or 0))
+      emit(id, 'PENDING_SUBMIT', v)
+      any = true
+    else
+      redis.call('HSET', tk, 'error_code', 'INTERRUPTED_IN_SUBMIT',
+        'error_message', 'the worker stopped after starting the vendor submit')
+      move_status(tk, id, 'SUBMITTING', 'SUBMIT_UNKNOWN', t[6])
+      redis.call('ZREM', P .. 'deadlines', id)
+      redis.call('HDEL', tk, 'due_ms')
+      emit(id, 'SUBMIT_UNKNOWN', v)
+    end
     out[#out + 1] = -8
   elseif not PHASE[t[1]] then
     out[#out + 1] = -7

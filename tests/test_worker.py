@@ -37,8 +37,12 @@ pytestmark = pytest.mark.anyio
 def make_config(**sections: dict[str, Any]) -> Config:
     base: dict[str, dict[str, Any]] = {
         "worker": {"lease": "2s", "max_inflight": 100, "shutdown_grace": "5s"},
-        "retry": {"poll_interval": "50ms", "first_error_delay": "20ms",
-                  "max_error_delay": "200ms", "jitter": 0},  # fmt: skip
+        "retry": {
+            "poll_interval": "50ms",
+            "first_error_delay": "20ms",
+            "max_error_delay": "200ms",
+            "jitter": 0,
+        },  # fmt: skip
     }
     for name, values in sections.items():
         base.setdefault(name, {}).update(values)

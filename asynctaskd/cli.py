@@ -1,0 +1,338 @@
+"""The `asynctaskd` command: run the daemon, develop locally, inspect and repair tasks.
+
+Exit codes: 0 ok, 1 not found / failed / refused, 2 usage or configuration error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from .config import load_config
+from .errors import AsyncTaskdError, ConfigError, IllegalTransition, InvalidTask, TaskNotFound
+from .model import Status, Task
+
+__all__ = ["main"]
+
+EPILOG = """\
+examples:
+  asynctaskd dev --demo 200                      embedded Valkey + fake vendor + demo tasks
+  asynctaskd run --config /etc/asynctaskd/config.toml
+  asynctaskd check-config --config config.toml   validate, print the effective config
+  asynctaskd submit demo '{"text": "hi"}' --timeout 10m
+  asynctaskd get 01J... --json
+  asynctaskd list --status SUBMIT_UNKNOWN
+  asynctaskd resolve 01J... --as SUBMITTED --external-id job_42
+  asynctaskd stats
+
+Reads use --url/--namespace, or [redis] from --config, or $ASYNCTASKD_URL.
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="asynctaskd",
+        description="Submit vendor jobs once, track them to the end, from Redis.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def conn(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--config", type=Path, help="config file (for [redis] url and namespace)")
+        sp.add_argument("--url", help="Redis URL (default: from --config or $ASYNCTASKD_URL)")
+        sp.add_argument("--namespace", help="key namespace (default atd)")
+
+    def js(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    sp = sub.add_parser("run", help="run the daemon (systemd ExecStart)")
+    sp.add_argument("--config", type=Path, required=True, help="path to config.toml")
+
+    sp = sub.add_parser("dev", help="embedded Valkey + fake vendor + daemon, for trying it out")
+    sp.add_argument("--demo", type=int, default=0, metavar="N", help="submit N demo tasks")
+    sp.add_argument(
+        "--data-dir", default=".asynctaskd", help="where the embedded Valkey keeps data"
+    )
+    sp.add_argument("--polls", type=int, default=3, help="fake vendor: polls until a job is done")
+    sp.add_argument("--keep-running", action="store_true", help="stay up after the demo finishes")
+
+    sp = sub.add_parser("check-config", help="validate a config file and print it, secrets masked")
+    sp.add_argument("--config", type=Path, required=True)
+    js(sp)
+
+    sp = sub.add_parser("submit", help="create a task")
+    conn(sp)
+    js(sp)
+    sp.add_argument("handler")
+    sp.add_argument("params", help="JSON params, or @file.json")
+    sp.add_argument("--timeout", default="1h", help="tracking timeout, e.g. 30m (default 1h)")
+    sp.add_argument("--tenant")
+    sp.add_argument("--account")
+    sp.add_argument("--priority", type=int, default=0)
+    sp.add_argument("--dedup-key")
+    sp.add_argument("--delay", default=None, help="start no earlier than this from now, e.g. 5m")
+    sp.add_argument("--no-strict", action="store_true", help="skip the live-handler check")
+
+    for name, helptext in (("get", "show a task"), ("cancel", "cancel a task")):
+        sp = sub.add_parser(name, help=helptext)
+        conn(sp)
+        js(sp)
+        sp.add_argument("task_id")
+        sp.add_argument("--tenant")
+
+    sp = sub.add_parser("wait", help="wait until a task is terminal or SUBMIT_UNKNOWN")
+    conn(sp)
+    js(sp)
+    sp.add_argument("task_id")
+    sp.add_argument("--timeout", default="60s")
+
+    sp = sub.add_parser("list", help="list tasks by status, handler or tenant")
+    conn(sp)
+    js(sp)
+    sp.add_argument("--status", choices=[s.value for s in Status])
+    sp.add_argument("--handler")
+    sp.add_argument("--tenant")
+    sp.add_argument("--limit", type=int, default=50)
+    sp.add_argument("--cursor")
+
+    for name, helptext in (("stats", "counts by status and handler, live daemons"),
+                           ("top", "a live view of stats (Ctrl-C to quit)")):  # fmt: skip
+        sp = sub.add_parser(name, help=helptext)
+        conn(sp)
+        js(sp)
+        if name == "top":
+            sp.add_argument("--interval", type=float, default=1.0)
+
+    sp = sub.add_parser("resolve", help="settle a SUBMIT_UNKNOWN task (operators)")
+    conn(sp)
+    js(sp)
+    sp.add_argument("task_id")
+    sp.add_argument("--as", dest="as_", required=True,
+                    choices=["SUBMITTED", "PENDING_SUBMIT", "FAILED", "CANCELED"],
+                    help="SUBMITTED (with --external-id) if the vendor has the job; "
+                         "PENDING_SUBMIT to resubmit knowingly")  # fmt: skip
+    sp.add_argument("--external-id")
+    sp.add_argument("--query", help="JSON object the handler's query needs besides the id")
+    sp.add_argument("--message", default="")
+
+    sp = sub.add_parser("requeue", help="run a FAILED or TRACKING_TIMED_OUT task again")
+    conn(sp)
+    js(sp)
+    sp.add_argument("task_id")
+
+    sp = sub.add_parser("purge", help="delete terminal tasks older than a duration")
+    conn(sp)
+    sp.add_argument("--older-than", required=True, help="e.g. 7d")
+    sp.add_argument("--archive", type=Path, help="append purged tasks to this JSON-lines file")
+    sp.add_argument("--limit", type=int, default=10_000)
+    return p
+
+
+def _duration(text: str, what: str) -> float:
+    from .config import Duration
+
+    try:
+        return float(Duration.parse(text if not text.replace(".", "").isdigit() else float(text)))
+    except ValueError as exc:
+        raise InvalidTask(f"{what}: {exc}") from None
+
+
+def _connection(args: argparse.Namespace) -> tuple[str, str, int]:
+    import os
+
+    url, namespace, shards = None, None, 1
+    if getattr(args, "config", None):
+        config = load_config(args.config)
+        url, namespace, shards = config.redis.url, config.redis.namespace, config.redis.shards
+        if url == "embedded":
+            raise ConfigError(
+                f"{args.config}: redis.url is 'embedded'; pass --url to reach that server"
+            )
+    url = args.url or url or os.environ.get("ASYNCTASKD_URL") or "redis://127.0.0.1:6379/0"
+    return url, args.namespace or namespace or "atd", shards
+
+
+def _task_dict(task: Task) -> dict[str, Any]:
+    data: dict[str, Any] = msgspec.to_builtins(task)
+    return data
+
+
+def _print_task(task: Task, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(_task_dict(task)))  # noqa: T201 - CLI output
+        return
+    d = _task_dict(task)
+    width = max(len(k) for k in d)
+    for k, v in d.items():
+        if v in (None, "", 0, False) and k not in ("status", "version"):
+            continue
+        if k.endswith("_at") and isinstance(v, float):
+            v = f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(v))} ({v:.3f})"
+        elif not isinstance(v, str):
+            v = json.dumps(v)
+        print(f"{k:<{width}}  {v}")  # noqa: T201 - CLI output
+
+
+def _out(value: Any) -> None:
+    print(value)  # noqa: T201 - CLI output
+
+
+def _client_command(args: argparse.Namespace) -> int:
+    from .client import Client
+
+    url, namespace, shards = _connection(args)
+    with Client.from_url(url, namespace=namespace, shards=shards) as client:
+        cmd = args.command
+        if cmd == "submit":
+            raw = args.params
+            text = Path(raw[1:]).read_text() if raw.startswith("@") else raw
+            try:
+                params = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise InvalidTask(f"params are not valid JSON: {exc}") from None
+            task = client.submit(
+                args.handler, params,
+                tracking_timeout=_duration(args.timeout, "--timeout"),
+                tenant=args.tenant, account=args.account, priority=args.priority,
+                dedup_key=args.dedup_key,
+                delay=_duration(args.delay, "--delay") if args.delay else None,
+                strict=not args.no_strict,
+            )  # fmt: skip
+            if args.json:
+                _print_task(task, True)
+            else:
+                _out(task.id)
+            return 0
+        if cmd == "get":
+            found = client.get(args.task_id, tenant=args.tenant, internals=True)
+            if found is None:
+                raise TaskNotFound(f"no task {args.task_id}")
+            _print_task(found, args.json)
+            return 0
+        if cmd == "cancel":
+            done = client.cancel(args.task_id, tenant=args.tenant)
+            if args.json:
+                _out(json.dumps({"task_id": args.task_id, "canceled": done}))
+            else:
+                _out("cancel requested" if done else "already finished; nothing to cancel")
+            return 0 if done else 1
+        if cmd == "wait":
+            task = client.wait(args.task_id, _duration(args.timeout, "--timeout"))
+            _print_task(task, args.json)
+            return 0 if task.status is Status.SUCCEEDED else 1
+        if cmd == "list":
+            page = client.list(status=Status(args.status) if args.status else None,
+                               handler=args.handler, tenant=args.tenant,
+                               limit=args.limit, cursor=args.cursor)  # fmt: skip
+            if args.json:
+                _out(json.dumps({"tasks": [_task_dict(t) for t in page.tasks],
+                                 "cursor": page.cursor}))  # fmt: skip
+            else:
+                for t in page.tasks:
+                    err = f" {t.error.code}" if t.error else ""
+                    _out(f"{t.id}  {t.status.value:<18} {t.handler:<20} {t.tenant or '-':<12}{err}")
+                if page.cursor:
+                    _out(f"more: --cursor {page.cursor}")
+            return 0
+        if cmd in ("stats", "top"):
+            return _stats(client, args)
+        if cmd in ("resolve", "requeue"):
+            if cmd == "resolve":
+                query = json.loads(args.query) if args.query else None
+                task = client.resolve(args.task_id, args.as_, external_id=args.external_id,
+                                      query=query, message=args.message)  # fmt: skip
+            else:
+                task = client.requeue(args.task_id)
+            _print_task(task, args.json)
+            return 0
+        if cmd == "purge":
+            n = client.purge(_duration(args.older_than, "--older-than"), archive=args.archive,
+                             limit=args.limit)  # fmt: skip
+            _out(f"purged {n} task(s)")
+            return 0
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+def _stats(client: Any, args: argparse.Namespace) -> int:
+    def render() -> str:
+        s = client.stats()
+        if args.json:
+            return json.dumps(msgspec.to_builtins(s))
+        lines = ["status               count"]
+        for status in Status:
+            lines.append(f"{status.value:<20} {s.by_status.get(status, 0):>6}")
+        if s.by_handler:
+            lines.append("")
+            lines.append("handler              " + " ".join(f"{st.value[:9]:>9}" for st in Status))
+            for h, counts in sorted(s.by_handler.items()):
+                lines.append(f"{h:<20} " + " ".join(f"{counts.get(st, 0):>9}" for st in Status))
+        lines.append("")
+        lines.append(f"live daemons: {len(s.daemons)}")
+        for d in s.daemons:
+            lines.append(f"  {d.get('id')}  inflight={d.get('inflight')} "
+                         f"handlers={','.join(d.get('handlers', []))}")  # fmt: skip
+        return "\n".join(lines)
+
+    if args.command == "stats":
+        _out(render())
+        return 0
+    try:
+        while True:
+            sys.stdout.write("\x1b[2J\x1b[H" + render() + "\n")
+            sys.stdout.flush()
+            time.sleep(max(0.2, args.interval))
+    except KeyboardInterrupt:
+        return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit code."""
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            from .daemon import serve
+            from .logs import setup_logging
+
+            config = load_config(args.config)
+            setup_logging(config.log.level, config.log.format)
+            serve(config, args.config)
+            return 0
+        if args.command == "dev":
+            from .dev import run_dev
+
+            return run_dev(args)
+        if args.command == "check-config":
+            config = load_config(args.config)
+            from .handlers import load_handlers
+
+            handlers = load_handlers(list(config.handlers))
+            effective = config.redacted()
+            if args.json:
+                _out(json.dumps(effective))
+            else:
+                _out(
+                    f"{args.config}: OK, {len(handlers)} handler(s): {', '.join(sorted(handlers))}"
+                )
+                _out(json.dumps(effective, indent=2))
+            return 0
+        return _client_command(args)
+    except ConfigError as exc:
+        print(f"asynctaskd: config error: {exc}", file=sys.stderr)  # noqa: T201 - CLI output
+        return 2
+    except InvalidTask as exc:
+        print(f"asynctaskd: invalid input: {exc}", file=sys.stderr)  # noqa: T201 - CLI output
+        return 2
+    except (TaskNotFound, IllegalTransition) as exc:
+        print(f"asynctaskd: {exc}", file=sys.stderr)  # noqa: T201 - CLI output
+        return 1
+    except AsyncTaskdError as exc:
+        print(f"asynctaskd: {type(exc).__name__}: {exc}", file=sys.stderr)  # noqa: T201
+        return 1

