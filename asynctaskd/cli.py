@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -293,11 +294,18 @@ def _stats(client: Any, args: argparse.Namespace) -> int:
         return 0
 
 
+def _exit_during_startup(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit code."""
     args = _parser().parse_args(argv)
     try:
         if args.command == "run":
+            # Until the daemon's own handlers are installed, SIGTERM means "exit cleanly":
+            # nothing has been claimed yet, so there is nothing to drain.
+            signal.signal(signal.SIGTERM, _exit_during_startup)
             from .daemon import serve
             from .logs import setup_logging
 

@@ -352,7 +352,7 @@ async def run_server(
     runner = web.AppRunner(vendor.app, access_log=None, handle_signals=False, shutdown_timeout=0.25)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
+        site = web.TCPSite(runner, host, port, backlog=4096)
         await site.start()
         bound_port = runner.addresses[0][1]
         yield f"http://{host}:{bound_port}"

@@ -541,6 +541,9 @@ class Store(_Base):
                 pipe.execute_command(*gate.command())
                 replies = await pipe.execute(raise_on_error=False)
         if isinstance(replies[0], rex.NoScriptError):
+            # The server lost its script cache (restart): the mark was not written.
+            with _mapped("start"):
+                await self.redis.script_load(script.source)
             return await self.start_durable(lease, idempotent, gate)
         if isinstance(replies[0], Exception):
             with _mapped("start"):

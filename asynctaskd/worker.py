@@ -298,6 +298,12 @@ class Worker:
                     await self._with_slot(entry, self._submit(entry, task, active))
                 else:
                     await self._with_slot(entry, self._query(entry, task, active))
+        except StoreUnavailable as exc:
+            self.metrics.store_errors.labels("call").inc()
+            logger.warning(
+                "Redis unavailable while handling the task; its lease will expire: %s", exc,
+                extra={"task_id": task.id, "handler": task.handler},
+            )  # fmt: skip
         except Exception:
             self.metrics.handler_crashes.labels(task.handler).inc()
             logger.exception(

@@ -1,0 +1,361 @@
+"""An httpx transport backed by aiohttp, with exception mapping that keeps "never sent" honest.
+
+Handlers get an `httpx.AsyncClient`; httpx's own connection pool degrades badly with
+hundreds of concurrent requests (SPEC section 6), so the client built by
+`make_http_client` sends through an `aiohttp.ClientSession` instead.
+
+The worker reads the exception class to decide whether a failed submit may be sent again:
+`httpx.ConnectError`, `httpx.ConnectTimeout` and `httpx.PoolTimeout` mean "the request
+provably never reached the vendor" (safe to resubmit); every other `httpx.TransportError`
+means "it may have arrived" (ambiguous: query or reconcile, never blindly resubmit). A
+wrong "never sent" is a duplicate vendor job, so this module claims it only with two
+independent pieces of evidence:
+
+1. the aiohttp exception class is one aiohttp raises only while obtaining a connection, and
+2. a per-request trace (aiohttp's public `TraceConfig` signals) shows the request was still
+   waiting for a pool slot or opening a connection: none was ever handed to it.
+
+Everything else maps to an ambiguous error, including failures that in fact happened before
+any byte was written but cannot be proved so (a reused keep-alive connection that the
+server had already closed, for example).
+
+Known gaps, by design: aiohttp has no write timeout, so ``timeout.write`` is not enforced;
+``timeout.pool`` and ``timeout.connect`` become one shared budget (see `_client_timeout`);
+``max_keepalive_connections`` has no aiohttp counterpart beyond 0 (no keep-alive); the
+``trace``, ``sni_hostname`` and ``target`` request extensions are ignored; proxies and
+``trust_env`` are not supported (httpx ignores environment proxies for a custom transport
+too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import functools
+import ssl
+from collections.abc import AsyncIterable, AsyncIterator, Iterator, Mapping
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import Any, Final
+
+import aiohttp
+import httpx
+import yarl
+
+__all__ = ["AiohttpTransport", "make_http_client"]
+
+# aiohttp < 3.10 has no SocketTimeoutError (read timeouts are plain ServerTimeoutErrors).
+_SOCKET_TIMEOUT: Final[Any] = getattr(aiohttp, "SocketTimeoutError", ())
+
+# httpx's client sets every header it means to send; aiohttp must not add its own
+# (a second User-Agent, an Accept-Encoding httpx cannot decode, a guessed Content-Type).
+_NO_AUTO_HEADERS: Final = ("Accept", "Accept-Encoding", "Content-Type", "User-Agent")
+
+
+class _Phase(enum.IntEnum):
+    """How far one request got in obtaining a connection; it only ever moves forward."""
+
+    STARTED = 0  # nothing asked of the pool yet, or no trace seen
+    QUEUED = 1  # waiting for a free slot: the pool is at max_connections
+    CONNECTING = 2  # opening a new connection: DNS, TCP, TLS
+    CONNECTED = 3  # a connection (new or reused) was handed to this request
+
+
+class _Progress:
+    """Per-request evidence, filled in by the trace callbacks below."""
+
+    __slots__ = ("phase",)
+
+    def __init__(self) -> None:
+        self.phase = _Phase.STARTED
+
+    def reach(self, phase: _Phase) -> None:
+        # Monotonic: should aiohttp ever acquire a second connection for the same request
+        # (its retry loop, which we switch off), an earlier connection still counts.
+        if phase > self.phase:
+            self.phase = phase
+
+
+def _progress_of(ctx: SimpleNamespace) -> _Progress | None:
+    progress = getattr(ctx, "trace_request_ctx", None)
+    return progress if isinstance(progress, _Progress) else None
+
+
+async def _on_queued(_session: aiohttp.ClientSession, ctx: SimpleNamespace, _params: Any) -> None:
+    if (progress := _progress_of(ctx)) is not None:
+        progress.reach(_Phase.QUEUED)
+
+
+async def _on_create_start(
+    _session: aiohttp.ClientSession, ctx: SimpleNamespace, _params: Any
+) -> None:
+    if (progress := _progress_of(ctx)) is not None:
+        progress.reach(_Phase.CONNECTING)
+
+
+async def _on_connected(
+    _session: aiohttp.ClientSession, ctx: SimpleNamespace, _params: Any
+) -> None:
+    if (progress := _progress_of(ctx)) is not None:
+        progress.reach(_Phase.CONNECTED)
+
+
+def _trace_config() -> aiohttp.TraceConfig:
+    config = aiohttp.TraceConfig()
+    config.on_connection_queued_start.append(_on_queued)
+    config.on_connection_create_start.append(_on_create_start)
+    config.on_connection_create_end.append(_on_connected)
+    config.on_connection_reuseconn.append(_on_connected)
+    return config
+
+
+def _never_sent(
+    exc: BaseException, progress: _Progress, request: httpx.Request
+) -> httpx.TransportError | None:
+    """The "provably never sent" error for `exc`, or None when that cannot be proved."""
+    if progress.phase not in (_Phase.QUEUED, _Phase.CONNECTING):
+        # Either a connection was handed to this request (bytes may have left from then
+        # on), or no trace was seen at all: without positive evidence, claim nothing.
+        return None
+    message = str(exc) or type(exc).__name__
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        # DNS failure, refused, unreachable, TLS handshake or certificate failure: aiohttp
+        # raises ClientConnectorError (and its DNS/SSL/certificate/proxy subclasses) only
+        # from the connector while creating a connection, before any HTTP byte exists.
+        return httpx.ConnectError(message, request=request)
+    if isinstance(exc, aiohttp.ServerFingerprintMismatch):
+        # The pinned certificate did not match: checked right after the TLS handshake,
+        # before the request is written.
+        return httpx.ConnectError(message, request=request)
+    if isinstance(exc, aiohttp.ServerTimeoutError) and not isinstance(exc, _SOCKET_TIMEOUT):
+        # aiohttp >= 3.10 raises ConnectionTimeoutError only when the connector's
+        # `timeout.connect` (pool wait plus DNS/TCP/TLS) or `sock_connect` ran out, i.e.
+        # before a connection existed; aiohttp < 3.10 raises a plain ServerTimeoutError
+        # for connect and read timeouts alike, told apart here by the phase check above.
+        # aiohttp does not say which wait ran out; the trace does: a request still queued
+        # for a pool slot is a PoolTimeout, one opening a connection a ConnectTimeout.
+        if progress.phase is _Phase.QUEUED:
+            return httpx.PoolTimeout(message, request=request)
+        return httpx.ConnectTimeout(message, request=request)
+    return None
+
+
+def _ambiguous(exc: BaseException, request: httpx.Request) -> httpx.TransportError:
+    """The error for a failure after which the vendor may or may not have the request."""
+    message = str(exc) or type(exc).__name__
+    if isinstance(exc, aiohttp.ServerTimeoutError | TimeoutError):
+        # sock_read ran out (SocketTimeoutError) after the request was (being) written,
+        # or any other timeout we cannot place: the vendor may be working on it.
+        return httpx.ReadTimeout(message, request=request)
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        # The server closed the connection before a complete response. Includes the
+        # stale keep-alive race: the server closed a pooled connection just as we reused
+        # it, and aiohttp may raise this before any byte of ours arrived. That is
+        # unprovable from here, so it stays ambiguous (as httpcore reports it too).
+        return httpx.RemoteProtocolError(message, request=request)
+    if isinstance(exc, aiohttp.ClientPayloadError | aiohttp.ClientResponseError):
+        # A malformed status line, headers or body (bad chunking, truncated gzip, content
+        # length mismatch): the server answered, so it certainly received something.
+        return httpx.RemoteProtocolError(message, request=request)
+    if isinstance(exc, aiohttp.ClientConnectionResetError):
+        # "Cannot write to closing transport": the connection died while we were writing;
+        # part of the request may have been delivered.
+        return httpx.WriteError(message, request=request)
+    upload_aborted = getattr(aiohttp, "UploadAbortedError", None)
+    if upload_aborted is not None and isinstance(exc, upload_aborted):
+        # "The request body was never fully sent": the headers and part of the body may
+        # have arrived; a server could act on them.
+        return httpx.WriteError(message, request=request)
+    if isinstance(exc, aiohttp.ClientConnectionError):
+        # ClientOSError (reset by peer, broken pipe) after a connection existed, or
+        # "Connection closed" while reading: a network failure mid-exchange. Also the
+        # never-expected connector errors seen after CONNECTED: never Connect* then.
+        return httpx.ReadError(message, request=request)
+    if isinstance(exc, aiohttp.InvalidURL | aiohttp.NonHttpUrlClientError):
+        # aiohttp refused the URL itself; httpx's own transport reports an unusable URL
+        # scheme as UnsupportedProtocol. Not claimed "never sent": no need to, it fails
+        # the same way every time.
+        return httpx.UnsupportedProtocol(message, request=request)
+    # Anything else aiohttp raises: a generic transport failure, deliberately not a
+    # Connect*/Pool* error, so the worker treats it as ambiguous.
+    return httpx.TransportError(message, request=request)
+
+
+@contextmanager
+def _mapped_errors(progress: _Progress, request: httpx.Request) -> Iterator[None]:
+    """Re-raise aiohttp's exceptions as httpx's, keeping the original as __cause__."""
+    try:
+        yield
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        # TimeoutError: aiohttp's timeouts subclass it; a bare one can only come from an
+        # aiohttp timer here (CancelledError, anyio's and asyncio's cancel scopes, is not
+        # a TimeoutError inside the scope).
+        raise (_never_sent(exc, progress, request) or _ambiguous(exc, request)) from exc
+
+
+@functools.lru_cache(maxsize=64)
+def _client_timeout(
+    connect: float | None, read: float | None, pool: float | None
+) -> aiohttp.ClientTimeout:
+    # aiohttp's `connect` bounds pool wait plus connection setup (DNS included) as one
+    # budget; `sock_connect` bounds TCP and TLS setup per address. httpx's `pool` plus
+    # `connect` is the closest expression, so a fast connect leaves the pool wait more
+    # than `pool` seconds (at most pool + connect), and DNS is bounded only by the sum.
+    # With no pool bound, aiohttp cannot bound DNS alone: only `sock_connect` applies.
+    # `total` stays None: httpx has no total timeout, and sock_read restarts on every
+    # chunk like httpx's read timeout. aiohttp has no write timeout at all.
+    total_connect = None if pool is None or connect is None else pool + connect
+    return aiohttp.ClientTimeout(
+        total=None, connect=total_connect, sock_connect=connect, sock_read=read
+    )
+
+
+class _ResponseBody(httpx.AsyncByteStream):
+    """The aiohttp response body as an httpx stream; closing it releases the connection."""
+
+    def __init__(
+        self, response: aiohttp.ClientResponse, progress: _Progress, request: httpx.Request
+    ) -> None:
+        self._response = response
+        self._progress = progress
+        self._request = request
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        with _mapped_errors(self._progress, self._request):
+            async for chunk in self._response.content.iter_any():
+                yield chunk
+
+    async def aclose(self) -> None:
+        # release() hands a fully read connection back to the pool and closes one whose
+        # body was left unread, so a half-read response never poisons the next request.
+        self._response.release()
+
+
+class AiohttpTransport(httpx.AsyncBaseTransport):
+    """An httpx transport that sends requests with one shared `aiohttp.ClientSession`.
+
+    The session is created on first use, inside the running event loop, and is bound to
+    that loop. Redirects, cookies, decompression and retries are left to httpx and to the
+    caller: aiohttp follows no redirect, keeps no cookie, decodes no body and never
+    resends a request.
+    """
+
+    def __init__(
+        self,
+        *,
+        limits: httpx.Limits = httpx.Limits(  # noqa: B008 - never mutated
+            max_connections=1000, max_keepalive_connections=1000, keepalive_expiry=30
+        ),
+        verify: ssl.SSLContext | bool = True,
+    ) -> None:
+        self._limits = limits
+        # The same trust store and TLS settings httpx's own transport would use.
+        self._ssl_context = httpx.create_ssl_context(verify=verify)
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+
+    def _session_here(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is not None:
+            if self._loop is not loop:
+                raise RuntimeError("AiohttpTransport used from an event loop it was not made in")
+            return self._session
+        if self._closed:
+            raise RuntimeError("AiohttpTransport is closed")
+        limits = self._limits
+        connector = aiohttp.TCPConnector(
+            limit=limits.max_connections or 0,  # None means unlimited; aiohttp spells it 0
+            limit_per_host=0,  # httpx has no per-host limit
+            keepalive_timeout=limits.keepalive_expiry,
+            force_close=limits.max_keepalive_connections == 0,
+            ssl=self._ssl_context,
+        )
+        session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None),
+            auto_decompress=False,  # httpx decodes Content-Encoding itself
+            cookie_jar=aiohttp.DummyCookieJar(),  # httpx keeps the cookies
+            skip_auto_headers=_NO_AUTO_HEADERS,
+            trace_configs=[_trace_config()],
+            trust_env=False,
+        )
+        # aiohttp silently resends GET/HEAD/OPTIONS/TRACE/PUT/DELETE once when the
+        # connection drops (RFC 9112 9.3.1 allows it for idempotent methods). A vendor's
+        # PUT or DELETE is not necessarily idempotent, and the worker, not the transport,
+        # decides what may be sent twice. There is no public switch; this private flag is
+        # pinned by tests/test_transport.py (one PUT, one request at the server).
+        session._retry_connection = False
+        self._session, self._loop = session, loop
+        return session
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        """Send `request` and return a response whose body streams from the connection."""
+        session = self._session_here()
+        timeouts: Mapping[str, float | None] = request.extensions.get("timeout", {})
+        timeout = _client_timeout(
+            timeouts.get("connect"), timeouts.get("read"), timeouts.get("pool")
+        )
+        headers = request.headers.multi_items()
+        chunked: bool | None = None
+        data: bytes | AsyncIterable[bytes] | None
+        try:
+            data = request.content or None
+        except httpx.RequestNotRead:
+            if not isinstance(request.stream, AsyncIterable):
+                raise RuntimeError("AiohttpTransport needs an async request body") from None
+            data = request.stream
+            if "chunked" in request.headers.get("Transfer-Encoding", "").lower():
+                # aiohttp frames a body of unknown length itself and refuses a request that
+                # already carries the header: let it write the header and the chunks.
+                headers = [(k, v) for k, v in headers if k.lower() != "transfer-encoding"]
+                chunked = True
+        progress = _Progress()
+        with _mapped_errors(progress, request):
+            response = await session.request(
+                request.method,
+                # encoded=True: httpx already percent-encoded the URL; send it byte for byte.
+                yarl.URL(str(request.url), encoded=True),
+                headers=headers,
+                data=data,
+                chunked=chunked,
+                allow_redirects=False,
+                timeout=timeout,
+                trace_request_ctx=progress,
+            )
+        version = response.version
+        return httpx.Response(
+            status_code=response.status,
+            headers=response.raw_headers,
+            stream=_ResponseBody(response, progress, request),
+            extensions={
+                "http_version": (
+                    f"HTTP/{version.major}.{version.minor}" if version else "HTTP/1.1"
+                ).encode("ascii"),
+                "reason_phrase": (response.reason or "").encode("latin-1", "replace"),
+            },
+        )
+
+    async def aclose(self) -> None:
+        """Close the session and every pooled connection."""
+        self._closed = True
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+
+def make_http_client(
+    *,
+    max_connections: int = 1000,
+    timeout: httpx.Timeout = httpx.Timeout(30.0, connect=5.0),  # noqa: B008 - immutable
+    headers: dict[str, str] | None = None,
+) -> httpx.AsyncClient:
+    """The shared client handlers receive: httpx's API over an `AiohttpTransport`."""
+    limits = httpx.Limits(
+        max_connections=max_connections,
+        max_keepalive_connections=max_connections,
+        keepalive_expiry=30,
+    )
+    return httpx.AsyncClient(
+        transport=AiohttpTransport(limits=limits), timeout=timeout, headers=headers
+    )

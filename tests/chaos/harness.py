@@ -1,0 +1,178 @@
+"""Real processes for fault tests: a Redis with AOF, the fake vendor, several daemons."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from redis import Redis
+
+from asynctaskd.codec import encode_json
+from asynctaskd.keys import Keys, new_task_id
+from asynctaskd.model import Status
+from asynctaskd.store import SyncStore
+
+
+def daemon_config(tmp: Path, url: str, vendor_url: str, *, idempotent: bool = False,
+                  lease: str = "1s") -> Path:  # fmt: skip
+    path = tmp / "daemon.toml"
+    path.write_text(f"""
+[redis]
+url = "{url}"
+socket_timeout = "2s"
+[worker]
+lease = "{lease}"
+shutdown_grace = "2s"
+max_inflight = 300
+[retry]
+poll_interval = "100ms"
+first_error_delay = "50ms"
+max_error_delay = "1s"
+max_consecutive_errors = 50
+[reaper]
+interval = "200ms"
+[metrics]
+enabled = false
+[log]
+format = "json"
+level = "warning"
+[[handlers]]
+key = "demo"
+type = "python"
+factory = "asynctaskd.demo:make_handler"
+options = {{ base_url = "{vendor_url}", key = "demo", idempotent = {json.dumps(idempotent)} }}
+""")
+    return path
+
+
+class Daemons:
+    """N `asynctaskd run` processes that can be killed and restarted."""
+
+    def __init__(self, config: Path, n: int) -> None:
+        self.config = config
+        self.procs: list[subprocess.Popen[bytes] | None] = [None] * n
+        self.started_at = [0.0] * n
+        self.kills = 0
+        self.log_dir = config.parent
+
+    def start(self, i: int) -> None:
+        log = (self.log_dir / f"daemon-{i}-{time.monotonic_ns()}.log").open("wb")
+        self.started_at[i] = time.monotonic()
+        self.procs[i] = subprocess.Popen(
+            [sys.executable, "-m", "asynctaskd", "run", "--config", str(self.config)],
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            env=dict(os.environ),
+        )
+
+    def start_all(self) -> None:
+        for i in range(len(self.procs)):
+            self.start(i)
+
+    def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs[i]
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(sig)
+            if sig == signal.SIGKILL:
+                proc.wait(timeout=10)
+                self.kills += 1
+
+    def kill_random_and_restart(self, rng: random.Random) -> None:
+        i = rng.randrange(len(self.procs))
+        self.kill(i)
+        self.start(i)
+
+    def stop_all(self) -> list[int]:
+        codes = []
+        # A process still importing has no signal handler yet; give it a moment.
+        youngest = max(self.started_at)
+        time.sleep(max(0.0, youngest + 1.5 - time.monotonic()))
+        for proc in self.procs:
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            if proc is not None:
+                try:
+                    codes.append(proc.wait(timeout=20))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    codes.append(-9)
+        return codes
+
+    def logs(self) -> str:
+        return "\n".join(p.read_text(errors="replace")[-3000:] for p in self.log_dir.glob("daemon-*.log"))
+
+
+def create_tasks(url: str, n: int, *, timeout_ms: int = 300_000) -> list[str]:
+    client = Redis.from_url(url)
+    store = SyncStore(client, Keys())
+    ids = [new_task_id() for _ in range(n)]
+    client.script_load(store.scripts["create"].source)
+    sha = store.scripts["create"].sha
+    pipe = client.pipeline(transaction=False)
+    for i, tid in enumerate(ids):
+        call = store.ops.create(tid, "demo", encode_json({"i": i}), timeout_ms=timeout_ms)
+        pipe.evalsha(sha, len(call.keys), *call.keys, *call.args)
+        if len(pipe) >= 500:
+            pipe.execute()
+    pipe.execute()
+    client.close()
+    return ids
+
+
+def snapshot(url: str, ids: list[str]) -> dict[str, Any]:
+    client = Redis.from_url(url)
+    store = SyncStore(client, Keys())
+    tasks = {tid: store.get(tid) for tid in ids}
+    client.close()
+    return tasks
+
+
+def settled(url: str, ids: list[str]) -> bool:
+    client = Redis.from_url(url)
+    try:
+        counts = {k.decode(): int(v) for k, v in client.hgetall(Keys().counts(0)).items()}
+    finally:
+        client.close()
+    done = sum(counts.get(s.value, 0) for s in Status if s.is_settled)
+    return done >= len(ids)
+
+
+def check_history(url: str, ids: list[str], vendor_log: list[dict[str, Any]],
+                  *, idempotent: bool = False) -> Counter[Status]:  # fmt: skip
+    """The guarantees: no duplicate vendor job, nothing lost, parked only if started."""
+    tasks = snapshot(url, ids)
+    statuses: Counter[Status] = Counter()
+    for tid, task in tasks.items():
+        assert task is not None, f"task {tid} vanished"
+        statuses[task.status] += 1
+        assert task.status.is_settled, f"{tid} is {task.status}"
+        if task.status is Status.SUBMIT_UNKNOWN:
+            assert task.submit_attempts >= 1, f"{tid} parked without a started submit"
+    jobs_per_task = Counter(
+        e["ref"] for e in vendor_log if e["outcome"] in ("created", "ambiguous")
+    )
+    if not idempotent:
+        dupes = {ref: n for ref, n in jobs_per_task.items() if n > 1}
+        assert not dupes, f"vendor jobs created twice: {dupes}"
+    for tid, task in tasks.items():
+        if task is not None and task.status is Status.SUCCEEDED:
+            assert jobs_per_task[tid] >= 1, f"{tid} succeeded without a vendor job"
+            assert task.external_id is not None
+    client = Redis.from_url(url)
+    try:
+        assert client.zcard(Keys().leases(0)) == 0, "leases left behind"
+        counts = {k.decode(): int(v) for k, v in client.hgetall(Keys().counts(0)).items()}
+    finally:
+        client.close()
+    for status in Status:
+        assert counts.get(status.value, 0) == statuses[status], f"counter {status} drifted"
+    return statuses

@@ -1,0 +1,102 @@
+"""SIGKILLed daemons and a restarted Redis: nothing submitted twice, nothing lost."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from asynctaskd.embedded import ServerProcess, find_binary
+from asynctaskd.fakevendor import Behaviour, FakeVendorProcess
+from asynctaskd.model import Status
+from tests.chaos.harness import Daemons, check_history, create_tasks, daemon_config, settled
+from tests.conftest import wait_until_sync
+
+pytestmark = [pytest.mark.slow, pytest.mark.chaos]
+
+
+@pytest.fixture(params=["redis-server", "valkey-server"])
+def aof_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ServerProcess]:
+    binary = find_binary(request.param)
+    if binary is None:
+        pytest.skip(f"{request.param} is not installed")
+    server = ServerProcess(binary, data_dir=tmp_path / "redis", aof=True).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def slow_vendor() -> Iterator[FakeVendorProcess]:
+    # Submits take long enough that kills land inside them.
+    behaviour = Behaviour(submit_latency=0.05, query_latency=0.02, latency_jitter=0.05,
+                          polls_to_done=3, seed=7)  # fmt: skip
+    with FakeVendorProcess.start(behaviour) as vendor:
+        yield vendor
+
+
+def test_sigkill_daemons_mid_submit_and_mid_poll(
+    tmp_path: Path, aof_server: ServerProcess, slow_vendor: FakeVendorProcess
+) -> None:
+    ids = create_tasks(aof_server.url, 2000)
+    daemons = Daemons(daemon_config(tmp_path, aof_server.url, slow_vendor.url), 3)
+    daemons.start_all()
+    rng = random.Random(11)
+    try:
+        stop_at = time.monotonic() + 25
+        while time.monotonic() < stop_at and not settled(aof_server.url, ids):
+            time.sleep(rng.uniform(0.5, 1.5))
+            daemons.kill_random_and_restart(rng)
+        wait_until_sync(lambda: settled(aof_server.url, ids), "every task settled", timeout=90)
+    finally:
+        codes = daemons.stop_all()
+    assert codes == [0, 0, 0], daemons.logs()
+    statuses = check_history(aof_server.url, ids, slow_vendor.submit_log())
+    assert daemons.kills >= 5
+    assert statuses[Status.SUCCEEDED] + statuses[Status.SUBMIT_UNKNOWN] == 2000, statuses
+
+
+def test_redis_restarted_twice_loses_nothing(
+    tmp_path: Path, aof_server: ServerProcess, slow_vendor: FakeVendorProcess
+) -> None:
+    ids = create_tasks(aof_server.url, 1500)
+    daemons = Daemons(daemon_config(tmp_path, aof_server.url, slow_vendor.url), 2)
+    daemons.start_all()
+    try:
+        for _ in range(2):
+            wait_until_sync(lambda: slow_vendor_has_work(slow_vendor), "vendor traffic", 20)
+            time.sleep(1.0)
+            aof_server.restart()
+        wait_until_sync(lambda: settled(aof_server.url, ids), "every task settled", timeout=120)
+    finally:
+        codes = daemons.stop_all()
+    assert codes == [0, 0], daemons.logs()
+    statuses = check_history(aof_server.url, ids, slow_vendor.submit_log())
+    assert statuses[Status.SUCCEEDED] + statuses[Status.SUBMIT_UNKNOWN] == 1500, statuses
+
+
+def test_ambiguous_submits_park_and_idempotent_handler_recovers(tmp_path: Path,
+                                                                aof_server: ServerProcess) -> None:  # fmt: skip
+    behaviour = Behaviour(ambiguous_rate=0.2, ambiguous_delay=3.0, polls_to_done=2, seed=3)
+    with FakeVendorProcess.start(behaviour) as vendor:
+        ids = create_tasks(aof_server.url, 200)
+        cfg = daemon_config(tmp_path, aof_server.url, vendor.url)
+        text = cfg.read_text().replace('socket_timeout = "2s"', 'socket_timeout = "2s"')
+        cfg.write_text(text)
+        daemons = Daemons(cfg, 1)
+        daemons.start_all()
+        try:
+            wait_until_sync(lambda: settled(aof_server.url, ids), "settled", timeout=60)
+        finally:
+            daemons.stop_all()
+        statuses = check_history(aof_server.url, ids, vendor.submit_log())
+        ambiguous = sum(1 for e in vendor.submit_log() if e["outcome"] == "ambiguous")
+        assert ambiguous > 0 and statuses[Status.SUBMIT_UNKNOWN] >= 1
+
+
+def slow_vendor_has_work(vendor: FakeVendorProcess) -> bool:
+    return len(vendor.submit_log()) > 0

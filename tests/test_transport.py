@@ -1,0 +1,742 @@
+"""AiohttpTransport over real loopback sockets, and its exception table, row by row.
+
+The servers run in the test's own event loop: aiohttp.web for well-behaved HTTP, raw
+asyncio streams for servers that misbehave on purpose. Tests synchronise on events the
+servers set when a request has arrived, never on sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gzip
+import json
+import shutil
+import socket
+import ssl
+import subprocess
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+
+import aiohttp
+import anyio
+import httpx
+import pytest
+import yarl
+from aiohttp import web
+from aiohttp.client_reqrep import ConnectionKey
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from asynctaskd.transport import (
+    AiohttpTransport,
+    _mapped_errors,
+    _Phase,
+    _Progress,
+    make_http_client,
+)
+
+pytestmark = pytest.mark.anyio
+
+NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+# --- servers ---------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def web_server(app: web.Application) -> AsyncIterator[str]:
+    """Serve `app` on a free loopback port; yields the base URL."""
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+    await runner.setup()
+    # A deep backlog: a thousand simultaneous connects must not wait on SYN retransmits.
+    site = web.TCPSite(runner, "127.0.0.1", 0, backlog=2048)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def raw_server(handler: Handler) -> AsyncIterator[str]:
+    """Serve raw bytes with `handler` per connection; yields the base URL."""
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+        # Python 3.12+ waits for open connections here; close them first.
+        close_clients = getattr(server, "close_clients", None)
+        if close_clients is not None:
+            close_clients()
+        await server.wait_closed()
+
+
+async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """One HTTP/1.1 request head and its Content-Length body."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    body = await reader.readexactly(length) if length else b""
+    return head, body
+
+
+def ok_response(body: bytes = b"ok") -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+
+
+class Arrivals:
+    """Counts requests that reached a raw server and signals the first one."""
+
+    def __init__(self) -> None:
+        self.heads: list[bytes] = []
+        self.connections = 0
+        self.arrived = asyncio.Event()
+
+    def record(self, head: bytes) -> None:
+        self.heads.append(head)
+        self.arrived.set()
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+# --- the happy path --------------------------------------------------------------------
+
+
+def echo_app() -> web.Application:
+    async def echo(request: web.Request) -> web.Response:
+        body = await request.read()
+        return web.json_response(
+            {
+                "method": request.method,
+                "path": request.path_qs,
+                "headers": [[k, v] for k, v in request.headers.items()],
+                "json": json.loads(body) if body else None,
+            },
+            headers={"X-Server": "echo"},
+        )
+
+    async def status(request: web.Request) -> web.Response:
+        return web.Response(status=int(request.match_info["code"]), text="status")
+
+    async def redirect(request: web.Request) -> web.Response:
+        raise web.HTTPFound("/echo/after-redirect")
+
+    async def gzipped(request: web.Request) -> web.Response:
+        payload = json.dumps({"words": ["compressed"] * 200}).encode()
+        return web.Response(
+            body=gzip.compress(payload),
+            headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+        )
+
+    async def cookie(request: web.Request) -> web.Response:
+        response = web.json_response({"cookie": request.headers.getall("Cookie", [])})
+        response.set_cookie("session", "s1")
+        return response
+
+    app = web.Application()
+    app.router.add_route("*", "/echo/{tail:.*}", echo)
+    app.router.add_get("/status/{code}", status)
+    app.router.add_get("/redirect", redirect)
+    app.router.add_get("/gzip", gzipped)
+    app.router.add_get("/cookie", cookie)
+    return app
+
+
+@pytest.fixture
+async def echo_url() -> AsyncIterator[str]:
+    async with web_server(echo_app()) as url:
+        yield url
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[httpx.AsyncClient]:
+    async with make_http_client(headers={"X-Client": "asynctaskd"}) as http:
+        yield http
+
+
+async def test_get_json_round_trip_with_headers(client: httpx.AsyncClient, echo_url: str) -> None:
+    response = await client.get(
+        f"{echo_url}/echo/jobs/a%2Fb?q=a+b&x=%C3%A9", headers={"X-Request": "one"}
+    )
+
+    assert response.status_code == 200
+    assert response.http_version == "HTTP/1.1"
+    assert response.reason_phrase == "OK"
+    assert response.headers["x-server"] == "echo"
+    assert response.request.url.path == "/echo/jobs/a/b"
+    echoed = response.json()
+    assert echoed["method"] == "GET"
+    assert echoed["path"] == "/echo/jobs/a%2Fb?q=a+b&x=%C3%A9"  # sent byte for byte
+    headers = [(k.lower(), v) for k, v in echoed["headers"]]
+    assert ("x-request", "one") in headers
+    assert ("x-client", "asynctaskd") in headers
+    # httpx's headers only: aiohttp adds no User-Agent, Accept or Accept-Encoding of its own.
+    names = [k for k, _ in headers]
+    for name in ("user-agent", "accept", "accept-encoding"):
+        assert names.count(name) == 1, name
+    assert dict(headers)["user-agent"].startswith("python-httpx/")
+    assert "content-type" not in names
+
+
+async def test_post_json_round_trip(client: httpx.AsyncClient, echo_url: str) -> None:
+    payload = {"input": {"prompt": "a cat", "n": [1, 2.5, None]}, "ref": "t-1"}
+
+    response = await client.post(f"{echo_url}/echo/v1/jobs", json=payload)
+
+    assert response.status_code == 200
+    echoed = response.json()
+    assert echoed["method"] == "POST"
+    assert echoed["json"] == payload
+    assert ["Content-Type", "application/json"] in echoed["headers"]
+
+
+async def test_streamed_request_body(client: httpx.AsyncClient, echo_url: str) -> None:
+    async def body() -> AsyncIterator[bytes]:
+        yield b'{"input": '
+        yield b'{"streamed": true}}'
+
+    response = await client.post(f"{echo_url}/echo/stream", content=body())
+
+    assert response.json()["json"] == {"input": {"streamed": True}}
+
+
+@pytest.mark.parametrize("code", [201, 204, 400, 404, 429, 500, 503])
+async def test_status_codes_pass_through(
+    client: httpx.AsyncClient, echo_url: str, code: int
+) -> None:
+    response = await client.get(f"{echo_url}/status/{code}")
+
+    assert response.status_code == code
+    assert response.content == (b"" if code == 204 else b"status")
+
+
+async def test_redirects_are_httpx_business(client: httpx.AsyncClient, echo_url: str) -> None:
+    not_followed = await client.get(f"{echo_url}/redirect")
+    followed = await client.get(f"{echo_url}/redirect", follow_redirects=True)
+
+    assert not_followed.status_code == 302
+    assert not_followed.headers["location"] == "/echo/after-redirect"
+    assert followed.status_code == 200
+    assert followed.json()["path"] == "/echo/after-redirect"
+    assert [r.status_code for r in followed.history] == [302]
+
+
+async def test_gzip_body_is_decoded_once_by_httpx(client: httpx.AsyncClient, echo_url: str) -> None:
+    async with client.stream("GET", f"{echo_url}/gzip") as response:
+        raw = b"".join([chunk async for chunk in response.aiter_raw()])
+
+    decoded = await client.get(f"{echo_url}/gzip")
+
+    assert raw[:2] == b"\x1f\x8b"  # aiohttp left the body compressed
+    assert decoded.headers["content-encoding"] == "gzip"
+    assert decoded.json() == {"words": ["compressed"] * 200}
+
+
+async def test_cookies_are_kept_by_httpx_only(client: httpx.AsyncClient, echo_url: str) -> None:
+    first = await client.get(f"{echo_url}/cookie")
+    second = await client.get(f"{echo_url}/cookie")
+
+    assert first.json() == {"cookie": []}
+    assert second.json() == {"cookie": ["session=s1"]}  # once: aiohttp keeps no jar
+
+
+async def test_head_request(client: httpx.AsyncClient, echo_url: str) -> None:
+    response = await client.head(f"{echo_url}/echo/head")
+
+    assert response.status_code == 200
+    assert response.content == b""
+
+
+async def test_streaming_response_arrives_chunk_by_chunk() -> None:
+    first_seen = asyncio.Event()
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(b"first")
+        await first_seen.wait()  # the client has the first chunk before the second exists
+        await response.write(b"second")
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_get("/stream", stream)
+    async with (
+        web_server(app) as url,
+        make_http_client() as http,
+        http.stream("GET", f"{url}/stream") as response,
+    ):
+        chunks = response.aiter_raw()
+        first = await anext(chunks)
+        first_seen.set()
+        rest = b"".join([chunk async for chunk in chunks])
+
+    assert first == b"first"
+    assert rest == b"second"
+
+
+async def test_closing_a_half_read_stream_frees_the_connection() -> None:
+    release = asyncio.Event()
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(b"x" * 1024)
+        await release.wait()
+        return response
+
+    async def hello(request: web.Request) -> web.Response:
+        return web.Response(text="hello")
+
+    app = web.Application()
+    app.router.add_get("/endless", endless)
+    app.router.add_get("/hello", hello)
+    async with web_server(app) as url, make_http_client(max_connections=1) as http:
+        async with http.stream("GET", f"{url}/endless") as response:
+            await anext(response.aiter_raw())
+        # The only pooled connection was closed, not handed back with a body half read.
+        with anyio.fail_after(5):
+            hello_response = await http.get(f"{url}/hello")
+        release.set()
+
+    assert hello_response.text == "hello"
+
+
+async def test_a_thousand_concurrent_requests_complete() -> None:
+    total = 1000
+    in_flight = 0
+    all_arrived = asyncio.Event()
+
+    async def gather_everyone(request: web.Request) -> web.Response:
+        nonlocal in_flight
+        in_flight += 1
+        if in_flight == total:
+            all_arrived.set()
+        await all_arrived.wait()  # answers only once all 1,000 are in flight at once
+        return web.json_response({"n": int(request.query["n"])})
+
+    app = web.Application()
+    app.router.add_get("/all", gather_everyone)
+    results: list[int] = []
+
+    async def one(http: httpx.AsyncClient, url: str, n: int) -> None:
+        response = await http.get(f"{url}/all", params={"n": n})
+        results.append(response.json()["n"])
+
+    async with web_server(app) as url, make_http_client(max_connections=total) as http:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for n in range(total):
+                    tg.start_soon(one, http, url, n)
+
+    assert sorted(results) == list(range(total))
+
+
+async def test_make_http_client_wires_transport_timeout_and_headers() -> None:
+    timeout = httpx.Timeout(10.0, connect=2.0)
+    async with make_http_client(timeout=timeout, headers={"X-A": "1"}) as http:
+        assert isinstance(http._transport, AiohttpTransport)
+        assert http.timeout == timeout
+        assert http.headers["x-a"] == "1"
+
+
+# --- TLS ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """A self-signed certificate for 127.0.0.1: (cert file, key file)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is not installed")
+    directory = tmp_path_factory.mktemp("tls")
+    cert, key = str(directory / "cert.pem"), str(directory / "key.pem")
+    argv = ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"]
+    argv += ["-nodes", "-keyout", key, "-out", cert, "-days", "1", "-subj", "/CN=127.0.0.1"]
+    argv += ["-addext", "subjectAltName=IP:127.0.0.1"]
+    subprocess.run(argv, check=True, capture_output=True)
+    return cert, key
+
+
+@pytest.fixture
+async def tls_url(certificate: tuple[str, str]) -> AsyncIterator[str]:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(*certificate)
+
+    async def hello(request: web.Request) -> web.Response:
+        return web.Response(text="secret")
+
+    app = web.Application()
+    app.router.add_get("/", hello)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=context)
+    await site.start()
+    try:
+        yield f"https://127.0.0.1:{runner.addresses[0][1]}/"
+    finally:
+        await runner.cleanup()
+
+
+async def test_untrusted_certificate_is_connect_error(tls_url: str) -> None:
+    async with make_http_client() as http:
+        with pytest.raises(httpx.ConnectError) as caught:
+            await http.get(tls_url)
+
+    assert isinstance(caught.value.__cause__, aiohttp.ClientConnectorCertificateError)
+
+
+async def test_verify_with_a_context_or_off(tls_url: str, certificate: tuple[str, str]) -> None:
+    trusting = ssl.create_default_context(cafile=certificate[0])
+    for verify in (trusting, False):
+        async with httpx.AsyncClient(transport=AiohttpTransport(verify=verify)) as http:
+            assert (await http.get(tls_url)).text == "secret"
+
+
+# --- failures that prove the request never left -----------------------------------------
+
+
+async def test_connect_refused_is_connect_error() -> None:
+    async with make_http_client() as http:
+        with pytest.raises(httpx.ConnectError) as caught:
+            await http.get(f"http://127.0.0.1:{closed_port()}/v1/jobs")
+
+    assert isinstance(caught.value.__cause__, aiohttp.ClientConnectorError)
+    assert caught.value.request.url.port is not None
+
+
+@pytest.fixture
+def unanswered_address() -> Iterator[tuple[str, int]]:
+    """A loopback listener whose accept queue is full, so new SYNs go unanswered."""
+    with contextlib.ExitStack() as stack:
+        listener = stack.enter_context(socket.socket())
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)  # never accepted: Linux queues one connection, then drops SYNs
+        address: tuple[str, int] = listener.getsockname()
+        for _ in range(2):
+            filler = stack.enter_context(socket.socket())
+            filler.setblocking(False)
+            filler.connect_ex(address)
+        # Decide with a plain socket whether this kernel really leaves SYNs unanswered
+        # (SYN cookies or a different backlog rule would complete the handshake).
+        probe = stack.enter_context(socket.socket())
+        probe.settimeout(0.3)
+        try:
+            probe.connect(address)
+        except TimeoutError:
+            yield address
+        else:
+            pytest.skip("this kernel completes handshakes despite a full accept queue")
+
+
+async def test_connect_timeout_on_a_full_backlog_is_connect_timeout(
+    unanswered_address: tuple[str, int],
+) -> None:
+    host, port = unanswered_address
+    timeout = httpx.Timeout(5.0, connect=0.3)
+    async with make_http_client(timeout=timeout) as http:
+        with anyio.fail_after(10), pytest.raises(httpx.ConnectTimeout) as caught:
+            await http.get(f"http://{host}:{port}/v1/jobs")
+
+    assert isinstance(caught.value.__cause__, aiohttp.ServerTimeoutError)
+
+
+async def test_waiting_for_a_pool_slot_is_pool_timeout() -> None:
+    arrivals = Arrivals()
+    release = asyncio.Event()
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head, _ = await read_request(reader)
+        arrivals.record(head)
+        await release.wait()
+        writer.write(ok_response())
+        await writer.drain()
+        writer.close()
+
+    # aiohttp bounds pool wait plus connect together: 0.1 + 0.1 s here.
+    timeout = httpx.Timeout(5.0, connect=0.1, pool=0.1)
+    async with (
+        raw_server(hold) as url,
+        make_http_client(max_connections=1, timeout=timeout) as http,
+        anyio.create_task_group() as tg,
+    ):
+        first: list[httpx.Response] = []
+
+        async def occupy() -> None:
+            first.append(await http.get(f"{url}/first", timeout=5.0))
+
+        tg.start_soon(occupy)
+        await arrivals.arrived.wait()  # the only connection is busy
+        with pytest.raises(httpx.PoolTimeout):
+            await http.get(f"{url}/second")
+        release.set()
+
+    assert len(arrivals.heads) == 1  # the second request never reached the server
+    assert first[0].text == "ok"
+
+
+# --- failures after the request may have arrived: never Connect* -------------------------
+
+
+@pytest.mark.parametrize("method", ["POST", "PUT", "GET", "DELETE"])
+async def test_server_reads_request_then_closes_is_ambiguous_and_not_resent(
+    method: str,
+) -> None:
+    arrivals = Arrivals()
+
+    async def read_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head, _ = await read_request(reader)
+        arrivals.record(head)
+        writer.close()
+
+    async with raw_server(read_then_close) as url, make_http_client() as http:
+        with pytest.raises(httpx.TransportError) as caught:
+            await http.request(method, f"{url}/v1/jobs", json={"input": {}})
+
+    assert isinstance(caught.value, httpx.RemoteProtocolError | httpx.ReadError)
+    assert not isinstance(caught.value, NEVER_SENT)
+    # aiohttp would silently resend PUT, GET and DELETE once; the transport switches it off.
+    assert len(arrivals.heads) == 1
+
+
+async def test_reused_keepalive_connection_closed_by_server_is_ambiguous() -> None:
+    arrivals = Arrivals()
+
+    async def one_answer_then_drop(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        arrivals.connections += 1
+        head, _ = await read_request(reader)
+        arrivals.record(head)
+        writer.write(ok_response())
+        await writer.drain()
+        head, _ = await read_request(reader)  # the second request, on the same connection
+        arrivals.record(head)
+        writer.close()
+
+    async with raw_server(one_answer_then_drop) as url, make_http_client() as http:
+        assert (await http.get(f"{url}/first")).text == "ok"
+        with pytest.raises(httpx.TransportError) as caught:
+            await http.post(f"{url}/v1/jobs", json={"input": {}})
+
+    assert not isinstance(caught.value, NEVER_SENT)
+    assert arrivals.connections == 1
+    assert len(arrivals.heads) == 2
+
+
+async def test_server_reads_request_never_answers_is_read_timeout() -> None:
+    arrivals = Arrivals()
+    done = asyncio.Event()
+
+    async def read_then_hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head, _ = await read_request(reader)
+        arrivals.record(head)
+        await done.wait()
+        writer.close()
+
+    timeout = httpx.Timeout(5.0, read=0.2)
+    async with raw_server(read_then_hang) as url, make_http_client(timeout=timeout) as http:
+        with anyio.fail_after(5), pytest.raises(httpx.ReadTimeout) as caught:
+            await http.post(f"{url}/v1/jobs", json={"input": {}})
+        done.set()
+
+    assert isinstance(caught.value.__cause__, aiohttp.ServerTimeoutError)
+    assert arrivals.arrived.is_set()
+
+
+async def test_read_timeout_in_the_middle_of_the_body() -> None:
+    done = asyncio.Event()
+
+    async def half_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf")
+        await writer.drain()
+        await done.wait()
+        writer.close()
+
+    timeout = httpx.Timeout(5.0, read=0.2)
+    async with raw_server(half_body) as url, make_http_client(timeout=timeout) as http:
+        with anyio.fail_after(5), pytest.raises(httpx.ReadTimeout):
+            await http.get(f"{url}/slow-body")
+        done.set()
+
+
+async def test_truncated_body_is_remote_protocol_error() -> None:
+    async def truncated(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly this")
+        await writer.drain()
+        writer.close()
+
+    async with raw_server(truncated) as url, make_http_client() as http:
+        with pytest.raises(httpx.RemoteProtocolError) as caught:
+            await http.get(f"{url}/truncated")
+
+    assert isinstance(caught.value.__cause__, aiohttp.ClientPayloadError)
+
+
+async def test_garbage_instead_of_http_is_remote_protocol_error() -> None:
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    async with raw_server(garbage) as url, make_http_client() as http:
+        with pytest.raises(httpx.RemoteProtocolError):
+            await http.post(f"{url}/v1/jobs", json={"input": {}})
+
+
+async def test_transport_is_bound_to_its_event_loop() -> None:
+    transport = AiohttpTransport()
+    async with web_server(echo_app()) as url, httpx.AsyncClient(transport=transport) as http:
+        assert (await http.get(f"{url}/status/204")).status_code == 204
+
+        def elsewhere() -> None:
+            async def send() -> None:
+                await transport.handle_async_request(httpx.Request("GET", url))
+
+            asyncio.run(send())
+
+        with pytest.raises(RuntimeError, match="event loop"):
+            await anyio.to_thread.run_sync(elsewhere)
+
+
+# --- the exception table, row by row -----------------------------------------------------
+
+KEY = ConnectionKey("vendor.example", 443, True, True, None, None, None)
+REQUEST_INFO = aiohttp.RequestInfo(
+    yarl.URL("https://vendor.example/v1/jobs"), "POST", CIMultiDictProxy(CIMultiDict())
+)
+
+
+def aiohttp_errors() -> dict[str, BaseException]:
+    """One instance of every aiohttp exception the transport may see, by a short name."""
+    return {
+        "refused": aiohttp.ClientConnectorError(KEY, ConnectionRefusedError(111, "refused")),
+        "dns": aiohttp.ClientConnectorDNSError(KEY, OSError(-2, "Name or service not known")),
+        "certificate": aiohttp.ClientConnectorCertificateError(
+            KEY, ssl.CertificateError("hostname mismatch")
+        ),
+        "tls": aiohttp.ClientConnectorSSLError(KEY, ssl.SSLError(1, "handshake failure")),
+        "proxy": aiohttp.ClientProxyConnectionError(KEY, OSError(111, "refused")),
+        "fingerprint": aiohttp.ServerFingerprintMismatch(b"a", b"b", "vendor.example", 443),
+        "connect-timeout": aiohttp.ConnectionTimeoutError("Connection timeout to host"),
+        "old-timeout": aiohttp.ServerTimeoutError("Timeout (aiohttp < 3.10 style)"),
+        "read-timeout": aiohttp.SocketTimeoutError("Timeout on reading data from socket"),
+        "disconnected": aiohttp.ServerDisconnectedError(),
+        "reset": aiohttp.ClientOSError(104, "Connection reset by peer"),
+        "write-reset": aiohttp.ClientConnectionResetError("Cannot write to closing transport"),
+        "closed": aiohttp.ClientConnectionError("Connection closed"),
+        "payload": aiohttp.ClientPayloadError("Response payload is not completed"),
+        "bad-response": aiohttp.ClientResponseError(
+            REQUEST_INFO, (), status=400, message="Bad status line"
+        ),
+        "upload-aborted": aiohttp.UploadAbortedError("The request body was not fully sent"),
+        "invalid-url": aiohttp.InvalidURL("not a url"),
+        "non-http": aiohttp.NonHttpUrlClientError("ftp://vendor.example"),
+        "unknown": aiohttp.ClientError("something new"),
+        "bare-timeout": TimeoutError(),
+    }
+
+
+def mapped(exc: BaseException, phase: _Phase) -> httpx.TransportError:
+    progress = _Progress()
+    progress.reach(phase)
+    request = httpx.Request("POST", "https://vendor.example/v1/jobs")
+    with pytest.raises(httpx.TransportError) as caught, _mapped_errors(progress, request):
+        raise exc
+    assert caught.value.__cause__ is exc
+    assert caught.value.request is request
+    return caught.value
+
+
+STARTED, QUEUED, CONNECTING, CONNECTED = (
+    _Phase.STARTED,
+    _Phase.QUEUED,
+    _Phase.CONNECTING,
+    _Phase.CONNECTED,
+)
+TABLE = [
+    # Could not connect, and the trace shows no connection ever existed: never sent.
+    ("refused", CONNECTING, httpx.ConnectError),
+    ("dns", CONNECTING, httpx.ConnectError),
+    ("certificate", CONNECTING, httpx.ConnectError),
+    ("tls", CONNECTING, httpx.ConnectError),
+    ("proxy", CONNECTING, httpx.ConnectError),
+    ("fingerprint", CONNECTING, httpx.ConnectError),
+    ("connect-timeout", CONNECTING, httpx.ConnectTimeout),
+    ("connect-timeout", QUEUED, httpx.PoolTimeout),
+    ("old-timeout", CONNECTING, httpx.ConnectTimeout),
+    ("old-timeout", QUEUED, httpx.PoolTimeout),
+    # The same classes without trace evidence, or once a connection existed: ambiguous.
+    ("refused", STARTED, httpx.ReadError),
+    ("refused", CONNECTED, httpx.ReadError),
+    ("certificate", CONNECTED, httpx.ReadError),
+    ("connect-timeout", STARTED, httpx.ReadTimeout),
+    ("connect-timeout", CONNECTED, httpx.ReadTimeout),
+    ("old-timeout", STARTED, httpx.ReadTimeout),
+    ("old-timeout", CONNECTED, httpx.ReadTimeout),
+    # Failures once the request may have arrived; the class alone keeps them ambiguous.
+    ("read-timeout", CONNECTED, httpx.ReadTimeout),
+    ("read-timeout", CONNECTING, httpx.ReadTimeout),
+    ("disconnected", CONNECTED, httpx.RemoteProtocolError),
+    ("disconnected", CONNECTING, httpx.RemoteProtocolError),
+    ("reset", CONNECTED, httpx.ReadError),
+    ("write-reset", CONNECTED, httpx.WriteError),
+    ("closed", CONNECTED, httpx.ReadError),
+    ("payload", CONNECTED, httpx.RemoteProtocolError),
+    ("bad-response", CONNECTED, httpx.RemoteProtocolError),
+    ("upload-aborted", CONNECTED, httpx.WriteError),
+    ("invalid-url", STARTED, httpx.UnsupportedProtocol),
+    ("non-http", STARTED, httpx.UnsupportedProtocol),
+    ("unknown", CONNECTED, httpx.TransportError),
+    ("bare-timeout", CONNECTED, httpx.ReadTimeout),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "phase", "expected"),
+    TABLE,
+    ids=[f"{name}-{phase.name}" for name, phase, _ in TABLE],
+)
+def test_exception_table(name: str, phase: _Phase, expected: type[Exception]) -> None:
+    assert type(mapped(aiohttp_errors()[name], phase)) is expected
+
+
+@pytest.mark.parametrize("name", list(aiohttp_errors()))
+@pytest.mark.parametrize("phase", [STARTED, CONNECTED], ids=lambda phase: phase.name)
+def test_never_sent_is_claimed_only_while_obtaining_a_connection(name: str, phase: _Phase) -> None:
+    assert not isinstance(mapped(aiohttp_errors()[name], phase), NEVER_SENT)
+
+
+def test_phase_only_moves_forward() -> None:
+    progress = _Progress()
+    progress.reach(_Phase.CONNECTED)
+    progress.reach(_Phase.QUEUED)  # e.g. a retry queuing for a second connection
+
+    assert progress.phase is _Phase.CONNECTED
+
+
+def test_non_aiohttp_errors_pass_through() -> None:
+    request = httpx.Request("GET", "https://vendor.example/")
+    with pytest.raises(ValueError, match="bug"), _mapped_errors(_Progress(), request):
+        raise ValueError("bug")
+
+
+async def test_aclose_is_idempotent_and_final() -> None:
+    transport = AiohttpTransport()
+    await transport.aclose()
+    await transport.aclose()
+    with pytest.raises(RuntimeError, match="closed"):
+        await transport.handle_async_request(httpx.Request("GET", "http://127.0.0.1:1/"))
