@@ -47,17 +47,19 @@ class Script(msgspec.Struct, frozen=True):
 
 
 def legal_table_lua() -> str:
-    """The LEGAL transition table of model.py, as a Lua local (source -> target -> actors)."""
-    rows: dict[str, dict[str, str]] = {}
+    """The transition table of model.py as one Lua string constant.
+
+    Each legal (source, target, actor) is a token " SOURCE>TARGET#A "; `legal()` in the
+    prelude does a plain string.find. A constant string costs nothing per script call,
+    unlike a nested table that Lua would build on every EVALSHA.
+    """
+    tokens = []
     for t in LEGAL_TRANSITIONS:
         if t.source is None:
             continue
-        rows.setdefault(t.source.value, {})[t.target.value] = t.actors
-    parts = []
-    for source, targets in sorted(rows.items()):
-        inner = ", ".join(f"{target} = '{actors}'" for target, actors in sorted(targets.items()))
-        parts.append(f"  {source} = {{{inner}}},")
-    return "local LEGAL = {\n" + "\n".join(parts) + "\n}\n"
+        for actor in t.actors:
+            tokens.append(f"{t.source.value}>{t.target.value}#{actor}")
+    return "local LEGAL = ' " + " ".join(sorted(tokens)) + " '\n"
 
 
 def _read(name: str) -> str:

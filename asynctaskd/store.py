@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Final, Generic, TypeVar
 
+import anyio
 import msgspec
 import redis.asyncio
 import redis.exceptions as rex
@@ -28,6 +29,7 @@ from .model import Phase, Status, Task, shard_of
 from .scripts import Script, load_scripts
 
 __all__ = [
+    "Batcher",
     "Call",
     "Gate",
     "ClaimBatch",
@@ -340,9 +342,15 @@ class _Base:
         self.scripts: dict[str, Script] = load_scripts()
         self.settings = settings or {}
         self.round_trips: dict[str, int] = {}
+        # Called with (script or op name, seconds) after each round trip: metrics hook.
+        self.on_call: Callable[[str, float], None] | None = None
 
     def _count(self, name: str) -> None:
         self.round_trips[name] = self.round_trips.get(name, 0) + 1
+
+    def _timed(self, name: str, started: float) -> None:
+        if self.on_call is not None:
+            self.on_call(name, time.perf_counter() - started)
 
 
 class Store(_Base):
@@ -369,6 +377,7 @@ class Store(_Base):
         """Run one script call and decode its reply."""
         script = self.scripts[call.script]
         self._count(call.script)
+        started = time.perf_counter()
         with _mapped(call.script):
             try:
                 reply = await self.redis.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
@@ -377,21 +386,41 @@ class Store(_Base):
                 # did not run, so loading and running again is safe.
                 await self.redis.script_load(script.source)
                 reply = await self.redis.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+        self._timed(call.script, started)
         return call.decode(reply)
 
     async def run_many(self, calls: Sequence[Call[Any]]) -> list[Any]:
         """Run several calls in one round trip; each result is a value or the exception."""
+        results, _, _ = await self.pipeline(calls)
+        return results
+
+    async def pipeline(
+        self, calls: Sequence[Call[Any]], trailer: tuple[Any, ...] | None = None
+    ) -> tuple[list[Any], list[bool], Any]:
+        """Run calls in one round trip, then `trailer` (e.g. WAITAOF) on the same connection.
+
+        Returns (results, rerun, trailer reply): each result is a value or the exception;
+        rerun[i] is True when call i hit NOSCRIPT and was run again on its own, after the
+        trailer (so a durability gate in the trailer did not cover it).
+        """
         if not calls:
-            return []
+            return [], [], None
         self._count("pipeline")
+        started = time.perf_counter()
         with _mapped("pipeline"):
             async with self.redis.pipeline(transaction=False) as pipe:
                 for call in calls:
                     script = self.scripts[call.script]
                     pipe.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+                if trailer is not None:
+                    pipe.execute_command(*trailer)
                 replies = await pipe.execute(raise_on_error=False)
+        self._timed("pipeline", started)
+        trailer_reply = replies.pop() if trailer is not None else None
         out: list[Any] = []
+        rerun: list[bool] = []
         for call, reply in zip(calls, replies, strict=True):
+            rerun.append(isinstance(reply, rex.NoScriptError))
             if isinstance(reply, rex.NoScriptError):
                 out.append(await self._safe_run(call))
             elif isinstance(reply, Exception):
@@ -405,7 +434,7 @@ class Store(_Base):
                     out.append(call.decode(reply))
                 except Exception as exc:  # noqa: BLE001 - returned to the caller as a value
                     out.append(exc)
-        return out
+        return out, rerun, trailer_reply
 
     async def _safe_run(self, call: Call[Any]) -> Any:
         try:
@@ -606,6 +635,85 @@ class Store(_Base):
         with _mapped("settings"):
             for shard in range(self.keys.shards):
                 await self.redis.hset(self.keys.tag(shard) + ":settings", mapping=self.settings)
+
+
+class _Pending:
+    __slots__ = ("call", "done", "durable", "gated", "result")
+
+    def __init__(self, call: Call[Any], gated: bool) -> None:
+        self.call = call
+        self.gated = gated
+        self.done = anyio.Event()
+        self.result: Any = None
+        self.durable = True
+
+
+class Batcher:
+    """Sends the calls that many coroutines make at the same moment as one pipeline.
+
+    A daemon with a thousand handler calls in flight saves their outcomes through this:
+    one round trip (and one durability gate) carries everything queued since the last
+    one, with up to `max_pipelines` round trips in flight. `run()` must be running in
+    a task group for `call()` to make progress.
+    """
+
+    def __init__(
+        self, store: Store, gate: Gate | None = None, *, max_batch: int = 256,
+        max_pipelines: int = 4,
+    ) -> None:  # fmt: skip
+        self.store = store
+        self.gate = gate
+        self.max_batch = max_batch
+        self._queue: list[_Pending] = []
+        self._wake = anyio.Event()
+        self._slots = anyio.Semaphore(max_pipelines)
+        self.gate_seconds = 0.0
+
+    async def call(self, call: Call[T], *, gated: bool = False) -> tuple[T, bool]:
+        """Run `call` in the next pipeline. Returns (result, durable); raises what it raised.
+
+        With gated=True and a gate configured, durable says whether the gate confirmed
+        the write (False also when the server had to be sent the call again).
+        """
+        pending = _Pending(call, gated and self.gate is not None)
+        self._queue.append(pending)
+        self._wake.set()
+        await pending.done.wait()
+        if isinstance(pending.result, BaseException):
+            raise pending.result
+        return pending.result, pending.durable
+
+    async def run(self) -> None:
+        async with anyio.create_task_group() as tg:
+            while True:
+                await self._wake.wait()
+                self._wake = anyio.Event()
+                while self._queue:
+                    await self._slots.acquire()
+                    batch = self._queue[: self.max_batch]
+                    del self._queue[: self.max_batch]
+                    tg.start_soon(self._flush, batch)
+
+    async def _flush(self, batch: list[_Pending]) -> None:
+        gated = any(p.gated for p in batch)
+        trailer = self.gate.command() if gated and self.gate is not None else None
+        try:
+            t0 = time.perf_counter()
+            results, rerun, reply = await self.store.pipeline([p.call for p in batch], trailer)
+            if gated and self.gate is not None:
+                self.gate_seconds = time.perf_counter() - t0
+                ok = not isinstance(reply, Exception) and self.gate.satisfied(reply)
+                for p, again in zip(batch, rerun, strict=True):
+                    p.durable = ok and not again
+            for p, result in zip(batch, results, strict=True):
+                p.result = result
+        except Exception as exc:  # noqa: BLE001 - handed to every waiting caller
+            for p in batch:
+                p.result = exc
+        finally:
+            self._slots.release()
+            for p in batch:
+                p.done.set()
 
 
 class Gate(msgspec.Struct, frozen=True):

@@ -28,7 +28,7 @@ from .handlers import valid_progress
 from .metrics import Metrics
 from .model import Phase, Status, Task
 from .retry import SubmitFailure, backoff, classify_submit_error, clamp_delay, retry_after
-from .store import Claimed, Code, Gate, Lease, Result, Store
+from .store import Batcher, Claimed, Code, Gate, Lease, Result, Store
 
 __all__ = ["Worker", "default_worker_id"]
 
@@ -80,6 +80,7 @@ class Worker:
         self.metrics = metrics or Metrics()
         self.id = worker_id or config.worker.id or default_worker_id()
         self.gate = gate
+        self.batcher = Batcher(store, gate)
         self.rng = rng or random.Random()
         w = config.worker
         self.max_inflight = w.max_inflight
@@ -118,15 +119,19 @@ class Worker:
 
     async def run(self) -> None:
         """Claim and run until stopped, then drain (see daemon.py for the whole order)."""
-        with self._everything:
-            async with anyio.create_task_group() as calls:
-                calls.start_soon(self._renew_loop)
-                with self._intake:
-                    await self._claim_loop(calls)
-                # Intake stopped: wait for calls, then stop the renewal loop.
-                while self._active:
-                    await self._wait_slot(1.0)
-                calls.cancel_scope.cancel()
+        # The batcher outlives the calls: shielded saves during a drain still need it.
+        async with anyio.create_task_group() as outer:
+            outer.start_soon(self.batcher.run)
+            with self._everything:
+                async with anyio.create_task_group() as calls:
+                    calls.start_soon(self._renew_loop)
+                    with self._intake:
+                        await self._claim_loop(calls)
+                    # Intake stopped: wait for calls, then stop the renewal loop.
+                    while self._active:
+                        await self._wait_slot(1.0)
+                    calls.cancel_scope.cancel()
+            outer.cancel_scope.cancel()
 
     async def run_until_idle(self) -> None:
         """Claim until nothing is due, finish every call, return (tests and benchmarks)."""
@@ -407,9 +412,10 @@ class Worker:
             while True:
                 attempt += 1
                 try:
-                    result = await self.store.save(
+                    call = self.store.ops.save(
                         active.lease, status, delay_ms=round(delay * 1000), fields=fields
                     )
+                    result, _ = await self.batcher.call(call)
                 except StoreUnavailable as exc:
                     self.metrics.store_errors.labels("save").inc()
                     if time.monotonic() > give_up_at:
@@ -443,9 +449,13 @@ class Worker:
 
     async def _submit(self, entry: HandlerEntry, task: Task, active: _Active) -> None:
         idem = entry.idempotent
-        result, durable, gate_s = await self.store.start_durable(active.lease, idem, self.gate)
+        result, durable = await self.batcher.call(
+            self.store.ops.start(active.lease, idem), gated=True
+        )
         if self.gate is not None:
-            self.metrics.durability_gate.labels("ok" if durable else "timeout").observe(gate_s)
+            self.metrics.durability_gate.labels("ok" if durable else "timeout").observe(
+                self.batcher.gate_seconds
+            )
         if result.code is Code.CANCEL_REQUESTED:
             active.lease = Lease(active.lease.task_id, active.lease.fence, result.version)
             await self._save(active, Status.CANCELED)

@@ -2,7 +2,7 @@
 --
 -- Every script receives KEYS[1] = "<ns>:{s<N>}:", the shard prefix. Keys of that shard
 -- are built from it here, so they all share the {s<N>} hash tag and one cluster slot.
--- The loader puts the LEGAL transition table, generated from asynctaskd/model.py, before this.
+-- The loader puts LEGAL, the transition table generated from asynctaskd/model.py, before this.
 
 local P = KEYS[1]
 local TIME_ = redis.call('TIME')
@@ -56,8 +56,10 @@ local function wake()
   redis.call('LTRIM', P .. 'wake', 0, 0)
 end
 
+local EVENTS_MAXLEN = nil
 local function emit(id, status, version, extra)
-  local maxlen = setting('events_maxlen', 100000)
+  if not EVENTS_MAXLEN then EVENTS_MAXLEN = setting('events_maxlen', 100000) end
+  local maxlen = EVENTS_MAXLEN
   local args = {'XADD', P .. 'events', 'MAXLEN', '~', maxlen, '*',
                 'task', id, 'status', status, 'version', version}
   if extra then
@@ -107,10 +109,7 @@ local function bump(tk)
 end
 
 local function legal(old, new, actor)
-  local row = LEGAL[old]
-  if not row then return false end
-  local actors = row[new]
-  return actors ~= nil and string.find(actors, actor, 1, true) ~= nil
+  return string.find(LEGAL, ' ' .. old .. '>' .. new .. '#' .. actor .. ' ', 1, true) ~= nil
 end
 
 -- The fence-and-version check every worker write makes. The version the worker read must
