@@ -7,8 +7,18 @@ Layout, in the order data flows:
   codec      JSON-like payload checks; task hash <-> Task
   scripts    reads lua/*.lua and their header contracts
   store      the only code that talks to Redis about tasks
+  client     producers and operators: submit, get, cancel, wait, watch, list, resolve
+  handlers   the Handler protocol, outcomes and registry; http_handler, demo
+  retry      pure failure classification and backoff
+  worker     claim -> call -> save loop, leases, drain
+  reaper     expired leases, deadlines, retention, status gauges
+  daemon     wires everything into one task group; signals; drain order
+  cli        the `asynctaskd` command
 """
 
+from typing import TYPE_CHECKING, Any
+
+from .client import AsyncClient, Client
 from .errors import (
     AsyncTaskdError,
     ConfigError,
@@ -27,12 +37,32 @@ from .errors import (
 )
 from .model import Status, Task, TaskError
 
+if TYPE_CHECKING:
+    from .handlers import Failed, Handler, HandlerContext, Running, Submitted, Succeeded
+
+# The handler API pulls in httpx; producers who only import the client should not pay
+# for it, so these names load on first use (PEP 562).
+_LAZY = {"Failed", "Handler", "HandlerContext", "Running", "Submitted", "Succeeded"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from . import handlers
+
+        return getattr(handlers, name)
+    raise AttributeError(f"module 'asynctaskd' has no attribute {name!r}")
+
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncClient",
     "AsyncTaskdError",
+    "Client",
     "ConfigError",
     "CorruptTask",
+    "Failed",
+    "Handler",
+    "HandlerContext",
     "HandlerError",
     "IllegalTransition",
     "InvalidTask",
@@ -40,9 +70,12 @@ __all__ = [
     "PayloadTooLarge",
     "PermanentError",
     "RetryableError",
+    "Running",
     "ScriptError",
     "Status",
     "StoreUnavailable",
+    "Submitted",
+    "Succeeded",
     "Task",
     "TaskError",
     "TaskNotFound",

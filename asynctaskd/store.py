@@ -838,8 +838,7 @@ async def read_many(store: Store, reads: Sequence[Read]) -> list[Any]:
 def read_many_sync(store: SyncStore, reads: Sequence[Read]) -> list[Any]:
     """Blocking `read_many`."""
     store._count("read")
-    with _mapped("read"):
-        with store.redis.pipeline(transaction=False) as pipe:
-            for name, args, kwargs in reads:
-                getattr(pipe, name)(*args, **kwargs)
-            return list(pipe.execute())
+    with _mapped("read"), store.redis.pipeline(transaction=False) as pipe:
+        for name, args, kwargs in reads:
+            getattr(pipe, name)(*args, **kwargs)
+        return list(pipe.execute())

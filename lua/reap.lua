@@ -9,7 +9,8 @@
 --   SUBMITTING, call marked started under the current fence -> SUBMIT_UNKNOWN, or
 --       PENDING_SUBMIT due now if the handler declared idempotent submits; the fence is
 --       kept so the original submitter's late save can still land its handle
---   SUBMITTING, call never started -> PENDING_SUBMIT, due now
+--   SUBMITTING, call never started -> PENDING_SUBMIT, due now (CANCELED if a cancel
+--       was requested meanwhile: nothing reached the vendor)
 --   SUBMITTED / RUNNING -> the same status, due now (reclaims + 1), or FAILED with
 --       error_code RECLAIM_LIMIT once reclaims exceed max_reclaims
 --   deadline passed (and no started submit) -> TRACKING_TIMED_OUT
@@ -27,7 +28,7 @@ for _, id in ipairs(expired) do
   redis.call('ZREM', leases, id)
   local tk = task_key(id)
   local t = redis.call('HMGET', tk, 'status', 'fence', 'started_fence', 'idempotent',
-                       'reclaims', 'handler', 'priority', 'deadline_ms')
+                       'reclaims', 'handler', 'priority', 'deadline_ms', 'cancel_requested')
   local status, handler = t[1], t[6]
   local new = nil
   if status and PHASE[status] and handler then
@@ -47,7 +48,7 @@ for _, id in ipairs(expired) do
     elseif late then
       new = 'TRACKING_TIMED_OUT'
     elseif status == 'SUBMITTING' then
-      new = 'PENDING_SUBMIT'
+      new = t[9] == '1' and 'CANCELED' or 'PENDING_SUBMIT'
     else
       local reclaims = redis.call('HINCRBY', tk, 'reclaims', 1)
       if reclaims > max_reclaims then

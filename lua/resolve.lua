@@ -8,18 +8,21 @@
 -- ARGV[4] handle           for SUBMITTED: JSON handle {"external_id": ..., "query": {...}}
 -- ARGV[5] message          operator's note, stored as error_message for FAILED/CANCELED
 --
--- Returns {1, version} resolved, or one of
+-- Returns {1, version, final_status} resolved, or one of
 --   {-1} NOT_FOUND
 --   {-7, status} ILLEGAL  the task is not in a status the operator may move to target
 -- From SUBMIT_UNKNOWN: SUBMITTED (due for a query at once), PENDING_SUBMIT (a knowing
 -- resubmit: the next claim changes the fence, so the old submitter's late save can no
 -- longer land), FAILED or CANCELED. From FAILED or TRACKING_TIMED_OUT: PENDING_SUBMIT
 -- (requeue: a new attempt with a fresh deadline of the original tracking timeout).
+-- A knowing resubmit of a task whose cancel was requested ends CANCELED instead: the
+-- producer asked for it to stop, and nothing new has reached the vendor.
 
 local tk = KEYS[2]
 local id = ARGV[1]
 local target = ARGV[2]
-local t = redis.call('HMGET', tk, 'status', 'handler', 'priority', 'deadline_ms', 'timeout_ms')
+local t = redis.call('HMGET', tk, 'status', 'handler', 'priority', 'deadline_ms', 'timeout_ms',
+                     'cancel_requested')
 local status, handler = t[1], t[2]
 if not status then return {-1} end
 if not KNOWN[target] or not legal(status, target, 'O') then return {-7, status} end
@@ -27,6 +30,9 @@ if target == 'SUBMITTED' and (ARGV[3] == '' or ARGV[4] == '') then
   error('asynctaskd: resolving as SUBMITTED needs the external id and the handle')
 end
 
+if target == 'PENDING_SUBMIT' and status == 'SUBMIT_UNKNOWN' and t[6] == '1' then
+  target = 'CANCELED'
+end
 local v = bump(tk)
 redis.call('HDEL', tk, 'started_fence', 'owner')
 if TERMINAL[status] then
@@ -52,4 +58,4 @@ else
   wake()
 end
 emit(id, target, v, {'resolved', '1'})
-return {1, v}
+return {1, v, target}

@@ -1,0 +1,1049 @@
+"""Producer and operator API: AsyncClient and Client (blocking).
+
+Both clients share every rule. A method builds a *plan*: a generator that validates its
+arguments, yields the Redis work it needs (a script `Call`, a batch of `Reads`, a
+`Pause`, or a `TaskEvent` for `watch`), gets each reply back, and returns the result.
+Plans do no I/O; `AsyncClient` runs them with asyncio and `Client` with blocking sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime as dt
+import math
+import os
+import random
+import re
+import time
+import zlib
+from collections.abc import AsyncIterator, Generator, Iterator, Sequence
+from typing import IO, Any, Final, Self, TypeAlias, TypeVar, cast
+
+import msgspec
+import redis
+import redis.asyncio
+import redis.exceptions
+
+from .codec import DEFAULT_MAX_PAYLOAD, decode_task, encode_payload
+from .errors import (
+    CorruptTask,
+    IllegalTransition,
+    InvalidTask,
+    ScriptError,
+    StoreUnavailable,
+    TaskNotFound,
+    UnknownHandler,
+)
+from .keys import HANDLER_KEY_RE, Keys, new_task_id
+from .model import Status, Task
+from .store import (
+    Call,
+    Code,
+    Created,
+    Ops,
+    Read,
+    Result,
+    Store,
+    SyncStore,
+    open_redis,
+    read_many,
+    read_many_sync,
+    redis_credentials,
+)
+
+__all__ = ["AsyncClient", "Client", "Stats", "TaskEvent", "TaskPage"]
+
+T = TypeVar("T")
+
+HANDLER_CACHE_S: Final = 5.0  # how long a client trusts its copy of the live handler keys
+BLOCK_S: Final = 5.0  # longest XREAD BLOCK; below the 10 s socket timeout of from_url
+REPLY_MARGIN_S: Final = 5.0  # client-side bound on a blocking read: BLOCK plus this
+RECONNECT_BUDGET_S: Final = 30.0  # watch() gives up after this long without Redis
+DAEMON_STALE_S: Final = 30.0
+MAX_SECONDS: Final = 10 * 366 * 86400.0  # keeps every ms figure an exact integer in Lua
+XREAD_COUNT: Final = 500
+_ID_RE: Final = re.compile(r"[0-9A-HJKMNP-TV-Z]{26}(?:-([1-9][0-9]{0,3}))?")
+_PURGED: Final = (Status.SUCCEEDED, Status.FAILED, Status.CANCELED, Status.TRACKING_TIMED_OUT)
+_RESOLVABLE: Final = (Status.SUBMITTED, Status.PENDING_SUBMIT, Status.FAILED, Status.CANCELED)
+_REQUEUE: Final = (Status.FAILED, Status.TRACKING_TIMED_OUT)
+_TRANSIENT: Final = (
+    StoreUnavailable,
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+)
+
+
+class TaskEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """One status or progress change, as `watch()` yields it. `at` is epoch seconds."""
+
+    task_id: str
+    status: Status
+    version: int
+    progress: float | None = None
+    stage: str | None = None
+    message: str | None = None
+    at: float = 0.0
+
+
+class TaskPage(msgspec.Struct, frozen=True):
+    """One page of `list()`; pass `cursor` back to continue, None when the walk is done."""
+
+    tasks: list[Task]
+    cursor: str | None = None
+
+
+class Stats(msgspec.Struct, frozen=True):
+    """Exact counts (every status in `by_status`; only non-zero ones per handler) and the
+    heartbeats of daemons seen in the last 30 seconds."""
+
+    by_status: dict[Status, int]
+    by_handler: dict[str, dict[Status, int]]
+    daemons: list[dict[str, Any]]
+
+
+class Reads:
+    """Read commands for one pipeline; `bound` caps the wait for the reply (seconds)."""
+
+    __slots__ = ("bound", "cmds")
+
+    def __init__(self, *cmds: Read, bound: float | None = None) -> None:
+        self.cmds = cmds
+        self.bound = bound
+
+
+class Pause:
+    """Sleep this long before the next step (reconnect backoff)."""
+
+    __slots__ = ("seconds",)
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+
+Step: TypeAlias = Call[Any] | Reads | Pause | TaskEvent
+Plan: TypeAlias = Generator[Step, Any, T]
+
+
+def _read(name: str, *args: Any, **kwargs: Any) -> Read:
+    return (name, args, kwargs)
+
+
+class _Context:
+    """What plans need from a client: key names, script calls, limits, the handler cache."""
+
+    def __init__(self, namespace: str, shards: int, max_payload: int) -> None:
+        self.keys = Keys(namespace, shards)
+        self.ops = Ops(self.keys)
+        self.max_payload = max_payload
+        self.live_until_ms: dict[str, int] = {}
+        self.live_read_at = -math.inf  # monotonic seconds of the last HGETALL handlers
+
+    def remember_handlers(self, raw: dict[bytes, bytes]) -> dict[str, int]:
+        out = {}
+        for k, v in raw.items():
+            try:
+                out[k.decode()] = int(v)
+            except ValueError:
+                continue  # not ours to judge; an unreadable entry just does not count
+        self.live_until_ms = out
+        self.live_read_at = time.monotonic()
+        return out
+
+
+# Validation and argument building.
+
+
+def _name(value: object, what: str) -> str:
+    if value is None and what != "handler":
+        return ""
+    if not isinstance(value, str) or not HANDLER_KEY_RE.fullmatch(value):
+        raise InvalidTask(
+            f"{what} must be 1-64 characters from letters, digits, '_', '.', ':' and '-', "
+            f"got {value!r}"
+        )
+    return value
+
+
+def _seconds(value: object, what: str, *, positive: bool) -> float:
+    if isinstance(value, dt.timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise InvalidTask(
+            f"{what} must be a number of seconds or a datetime.timedelta, "
+            f"got {type(value).__name__}"
+        )
+    low_ok = seconds > 0 if positive else seconds >= 0
+    if not (math.isfinite(seconds) and low_ok and seconds <= MAX_SECONDS):
+        bound = "more than 0" if positive else "at least 0"
+        raise InvalidTask(f"{what} must be {bound} seconds and at most 10 years, got {value!r}")
+    return seconds
+
+
+def _epoch_ms(value: object) -> int:
+    if isinstance(value, dt.datetime):
+        if value.tzinfo is None or value.utcoffset() is None:
+            raise InvalidTask(
+                "not_before must be timezone-aware, e.g. datetime.now(timezone.utc) + ..."
+            )
+        seconds = value.timestamp()
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise InvalidTask(
+            f"not_before must be an aware datetime or epoch seconds, got {type(value).__name__}"
+        )
+    if not (math.isfinite(seconds) and 0 <= seconds <= time.time() + MAX_SECONDS):
+        raise InvalidTask(
+            f"not_before must be epoch seconds (not milliseconds) within 10 years, got {value!r}"
+        )
+    return round(seconds * 1000)
+
+
+def _shard(keys: Keys, task_id: object) -> int:
+    """The shard of a task id, or InvalidTask if the id is not one of ours."""
+    m = _ID_RE.fullmatch(task_id) if isinstance(task_id, str) else None
+    if m is None:
+        raise InvalidTask(
+            f"{task_id!r} is not a task id: expected 26 Crockford base32 characters "
+            "(a ULID), with '-<shard>' appended for shards above 0"
+        )
+    shard = int(m[1] or 0)
+    if shard >= keys.shards:
+        raise InvalidTask(
+            f"task id {task_id} is on shard {shard}, but this client is configured with "
+            f"{keys.shards} shard(s): use the same `shards` as the daemons"
+        )
+    return shard
+
+
+def _status(value: object) -> Status:
+    try:
+        return Status(value)
+    except ValueError:
+        names = ", ".join(s.value for s in Status)
+        raise InvalidTask(f"{value!r} is not a status; one of {names}") from None
+
+
+def _prepare_submit(
+    ctx: _Context,
+    handler: str,
+    params: Any,
+    tracking_timeout: float | dt.timedelta,
+    tenant: str | None,
+    account: str | None,
+    provider: str | None,
+    priority: int,
+    dedup_key: str | None,
+    metadata: Any,
+    not_before: dt.datetime | float | None,
+    delay: float | dt.timedelta | None,
+) -> tuple[Call[Created], Task, int]:
+    """Validate a submit; return the create call, the task it writes, and timeout_ms."""
+    handler = _name(handler, "handler")
+    tenant_s, account_s = _name(tenant, "tenant"), _name(account, "account")
+    provider_s = _name(provider, "provider")
+    timeout_ms = max(1, round(_seconds(tracking_timeout, "tracking_timeout", positive=True) * 1000))
+    if not isinstance(priority, int) or isinstance(priority, bool) or not -100 <= priority <= 100:
+        raise InvalidTask(f"priority must be an integer from -100 to 100, got {priority!r}")
+    if not_before is not None and delay is not None:
+        raise InvalidTask("give not_before or delay, not both")
+    delay_ms = 0 if delay is None else round(_seconds(delay, "delay", positive=False) * 1000)
+    not_before_ms = 0 if not_before is None else _epoch_ms(not_before)
+    if dedup_key is not None and not (isinstance(dedup_key, str) and 0 < len(dedup_key) <= 200):
+        raise InvalidTask(f"dedup_key must be a non-empty str of at most 200 characters, "
+                          f"got {dedup_key!r:.60}")  # fmt: skip
+    params_json = encode_payload(params, "params", ctx.max_payload)
+    metadata_json = (
+        b"" if metadata is None else encode_payload(metadata, "metadata", ctx.max_payload)
+    )
+    shards = ctx.keys.shards
+    if dedup_key:  # the same tenant and key always land on the same shard, so dedup works
+        shard = zlib.crc32(f"{tenant_s}\0{dedup_key}".encode()) % shards
+    else:
+        shard = random.randrange(shards) if shards > 1 else 0
+    task_id = new_task_id(shard)
+    call = ctx.ops.create(
+        task_id, handler, params_json, timeout_ms=timeout_ms, provider=provider_s,
+        tenant=tenant_s, account=account_s, priority=priority, delay_ms=delay_ms,
+        not_before_ms=not_before_ms, metadata_json=metadata_json, dedup_key=dedup_key or "",
+    )  # fmt: skip
+    task = Task(
+        id=task_id, handler=handler, status=Status.PENDING_SUBMIT,
+        params=msgspec.json.decode(params_json),
+        metadata=msgspec.json.decode(metadata_json) if metadata_json else None,
+        tenant=tenant_s, account=account_s, provider=provider_s or handler,
+        priority=priority, dedup_key=dedup_key,
+    )  # fmt: skip
+    return call, task, timeout_ms
+
+
+# Decoding.
+
+
+def _public(task: Task) -> Task:
+    return msgspec.structs.replace(
+        task, fence=0, owner=None, started_fence=0, reclaims=0, idempotent=False
+    )
+
+
+def _visible(raw: dict[bytes, bytes], task_id: str, tenant: str | None) -> Task | None:
+    if not raw:
+        return None
+    task = decode_task(raw, task_id)
+    return None if tenant is not None and task.tenant != tenant else task
+
+
+def _entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    """XREAD reply entries, whichever shape redis-py gave (RESP2 list or RESP3 dict)."""
+    if not reply:
+        return []
+    groups = reply.values() if isinstance(reply, dict) else (g[1] for g in reply)
+    out: list[tuple[bytes, dict[bytes, bytes]]] = []
+    for entries in groups:
+        if entries and isinstance(entries[0], list):
+            entries = entries[0]
+        out.extend(entries)
+    return out
+
+
+def _event(task_id: str, entry_id: bytes, fields: dict[bytes, bytes]) -> TaskEvent | None:
+    try:
+        progress = fields.get(b"progress")
+        return TaskEvent(
+            task_id=task_id,
+            status=Status(fields[b"status"].decode()),
+            version=int(fields[b"version"]),
+            progress=None if progress is None else float(progress),
+            stage=(fields.get(b"stage") or b"").decode() or None,
+            message=(fields.get(b"message") or b"").decode() or None,
+            at=int(entry_id.split(b"-")[0]) / 1000,
+        )
+    except (KeyError, ValueError):
+        return None  # written by something that is not our scripts: not an event of ours
+
+
+def _task_event(task: Task) -> TaskEvent:
+    return TaskEvent(
+        task_id=task.id, status=task.status, version=task.version, progress=task.progress,
+        stage=task.stage, message=task.message, at=task.updated_at,
+    )  # fmt: skip
+
+
+def _xread(stream: str, last: bytes, seconds: float) -> Reads:
+    block_ms = max(1, int(seconds * 1000))
+    cmd = _read("xread", {stream: last}, count=XREAD_COUNT, block=block_ms)
+    return Reads(cmd, bound=seconds + REPLY_MARGIN_S)
+
+
+def _cursor(status: Status, shard: int, score: int | None, member: bytes) -> str:
+    raw = msgspec.json.encode((status, shard, score, member.decode()))
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _uncursor(
+    cursor: object, statuses: list[Status], shards: int
+) -> tuple[int, int, int | None, bytes]:
+    try:
+        raw = base64.urlsafe_b64decode(str(cursor) + "=" * (-len(str(cursor)) % 4))
+        status, shard, score, member = msgspec.json.decode(
+            raw, type=tuple[Status, int, int | None, str]
+        )
+        if status in statuses and 0 <= shard < shards:
+            return statuses.index(status), shard, score, member.encode()
+    except (ValueError, msgspec.DecodeError):
+        pass
+    raise InvalidTask(f"cursor {cursor!r:.80} was not returned by list() with these filters")
+
+
+# Plans: every operation, as Redis work to do and what to make of the replies.
+
+
+def _check_handler(ctx: _Context, handler: str) -> Plan[None]:
+    now_ms = time.time() * 1000
+    fresh = time.monotonic() - ctx.live_read_at < HANDLER_CACHE_S
+    if fresh and ctx.live_until_ms.get(handler, 0) > now_ms:
+        return
+    # Stale, or not known yet: a daemon may have just started, so ask before refusing.
+    (raw,) = yield Reads(_read("hgetall", ctx.keys.handlers()))
+    live = ctx.remember_handlers(raw)
+    if live.get(handler, 0) > now_ms:
+        return
+    names = ", ".join(sorted(k for k, until in live.items() if until > now_ms)) or "none"
+    raise UnknownHandler(
+        f"no live daemon serves handler {handler!r} (live handlers: {names}); start a daemon "
+        "that registers it, or submit with strict=False"
+    )
+
+
+def _submit(ctx: _Context, strict: bool, args: tuple[Any, ...]) -> Plan[Task]:
+    call, task, timeout_ms = _prepare_submit(ctx, *args)
+    if strict:
+        yield from _check_handler(ctx, task.handler)
+    for _ in range(3):
+        created: Created = yield call
+        if not created.deduped:
+            at = created.created_ms / 1000
+            return msgspec.structs.replace(
+                task, version=created.version, created_at=at, updated_at=at,
+                deadline_at=(created.created_ms + timeout_ms) / 1000,
+                due_at=created.due_ms / 1000,
+            )  # fmt: skip
+        existing = yield from _get(ctx, created.task_id, None, False)
+        if existing is not None:
+            return existing
+        # The live duplicate vanished between the two calls: create again.
+    raise ScriptError(f"create kept deduplicating {task.id} to tasks that do not exist")
+
+
+def _get(ctx: _Context, task_id: str, tenant: str | None, internals: bool) -> Plan[Task | None]:
+    key = ctx.keys.task(_shard(ctx.keys, task_id), task_id)
+    (raw,) = yield Reads(_read("hgetall", key))
+    task = _visible(raw, task_id, tenant)
+    return task if task is None or internals else _public(task)
+
+
+def _open(ctx: _Context, task_id: str, tenant: str | None) -> Plan[tuple[Task, bytes]]:
+    """Snapshot plus the stream position it is current at."""
+    shard = _shard(ctx.keys, task_id)
+    # The stream id is read before the hash in the same pipeline, so any change after that
+    # id is in the stream; one between the two is also in the snapshot (version filter).
+    last, raw = yield Reads(
+        _read("xrevrange", ctx.keys.events(shard), "+", "-", count=1),
+        _read("hgetall", ctx.keys.task(shard, task_id)),
+    )
+    task = _visible(raw, task_id, tenant)
+    if task is None:
+        raise TaskNotFound(f"no task {task_id}")
+    return _public(task), (last[0][0] if last else b"0-0")
+
+
+def _wait(ctx: _Context, task_id: str, timeout: float, tenant: str | None) -> Plan[Task]:
+    deadline = time.monotonic() + _seconds(timeout, "timeout", positive=False)
+    task, last = yield from _open(ctx, task_id, tenant)
+    stream, tid, changed = ctx.keys.events(task.shard), task_id.encode(), False
+    while not task.status.is_settled:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        (reply,) = yield _xread(stream, last, min(remaining, BLOCK_S))
+        settled = False
+        for entry_id, fields in _entries(reply):
+            last = entry_id
+            if fields.get(b"task") == tid:
+                changed = True
+                event = _event(task_id, entry_id, fields)
+                settled = settled or (event is not None and event.status.is_settled)
+        if settled:
+            task, changed = (yield from _reread(ctx, task)), False
+    if changed:
+        task = yield from _reread(ctx, task)
+    return task
+
+
+def _reread(ctx: _Context, task: Task) -> Plan[Task]:
+    (raw,) = yield Reads(_read("hgetall", ctx.keys.task(task.shard, task.id)))
+    fresh = _visible(raw, task.id, None)
+    if fresh is None:
+        raise TaskNotFound(f"task {task.id} was purged")
+    return _public(fresh)
+
+
+def _backoff(since: float | None, exc: Exception) -> Generator[Step, Any, float]:
+    now = time.monotonic()
+    since = now if since is None else since
+    if now - since > RECONNECT_BUDGET_S:
+        raise StoreUnavailable(
+            f"watch gave up after {RECONNECT_BUDGET_S:.0f}s without Redis: {exc}"
+        ) from exc
+    yield Pause(min(1.0, max(0.05, (now - since) / 4)))
+    return since
+
+
+def _watch(ctx: _Context, task_id: str, tenant: str | None) -> Plan[None]:
+    failing: float | None = None
+    opened: tuple[Task, bytes] | None = None
+    while opened is None:
+        try:
+            opened = yield from _open(ctx, task_id, tenant)
+        except _TRANSIENT as exc:
+            failing = yield from _backoff(failing, exc)
+    task, last = opened
+    yield _task_event(task)
+    stream, tid, version = ctx.keys.events(task.shard), task_id.encode(), task.version
+    while not task.status.is_settled:
+        try:
+            (reply,) = yield _xread(stream, last, BLOCK_S)
+        except _TRANSIENT as exc:
+            failing = yield from _backoff(failing, exc)
+            continue  # resume from the last id seen: nothing after it is lost
+        failing = None
+        for entry_id, fields in _entries(reply):
+            last = entry_id
+            event = _event(task_id, entry_id, fields) if fields.get(b"task") == tid else None
+            if event is not None and event.version > version:
+                version = event.version
+                yield event
+                if event.status.is_settled:
+                    return
+
+
+def _cancel(ctx: _Context, task_id: str, tenant: str | None) -> Plan[bool]:
+    _shard(ctx.keys, task_id)
+    result: Result = yield ctx.ops.cancel(task_id, tenant)
+    if result.code is Code.NOT_FOUND:
+        raise TaskNotFound(f"no task {task_id}")
+    return result.code is not Code.TERMINAL
+
+
+def _list(
+    ctx: _Context, status: Status | str | None, handler: str | None, tenant: str | None,
+    limit: int, cursor: str | None,
+) -> Plan[TaskPage]:  # fmt: skip
+    if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 1000:
+        raise InvalidTask(f"limit must be an integer from 1 to 1000, got {limit!r}")
+    statuses = list(Status) if status is None else [_status(status)]
+    si, shard, score, after = 0, 0, None, b""
+    if cursor is not None:
+        si, shard, score, after = _uncursor(cursor, statuses, ctx.keys.shards)
+    out: list[Task] = []
+    budget = 20 * limit  # entries looked at per call, so a rare filter cannot stall a call
+    batch = min(max(2 * limit, 50), 500)
+    while si < len(statuses):
+        st, offset, done = statuses[si], 0, False
+        key = ctx.keys.index(shard, st)
+        while budget > 0 and not done:
+            (entries,) = yield Reads(
+                _read("zrevrangebyscore", key, "+inf" if score is None else score, "-inf",
+                      start=offset, num=batch, withscores=True)
+            )  # fmt: skip
+            # Ties on the score are ordered by id, descending: skip those already seen.
+            fresh = [(m, int(s)) for m, s in entries
+                     if score is None or int(s) != score or m < after]  # fmt: skip
+            if not fresh and len(entries) == batch:
+                offset += batch
+                continue
+            offset, done = 0, len(entries) < batch and len(fresh) <= budget
+            fresh = fresh[:budget]
+            raws = yield Reads(*(_read("hgetall", ctx.keys.task(shard, m.decode()))
+                                 for m, _ in fresh))  # fmt: skip
+            for (member, s), raw in zip(fresh, raws, strict=True):
+                budget, score, after = budget - 1, s, member
+                try:
+                    task = _visible(raw, member.decode(), tenant)
+                except CorruptTask:
+                    continue  # the worker quarantines it; a listing should not fail on it
+                if task and task.status is st and handler in (None, task.handler):
+                    out.append(_public(task))
+                    if len(out) == limit:
+                        return TaskPage(out, _cursor(st, shard, s, member))
+        if not done:
+            return TaskPage(out, _cursor(st, shard, score, after))
+        shard, score, after = shard + 1, None, b""
+        if shard == ctx.keys.shards:
+            si, shard = si + 1, 0
+    return TaskPage(out, None)
+
+
+def _stats(ctx: _Context) -> Plan[Stats]:
+    shards = range(ctx.keys.shards)
+    *counts, daemons = yield Reads(
+        *(_read("hgetall", ctx.keys.counts(s)) for s in shards),
+        _read("hgetall", ctx.keys.daemons()),
+    )
+    by_status = dict.fromkeys(Status, 0)
+    by_handler: dict[str, dict[Status, int]] = {}
+    for raw in counts:
+        for field, value in raw.items():
+            name, _, handler = field.decode().partition("@")
+            if name not in Status.__members__ or not int(value):
+                continue
+            if handler:
+                row = by_handler.setdefault(handler, {})
+                row[Status(name)] = row.get(Status(name), 0) + int(value)
+            else:
+                by_status[Status(name)] += int(value)
+    alive = []
+    for daemon_id, record in sorted(daemons.items()):
+        try:
+            beat = msgspec.json.decode(record)
+            fresh = time.time() - float(beat["heartbeat_at"]) <= DAEMON_STALE_S
+        except (msgspec.DecodeError, KeyError, TypeError, ValueError):
+            continue  # a daemon of another version; its record is informational only
+        if fresh:
+            alive.append({"id": daemon_id.decode(), **beat})
+    by_handler = {h: row for h, row in sorted(by_handler.items()) if any(row.values())}
+    return Stats(by_status, by_handler, alive)
+
+
+def _handlers(ctx: _Context) -> Plan[dict[str, float]]:
+    (raw,) = yield Reads(_read("hgetall", ctx.keys.handlers()))
+    now_ms = time.time() * 1000
+    return {k: ms / 1000 for k, ms in sorted(ctx.remember_handlers(raw).items()) if ms > now_ms}
+
+
+def _resolve(
+    ctx: _Context, task_id: str, target: Status | str, external_id: str | None,
+    query: dict[str, Any] | None, message: str, only_from: tuple[Status, ...] = (),
+) -> Plan[Task]:  # fmt: skip
+    shard, to = _shard(ctx.keys, task_id), _status(target)
+    if to not in _RESOLVABLE:
+        raise InvalidTask(f"a task can be resolved as {', '.join(_RESOLVABLE)}, not {to}")
+    handle = b""
+    if to is Status.SUBMITTED:
+        if not isinstance(external_id, str) or not external_id:
+            raise InvalidTask("resolving as SUBMITTED needs the vendor's external_id")
+        if query is not None and not isinstance(query, dict):
+            raise InvalidTask(f"query must be a dict, got {type(query).__name__}")
+        handle = encode_payload({"external_id": external_id, "query": query or {}}, "query")
+    elif external_id is not None or query is not None:
+        raise InvalidTask("external_id and query are only used when resolving as SUBMITTED")
+    if only_from:
+        (raw,) = yield Reads(_read("hget", ctx.keys.task(shard, task_id), "status"))
+        if raw is not None and Status(raw.decode()) not in only_from:
+            raise IllegalTransition(f"task {task_id} is {raw.decode()}; only "
+                                    f"{' or '.join(only_from)} tasks can be requeued")  # fmt: skip
+    result: Result = yield ctx.ops.resolve(
+        task_id, to, external_id=external_id or "", handle_json=handle, message=message
+    )
+    if result.code is Code.NOT_FOUND:
+        raise TaskNotFound(f"no task {task_id}")
+    if result.code is Code.ILLEGAL:
+        raise IllegalTransition(f"task {task_id} is {result.status}: it cannot be resolved as {to}")
+    task = yield from _get(ctx, task_id, None, False)
+    if task is None:
+        raise TaskNotFound(f"task {task_id} vanished after it was resolved")
+    return task
+
+
+ArchiveTarget: TypeAlias = str | os.PathLike[str] | IO[str]
+
+
+def _purge(
+    ctx: _Context, older_than: float, archive: ArchiveTarget | None, limit: int
+) -> Plan[int]:
+    older_ms = round(_seconds(older_than, "older_than", positive=False) * 1000)
+    if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 10_000:
+        raise InvalidTask(f"limit must be an integer from 1 to 10000, got {limit!r}")
+    started = time.monotonic()
+    if archive is not None:
+        ((sec, usec),) = yield Reads(_read("time"))
+        cutoff_ms = sec * 1000 + usec // 1000 - older_ms
+        lines: list[bytes] = []
+        for shard in range(ctx.keys.shards):
+            # purge.lua takes, per terminal status, the oldest entries up to its limit; up
+            # to `limit` per status at a cutoff no earlier than its own is a superset.
+            idx = yield Reads(*(_read("zrangebyscore", ctx.keys.index(shard, s), "-inf",
+                                      cutoff_ms, start=0, num=limit) for s in _PURGED))  # fmt: skip
+            found = [m.decode() for members in idx for m in members]
+            raws = yield Reads(*(_read("hgetall", ctx.keys.task(shard, i)) for i in found))
+            lines += [msgspec.json.encode(decode_task(raw, i))
+                      for i, raw in zip(found, raws, strict=True) if raw]  # fmt: skip
+        _write_archive(archive, lines)
+    purged = 0
+    for shard in range(ctx.keys.shards):
+        if purged >= limit:
+            break
+        # The script's clock is later than the archive's cutoff: widen older_than by the
+        # time spent since, so it never deletes a task the archive did not get.
+        slack_ms = math.ceil((time.monotonic() - started) * 1000) + 1 if archive is not None else 0
+        ids: list[str] = yield ctx.ops.purge(shard, older_ms + slack_ms, limit - purged)
+        purged += len(ids)
+    return purged
+
+
+def _write_archive(archive: ArchiveTarget, lines: list[bytes]) -> None:
+    text = "".join(line.decode() + "\n" for line in lines)
+    if isinstance(archive, str | os.PathLike):
+        with open(archive, "a", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    else:
+        archive.write(text)
+        archive.flush()
+
+
+def _advance(plan: Plan[Any], reply: Any, error: Exception | None) -> tuple[bool, Any]:
+    """Hand a plan its last reply (or error); (True, next step) or (False, its result)."""
+    try:
+        return True, (plan.throw(error) if error is not None else plan.send(reply))
+    except StopIteration as stop:
+        return False, stop.value
+
+
+class AsyncClient:
+    """Asyncio client for producers and operators.
+
+    One per process is enough: it pools connections and may be shared between tasks.
+    All task ids it returns or takes are strings; times are epoch seconds.
+    """
+
+    def __init__(
+        self,
+        redis: redis.asyncio.Redis,
+        namespace: str = "atd",
+        *,
+        shards: int = 1,
+        max_payload: int = DEFAULT_MAX_PAYLOAD,
+    ) -> None:
+        """Use an existing client (`decode_responses=False`); `aclose()` leaves it open.
+
+        `namespace` and `shards` must be those the daemons use; `max_payload` is the limit
+        in bytes for params and for metadata, each as compact JSON.
+        """
+        self._ctx = _Context(namespace, shards, max_payload)
+        self.redis = redis
+        self._store = Store(redis, self._ctx.keys)
+        self._owned = False
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        namespace: str = "atd",
+        *,
+        shards: int = 1,
+        max_payload: int = DEFAULT_MAX_PAYLOAD,
+    ) -> AsyncClient:
+        """Connect to `url` (redis://, rediss://; credentials from REDIS_USERNAME and
+        REDIS_PASSWORD or systemd credentials). No I/O happens until the first call."""
+        client = cls(open_redis(url), namespace, shards=shards, max_payload=max_payload)
+        client._owned = True
+        return client
+
+    async def aclose(self) -> None:
+        """Close the connections this client opened (not a client passed in)."""
+        if self._owned:
+            await self.redis.aclose()
+            await self.redis.connection_pool.disconnect()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def submit(
+        self,
+        handler: str,
+        params: Any,
+        *,
+        tracking_timeout: float | dt.timedelta,
+        tenant: str | None = None,
+        account: str | None = None,
+        provider: str | None = None,
+        priority: int = 0,
+        dedup_key: str | None = None,
+        metadata: Any = None,
+        not_before: dt.datetime | float | None = None,
+        delay: float | dt.timedelta | None = None,
+        strict: bool = True,
+    ) -> Task:
+        """Store a new task as PENDING_SUBMIT and return its snapshot; no vendor is called.
+
+        Everything is checked before anything is written (InvalidTask, PayloadTooLarge,
+        UnknownHandler). `tracking_timeout` (seconds) counts from now; the task is due at
+        `not_before` (aware datetime or epoch seconds) or after `delay` seconds. With a
+        `dedup_key`, a live task of the same tenant and key is returned instead. With
+        `strict`, the handler must be served by a live daemon.
+        """
+        args = (handler, params, tracking_timeout, tenant, account, provider, priority,
+                dedup_key, metadata, not_before, delay)  # fmt: skip
+        return await self._run(_submit(self._ctx, strict, args))
+
+    async def get(
+        self, task_id: str, tenant: str | None = None, *, internals: bool = False
+    ) -> Task | None:
+        """The task's snapshot, or None if it does not exist or belongs to another tenant."""
+        return await self._run(_get(self._ctx, task_id, tenant, internals))
+
+    async def cancel(self, task_id: str, tenant: str | None = None) -> bool:
+        """Cancel now, or ask the task's worker to: True; False if it had already finished.
+
+        Raises TaskNotFound if there is no such task (or it is another tenant's).
+        """
+        return await self._run(_cancel(self._ctx, task_id, tenant))
+
+    async def wait(self, task_id: str, timeout: float, tenant: str | None = None) -> Task:  # noqa: ASYNC109
+        """Return as soon as the task is terminal or SUBMIT_UNKNOWN, or its snapshot after
+        `timeout` seconds. Follows the events stream: no polling, no missed change."""
+        return await self._run(_wait(self._ctx, task_id, timeout, tenant))
+
+    async def watch(self, task_id: str, tenant: str | None = None) -> AsyncIterator[TaskEvent]:
+        """Yield the current state, then every change, until the task is settled.
+
+        Survives connection loss: it resumes from the last event seen, and raises
+        StoreUnavailable only after 30 seconds without Redis.
+        """
+        plan = _watch(self._ctx, task_id, tenant)
+        reply: Any = None
+        error: Exception | None = None
+        while True:
+            more, step = _advance(plan, reply, error)
+            if not more:
+                return
+            if isinstance(step, TaskEvent):
+                yield step
+            reply, error = await self._step(step)
+
+    async def list(
+        self,
+        *,
+        status: Status | str | None = None,
+        handler: str | None = None,
+        tenant: str | None = None,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> TaskPage:
+        """Tasks newest first per status (all statuses in a fixed order if None), filtered.
+
+        Each call looks at a bounded number of tasks, so a page may be short; continue
+        with its cursor until the cursor is None.
+        """
+        return await self._run(_list(self._ctx, status, handler, tenant, limit, cursor))
+
+    async def stats(self) -> Stats:
+        """Exact task counts by status and by handler, and the live daemons."""
+        return await self._run(_stats(self._ctx))
+
+    async def handlers(self) -> dict[str, float]:
+        """Handler keys some live daemon serves, with their expiry (epoch seconds)."""
+        return await self._run(_handlers(self._ctx))
+
+    async def resolve(
+        self,
+        task_id: str,
+        as_: Status | str,
+        *,
+        external_id: str | None = None,
+        query: dict[str, Any] | None = None,
+        message: str = "",
+    ) -> Task:
+        """Operator: settle a SUBMIT_UNKNOWN task as SUBMITTED (with the vendor's
+        `external_id` and `query`), PENDING_SUBMIT (resubmit knowingly), FAILED or CANCELED.
+
+        Raises IllegalTransition (naming the current status) or TaskNotFound.
+        """
+        return await self._run(_resolve(self._ctx, task_id, as_, external_id, query, message))
+
+    async def requeue(self, task_id: str) -> Task:
+        """Operator: run a FAILED or TRACKING_TIMED_OUT task again, with a fresh deadline."""
+        plan = _resolve(self._ctx, task_id, Status.PENDING_SUBMIT, None, None, "", _REQUEUE)
+        return await self._run(plan)
+
+    async def purge(
+        self, older_than: float, *, archive: ArchiveTarget | None = None, limit: int = 1000
+    ) -> int:
+        """Operator: delete up to `limit` tasks that finished over `older_than` seconds ago.
+
+        With `archive` (a path, appended to, or a writable text file) each candidate is
+        first written as one JSON line (the full Task) and the file flushed (and fsynced
+        for a path). The archive may also hold a few tasks that finished just around the
+        cutoff or beyond the limit; they are written again when they are purged.
+        Returns how many tasks were deleted.
+        """
+        return await self._run(_purge(self._ctx, older_than, archive, limit))
+
+    async def _run(self, plan: Plan[T]) -> T:
+        reply: Any = None
+        error: Exception | None = None
+        while True:
+            more, step = _advance(plan, reply, error)
+            if not more:
+                return cast(T, step)
+            reply, error = await self._step(step)
+
+    async def _step(self, step: Step) -> tuple[Any, Exception | None]:
+        try:
+            if isinstance(step, Call):
+                return await self._store.run(step), None
+            if isinstance(step, Reads):
+                return (await self._execute(step) if step.cmds else []), None
+            if isinstance(step, Pause):
+                await asyncio.sleep(step.seconds)
+        except Exception as exc:  # handed to the plan, which re-raises it
+            return None, exc
+        return None, None
+
+    async def _execute(self, reads: Reads) -> Sequence[Any]:
+        if reads.bound is None:
+            return await read_many(self._store, reads.cmds)
+        try:
+            async with asyncio.timeout(reads.bound):
+                return await read_many(self._store, reads.cmds)
+        except TimeoutError:
+            raise StoreUnavailable(f"Redis did not answer within {reads.bound:.1f}s") from None
+
+
+class Client:
+    """Blocking client with the same methods as AsyncClient, for sync web apps and scripts.
+
+    Safe to share between threads (redis-py's pool hands each call its own connection).
+    """
+
+    def __init__(
+        self,
+        redis: redis.Redis,
+        namespace: str = "atd",
+        *,
+        shards: int = 1,
+        max_payload: int = DEFAULT_MAX_PAYLOAD,
+    ) -> None:
+        """Use an existing client (`decode_responses=False`, and a `socket_timeout` above
+        5 s so blocking reads are bounded); `close()` leaves it open."""
+        self._ctx = _Context(namespace, shards, max_payload)
+        self.redis = redis
+        self._store = SyncStore(redis, self._ctx.keys)
+        self._owned = False
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        namespace: str = "atd",
+        *,
+        shards: int = 1,
+        max_payload: int = DEFAULT_MAX_PAYLOAD,
+    ) -> Client:
+        """Connect to `url`, as `AsyncClient.from_url`."""
+        conn = redis.Redis.from_url(
+            url,
+            socket_timeout=BLOCK_S + REPLY_MARGIN_S,
+            socket_connect_timeout=5.0,
+            health_check_interval=30,
+            **redis_credentials(),
+        )
+        client = cls(conn, namespace, shards=shards, max_payload=max_payload)
+        client._owned = True
+        return client
+
+    def close(self) -> None:
+        """Close the connections this client opened (not a client passed in)."""
+        if self._owned:
+            self.redis.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def submit(
+        self,
+        handler: str,
+        params: Any,
+        *,
+        tracking_timeout: float | dt.timedelta,
+        tenant: str | None = None,
+        account: str | None = None,
+        provider: str | None = None,
+        priority: int = 0,
+        dedup_key: str | None = None,
+        metadata: Any = None,
+        not_before: dt.datetime | float | None = None,
+        delay: float | dt.timedelta | None = None,
+        strict: bool = True,
+    ) -> Task:
+        """Store a new task; see `AsyncClient.submit`."""
+        args = (handler, params, tracking_timeout, tenant, account, provider, priority,
+                dedup_key, metadata, not_before, delay)  # fmt: skip
+        return self._run(_submit(self._ctx, strict, args))
+
+    def get(
+        self, task_id: str, tenant: str | None = None, *, internals: bool = False
+    ) -> Task | None:
+        """The task's snapshot, or None; see `AsyncClient.get`."""
+        return self._run(_get(self._ctx, task_id, tenant, internals))
+
+    def cancel(self, task_id: str, tenant: str | None = None) -> bool:
+        """Cancel a task; see `AsyncClient.cancel`."""
+        return self._run(_cancel(self._ctx, task_id, tenant))
+
+    def wait(self, task_id: str, timeout: float, tenant: str | None = None) -> Task:
+        """Block until the task is settled or `timeout`; see `AsyncClient.wait`."""
+        return self._run(_wait(self._ctx, task_id, timeout, tenant))
+
+    def watch(self, task_id: str, tenant: str | None = None) -> Iterator[TaskEvent]:
+        """Iterate over the task's changes until it is settled; see `AsyncClient.watch`."""
+        plan = _watch(self._ctx, task_id, tenant)
+        reply: Any = None
+        error: Exception | None = None
+        while True:
+            more, step = _advance(plan, reply, error)
+            if not more:
+                return
+            if isinstance(step, TaskEvent):
+                yield step
+            reply, error = self._step(step)
+
+    def list(
+        self,
+        *,
+        status: Status | str | None = None,
+        handler: str | None = None,
+        tenant: str | None = None,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> TaskPage:
+        """One page of tasks; see `AsyncClient.list`."""
+        return self._run(_list(self._ctx, status, handler, tenant, limit, cursor))
+
+    def stats(self) -> Stats:
+        """Exact counts and live daemons; see `AsyncClient.stats`."""
+        return self._run(_stats(self._ctx))
+
+    def handlers(self) -> dict[str, float]:
+        """Live handler keys and their expiry; see `AsyncClient.handlers`."""
+        return self._run(_handlers(self._ctx))
+
+    def resolve(
+        self,
+        task_id: str,
+        as_: Status | str,
+        *,
+        external_id: str | None = None,
+        query: dict[str, Any] | None = None,
+        message: str = "",
+    ) -> Task:
+        """Operator: settle a SUBMIT_UNKNOWN task; see `AsyncClient.resolve`."""
+        return self._run(_resolve(self._ctx, task_id, as_, external_id, query, message))
+
+    def requeue(self, task_id: str) -> Task:
+        """Operator: run a failed or timed-out task again; see `AsyncClient.requeue`."""
+        return self._run(
+            _resolve(self._ctx, task_id, Status.PENDING_SUBMIT, None, None, "", _REQUEUE)
+        )
+
+    def purge(
+        self, older_than: float, *, archive: ArchiveTarget | None = None, limit: int = 1000
+    ) -> int:
+        """Operator: delete (and archive) finished tasks; see `AsyncClient.purge`."""
+        return self._run(_purge(self._ctx, older_than, archive, limit))
+
+    def _run(self, plan: Plan[T]) -> T:
+        reply: Any = None
+        error: Exception | None = None
+        while True:
+            more, step = _advance(plan, reply, error)
+            if not more:
+                return cast(T, step)
+            reply, error = self._step(step)
+
+    def _step(self, step: Step) -> tuple[Any, Exception | None]:
+        try:
+            if isinstance(step, Call):
+                return self._store.run(step), None
+            if isinstance(step, Reads):
+                return (self._execute(step) if step.cmds else []), None
+            if isinstance(step, Pause):
+                time.sleep(step.seconds)
+        except Exception as exc:  # handed to the plan, which re-raises it
+            return None, exc
+        return None, None
+
+    def _execute(self, reads: Reads) -> Sequence[Any]:
+        # The socket timeout of from_url (BLOCK_S + REPLY_MARGIN_S) bounds blocking reads.
+        return read_many_sync(self._store, reads.cmds)

@@ -1,0 +1,119 @@
+"""Every CLI command through a real subprocess against a private Redis, --json parsed back."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis import Redis as SyncRedis
+
+from asynctaskd.keys import Keys
+from asynctaskd.model import Status
+from asynctaskd.store import Lease, SyncStore
+
+pytestmark = pytest.mark.slow
+
+
+def cli(*args: str, url: str | None = None, check: int | None = 0) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "asynctaskd", *args]
+    if url is not None:
+        argv += ["--url", url]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    if check is not None:
+        assert proc.returncode == check, f"{args}: rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def js(*args: str, url: str) -> Any:
+    return json.loads(cli(*args, "--json", url=url).stdout)
+
+
+def test_submit_get_list_stats_cancel(redis_url: str, sync_redis: SyncRedis) -> None:
+    proc = cli("submit", "ocr", '{"url": "https://x"}', "--timeout", "10m", "--tenant", "t1",
+               "--no-strict", url=redis_url)  # fmt: skip
+    task_id = proc.stdout.strip()
+    task = js("get", task_id, url=redis_url)
+    assert task["status"] == "PENDING_SUBMIT" and task["params"] == {"url": "https://x"}
+    assert task["tenant"] == "t1"
+    page = js("list", "--status", "PENDING_SUBMIT", url=redis_url)
+    assert [t["id"] for t in page["tasks"]] == [task_id]
+    stats = js("stats", url=redis_url)
+    assert stats["by_status"]["PENDING_SUBMIT"] == 1
+    assert json.loads(cli("cancel", task_id, "--json", url=redis_url).stdout)["canceled"] is True
+    assert js("get", task_id, url=redis_url)["status"] == "CANCELED"
+    # a second cancel has nothing to do: exit 1
+    cli("cancel", task_id, url=redis_url, check=1)
+
+
+def test_not_found_and_usage_errors(redis_url: str, sync_redis: SyncRedis) -> None:
+    missing = cli("get", "01JAAAAAAAAAAAAAAAAAAAAAAA", url=redis_url, check=1)
+    assert "no task" in missing.stderr
+    bad = cli("submit", "ocr", "{not json", "--no-strict", url=redis_url, check=2)
+    assert "params are not valid JSON" in bad.stderr
+    unknown = cli("submit", "nobody-serves-this", "{}", url=redis_url, check=2)
+    assert "nobody-serves-this" in unknown.stderr
+    cli("submit", url=redis_url, check=2)  # argparse usage error
+    assert sync_redis.dbsize() == 0  # nothing half-written by the refused submits
+
+
+def test_resolve_requeue_and_purge(redis_url: str, sync_redis: SyncRedis, tmp_path: Path) -> None:
+    task_id = cli("submit", "ocr", "{}", "--no-strict", url=redis_url).stdout.strip()
+    store = SyncStore(sync_redis, Keys())
+    batch = store.run(store.ops.claim(0, "submit", 1, 10_000, "w", 100))
+    lease = batch.claimed[0].lease
+    started = store.run(store.ops.start(lease, False))
+    parked = store.run(store.ops.save(Lease(task_id, lease.fence, started.version),
+                                      Status.SUBMIT_UNKNOWN))  # fmt: skip
+    assert parked.ok
+    unknown = js("list", "--status", "SUBMIT_UNKNOWN", url=redis_url)
+    assert [t["id"] for t in unknown["tasks"]] == [task_id]
+    resolved = js("resolve", task_id, "--as", "FAILED", "--message", "checked: no job", url=redis_url)
+    assert resolved["status"] == "FAILED"
+    # resolving again is refused: it is no longer SUBMIT_UNKNOWN
+    cli("resolve", task_id, "--as", "CANCELED", url=redis_url, check=1)
+    assert js("requeue", task_id, url=redis_url)["status"] == "PENDING_SUBMIT"
+    cli("cancel", task_id, url=redis_url)
+    archive = tmp_path / "archive.jsonl"
+    out = cli("purge", "--older-than", "1ms", "--archive", str(archive), url=redis_url).stdout
+    assert "purged 1" in out
+    lines = archive.read_text().splitlines()
+    assert [json.loads(line)["id"] for line in lines] == [task_id]
+    cli("get", task_id, url=redis_url, check=1)
+
+
+def test_check_config(tmp_path: Path) -> None:
+    good = tmp_path / "good.toml"
+    good.write_text('[redis]\nurl = "redis://:hunter2@127.0.0.1:1/0"\n')
+    out = cli("check-config", "--config", str(good), "--json").stdout
+    assert "hunter2" not in out and json.loads(out)["redis"]["url"].startswith("redis://")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[worker]\nbatch_size = 0\n")
+    err = cli("check-config", "--config", str(bad), check=2).stderr
+    assert "bad.toml:2" in err and "worker.batch_size" in err
+
+
+def test_wait_returns_the_settled_task(redis_url: str, sync_redis: SyncRedis) -> None:
+    task_id = cli("submit", "ocr", "{}", "--no-strict", url=redis_url).stdout.strip()
+    cli("cancel", task_id, url=redis_url)
+    done = cli("wait", task_id, "--timeout", "5s", "--json", url=redis_url, check=1)
+    assert json.loads(done.stdout)["status"] == "CANCELED"
+
+
+def test_help_reads_naturally() -> None:
+    out = cli("--help").stdout
+    for word in ("run", "dev", "submit", "resolve", "check-config", "examples:"):
+        assert word in out
+
+
+def test_dev_demo_runs_to_completion(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "asynctaskd", "dev", "--demo", "20", "--data-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=90, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "20 demo tasks settled" in proc.stdout
+    assert "SUCCEEDED" in proc.stdout

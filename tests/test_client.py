@@ -1,0 +1,731 @@
+"""AsyncClient and Client against real servers: one test body per behaviour, both clients."""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import io
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+import redis.asyncio
+
+import asynctaskd.client as client_mod
+from asynctaskd.client import AsyncClient, Client, Reads, TaskEvent
+from asynctaskd.errors import (
+    IllegalTransition,
+    InvalidTask,
+    PayloadTooLarge,
+    StoreUnavailable,
+    TaskNotFound,
+    UnknownHandler,
+)
+from asynctaskd.keys import new_task_id
+from asynctaskd.model import Status, Task, TaskError
+from asynctaskd.store import Lease, Store, SyncStore
+
+from .conftest import wait_until
+
+pytestmark = pytest.mark.anyio
+
+S = Status
+BASE: dict[str, Any] = {"tracking_timeout": 60, "strict": False}
+
+
+class Api:
+    """Runs one test body against either client: every call is awaited here."""
+
+    def __init__(self, client: AsyncClient | Client) -> None:
+        self.client = client
+        self.is_async = isinstance(client, AsyncClient)
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = getattr(self.client, name)
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            result = method(*args, **kwargs)
+            return await result if self.is_async else result
+
+        return call
+
+    async def in_background(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Await an async call, or run a blocking one in a worker thread."""
+        method = functools.partial(getattr(self.client, name), *args, **kwargs)
+        if self.is_async:
+            return await method()
+        return await anyio.to_thread.run_sync(method, abandon_on_cancel=True)
+
+    async def collect(self, task_id: str, out: list[TaskEvent], tenant: str | None = None) -> None:
+        """Append every event of watch() to `out` until it ends."""
+        if isinstance(self.client, AsyncClient):
+            async for event in self.client.watch(task_id, tenant):
+                out.append(event)  # noqa: PERF401 - the test reads `out` while this runs
+            return
+        sync_client = self.client
+
+        def run() -> None:
+            for event in sync_client.watch(task_id, tenant):
+                out.append(event)  # noqa: PERF402 - the test reads `out` while this runs
+
+        await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
+
+    async def close(self) -> None:
+        if isinstance(self.client, AsyncClient):
+            await self.client.aclose()
+        else:
+            self.client.close()
+
+    def hook_reads(self, monkeypatch: pytest.MonkeyPatch, hook: Callable[[Reads], None]) -> None:
+        """Call hook(reads) after each read batch the client runs (a sync hook for both)."""
+        original = self.client._execute
+
+        async def async_reads(reads: Reads) -> Any:
+            replies = await original(reads)
+            hook(reads)
+            return replies
+
+        def sync_reads(reads: Reads) -> Any:
+            replies = original(reads)
+            hook(reads)
+            return replies
+
+        monkeypatch.setattr(self.client, "_execute", async_reads if self.is_async else sync_reads)
+
+    def fail_reads(self, monkeypatch: pytest.MonkeyPatch, fail: Callable[[Reads], bool]) -> None:
+        """Raise StoreUnavailable instead of running a read batch when fail(reads) says so."""
+        original = self.client._execute
+
+        def check(reads: Reads) -> None:
+            if fail(reads):
+                raise StoreUnavailable("injected: Redis is unavailable")
+
+        async def async_reads(reads: Reads) -> Any:
+            check(reads)
+            return await original(reads)
+
+        def sync_reads(reads: Reads) -> Any:
+            check(reads)
+            return original(reads)
+
+        monkeypatch.setattr(self.client, "_execute", async_reads if self.is_async else sync_reads)
+
+
+@pytest.fixture(params=["async", "sync"])
+async def make_api(
+    request: pytest.FixtureRequest,
+    redis_url: str,
+    redis_client: redis.asyncio.Redis,
+    sync_redis: Any,
+) -> AsyncIterator[Callable[..., Api]]:
+    made: list[Api] = []
+
+    def make(**kwargs: Any) -> Api:
+        cls = AsyncClient if request.param == "async" else Client
+        made.append(Api(cls.from_url(redis_url, **kwargs)))
+        return made[-1]
+
+    yield make
+    for api in made:
+        await api.close()
+
+
+@pytest.fixture
+def api(make_api: Callable[..., Api]) -> Api:
+    return make_api()
+
+
+# Driving tasks the way a worker does, with the store (one shard).
+
+
+async def claim(store: Store, phase: str = "submit", n: int = 1) -> list[Lease]:
+    batch = await store.claim(0, phase, n, 30_000, "w1")  # type: ignore[arg-type]
+    assert len(batch.claimed) == n, batch
+    return [c.lease for c in batch.claimed]
+
+
+async def to_submitted(store: Store) -> None:
+    (lease,) = await claim(store)
+    r = await store.start(lease, False)
+    lease = Lease(lease.task_id, lease.fence, r.version)
+    fields = {"external_id": "job-1", "handle": b'{"external_id":"job-1"}'}
+    assert (await store.save(lease, S.SUBMITTED, fields=fields)).ok
+
+
+async def report(store: Store, progress: float) -> None:
+    (lease,) = await claim(store, "query")
+    fields = {"progress": str(progress), "stage": f"at {progress}"}
+    assert (await store.save(lease, S.RUNNING, fields=fields)).ok
+
+
+async def finish(store: Store, status: Status = S.SUCCEEDED) -> None:
+    (lease,) = await claim(store, "query")
+    assert (await store.save(lease, status, fields={"result": b'{"pages":3}'})).ok
+
+
+async def park(store: Store) -> None:
+    """Claim, start and leave the task in SUBMIT_UNKNOWN (an ambiguous submit)."""
+    (lease,) = await claim(store)
+    r = await store.start(lease, False)
+    assert (await store.save(Lease(lease.task_id, lease.fence, r.version), S.SUBMIT_UNKNOWN)).ok
+
+
+async def fail_submit(store: Store) -> None:
+    (lease,) = await claim(store)
+    fields = {"error_code": "BAD", "error_message": "refused"}
+    assert (await store.save(lease, S.FAILED, fields=fields)).ok
+
+
+async def until(condition: Callable[[], Any], what: str) -> Any:
+    async def check() -> Any:
+        return condition()
+
+    return await wait_until(check, what)
+
+
+async def blocked_readers(r: redis.asyncio.Redis) -> int:
+    clients = await r.client_list()
+    return sum(1 for c in clients if c.get("cmd") == "xread" and "b" in c.get("flags", ""))
+
+
+async def server_ms(r: redis.asyncio.Redis) -> int:
+    sec, usec = await r.time()
+    return int(sec) * 1000 + int(usec) // 1000
+
+
+# Submit and its validation.
+
+
+async def test_submit_returns_the_stored_task_in_one_round_trip(
+    api: Api, redis_client: redis.asyncio.Redis
+) -> None:
+    await redis_client.hset("atd:handlers", "ocr:demo", str(int(time.time() * 1000) + 60_000))
+    not_before = dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)
+    params = {"url": "https://x", "pages": (1, 2)}
+    t = await api.submit(
+        "ocr:demo", params, tracking_timeout=dt.timedelta(minutes=30), tenant="t1",
+        account="acct-1", provider="vendor", priority=5, metadata={"order": "42"},
+        not_before=not_before, dedup_key="order-42",
+    )  # fmt: skip
+    assert t == await api.get(t.id)
+    assert (t.status, t.priority, t.provider) == (S.PENDING_SUBMIT, 5, "vendor")
+    assert (t.params, t.metadata) == ({"url": "https://x", "pages": [1, 2]}, {"order": "42"})
+    assert t.deadline_at == pytest.approx(t.created_at + 1800)
+    assert t.due_at == pytest.approx(not_before.timestamp(), abs=0.002)
+    before = dict(api.client._store.round_trips)
+    await api.submit("ocr:demo", {}, tracking_timeout=5)  # handler cache is warm: one call
+    after = api.client._store.round_trips
+    assert {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)} == {
+        "create": 1
+    }
+
+
+INVALID: list[tuple[dict[str, Any], type[Exception], str]] = [
+    ({"handler": ""}, InvalidTask, "handler must be"),
+    ({"handler": "has space"}, InvalidTask, "handler must be"),
+    ({"handler": "x" * 65}, InvalidTask, "handler must be"),
+    ({"handler": 7}, InvalidTask, "handler must be"),
+    ({"tenant": "t/1"}, InvalidTask, "tenant must be"),
+    ({"account": ""}, InvalidTask, "account must be"),
+    ({"provider": "p@x"}, InvalidTask, "provider must be"),
+    ({"params": b"raw"}, InvalidTask, "params is a bytes.*base64"),
+    ({"params": {"tags": {"a"}}}, InvalidTask, r"params\.tags is a set.*use a list"),
+    ({"params": object()}, InvalidTask, "params is a object"),
+    ({"params": {"x": float("nan")}}, InvalidTask, "NaN"),
+    ({"params": {1: "a"}}, InvalidTask, "keys must be strings"),
+    ({"params": "x" * 300_000}, PayloadTooLarge, "over the limit of 262144"),
+    ({"metadata": {"m": b"x"}}, InvalidTask, r"metadata\.m is a bytes"),
+    ({"metadata": ["x" * 300_000]}, PayloadTooLarge, "metadata is"),
+    ({"tracking_timeout": 0}, InvalidTask, "tracking_timeout must be more than 0"),
+    ({"tracking_timeout": -5}, InvalidTask, "tracking_timeout must be more than 0"),
+    ({"tracking_timeout": float("inf")}, InvalidTask, "tracking_timeout"),
+    ({"tracking_timeout": "60"}, InvalidTask, "tracking_timeout must be a number"),
+    ({"tracking_timeout": True}, InvalidTask, "tracking_timeout must be a number"),
+    ({"tracking_timeout": 1e12}, InvalidTask, "at most 10 years"),
+    ({"priority": 101}, InvalidTask, "priority must be an integer from -100 to 100"),
+    ({"priority": -101}, InvalidTask, "priority"),
+    ({"priority": 1.5}, InvalidTask, "priority"),
+    ({"priority": True}, InvalidTask, "priority"),
+    ({"not_before": dt.datetime(2030, 1, 1)}, InvalidTask, "timezone-aware"),
+    ({"not_before": "2030-01-01"}, InvalidTask, "not_before must be an aware datetime"),
+    ({"not_before": time.time() * 1000}, InvalidTask, "not milliseconds"),
+    ({"not_before": -1}, InvalidTask, "not_before"),
+    ({"not_before": time.time(), "delay": 5}, InvalidTask, "not both"),
+    ({"delay": -1}, InvalidTask, "delay must be at least 0"),
+    ({"delay": dt.timedelta(seconds=-1)}, InvalidTask, "delay"),
+    ({"dedup_key": ""}, InvalidTask, "dedup_key must be a non-empty str"),
+    ({"dedup_key": "k" * 201}, InvalidTask, "at most 200"),
+    ({"dedup_key": 42}, InvalidTask, "dedup_key"),
+]
+
+
+@pytest.mark.parametrize(("override", "error", "message"), INVALID)
+async def test_submit_refuses_bad_input_and_writes_nothing(
+    api: Api,
+    redis_client: redis.asyncio.Redis,
+    override: dict[str, Any],
+    error: type[Exception],
+    message: str,
+) -> None:
+    await api.submit("h", {"n": 0}, **BASE)
+    keys_before = await redis_client.dbsize()
+    kwargs = {"handler": "h", "params": {"n": 1}, **BASE, **override}
+    with pytest.raises(error, match=message):
+        await api.submit(kwargs.pop("handler"), kwargs.pop("params"), **kwargs)
+    assert await redis_client.dbsize() == keys_before
+
+
+async def test_strict_submit_needs_a_live_handler(
+    api: Api, redis_client: redis.asyncio.Redis
+) -> None:
+    now_ms = int(time.time() * 1000)
+    await redis_client.hset("atd:handlers", mapping={"old:h": now_ms - 1000})
+    keys_before = await redis_client.dbsize()
+    for handler in ("ocr:demo", "old:h"):
+        with pytest.raises(UnknownHandler, match=f"no live daemon serves handler '{handler}'"):
+            await api.submit(handler, {}, tracking_timeout=60)
+    assert await redis_client.dbsize() == keys_before
+    await redis_client.hset("atd:handlers", "ocr:demo", now_ms + 30_000)
+    t = await api.submit("ocr:demo", {}, tracking_timeout=60)  # refused keys are re-read
+    assert t.handler == "ocr:demo"
+    assert (await api.submit("never:seen", {}, tracking_timeout=60, strict=False)).id
+    assert await api.handlers() == {"ocr:demo": (now_ms + 30_000) / 1000}
+
+
+async def test_dedup_key_returns_the_live_task_of_the_same_tenant(
+    make_api: Callable[..., Api],
+) -> None:
+    api = make_api(shards=4)
+    first = await api.submit("h", {"n": 1}, dedup_key="order-42", tenant="t1", **BASE)
+    again = await api.submit("h", {"n": 2}, dedup_key="order-42", tenant="t1", **BASE)
+    assert again == first
+    other = await api.submit("h", {"n": 3}, dedup_key="order-42", tenant="t2", **BASE)
+    assert other.id != first.id
+    assert await api.cancel(first.id)
+    fresh = await api.submit("h", {"n": 4}, dedup_key="order-42", tenant="t1", **BASE)
+    assert fresh.id != first.id
+    assert fresh.shard == first.shard
+    assert fresh.params == {"n": 4}
+
+
+# Reading, cancelling and tenant isolation.
+
+
+async def test_get_checks_ids_and_hides_worker_fields(
+    make_api: Callable[..., Api], store: Store
+) -> None:
+    api = make_api(shards=2)
+    for bad in ("nope", new_task_id().lower(), new_task_id(0) + "-0", new_task_id(5), 17):
+        with pytest.raises(InvalidTask):
+            await api.get(bad)
+    with pytest.raises(InvalidTask, match="on shard 5, but this client is configured with 2"):
+        await api.get(new_task_id(5))
+    assert await api.get(new_task_id(1)) is None
+    t = await make_api().submit("h", {}, **BASE)  # one-shard client: shard 0 for the store
+    await claim(store)
+    seen = await api.get(t.id)
+    assert seen is not None
+    assert (seen.status, seen.fence, seen.owner) == (S.SUBMITTING, 0, None)
+    inside = await api.get(t.id, internals=True)
+    assert inside is not None
+    assert (inside.fence, inside.owner) == (1, "w1")
+
+
+async def test_cancel_outcomes(api: Api, store: Store) -> None:
+    leased = await api.submit("h", {}, **BASE)
+    await claim(store)
+    pending = await api.submit("h", {}, **BASE)
+    assert await api.cancel(pending.id) is True
+    assert (await api.get(pending.id)).status is S.CANCELED
+    assert await api.cancel(leased.id) is True  # requested from its worker
+    snapshot = await api.get(leased.id)
+    assert (snapshot.status, snapshot.cancel_requested) == (S.SUBMITTING, True)
+    assert await api.cancel(pending.id) is False
+    with pytest.raises(TaskNotFound):
+        await api.cancel(new_task_id())
+
+
+async def test_tenants_cannot_see_each_others_tasks(api: Api) -> None:
+    t = await api.submit("h", {}, tenant="t1", **BASE)
+    assert await api.get(t.id, "t2") is None
+    assert await api.get(t.id, "t1") == t
+    with pytest.raises(TaskNotFound):
+        await api.cancel(t.id, "t2")
+    with pytest.raises(TaskNotFound):
+        await api.wait(t.id, 0.1, tenant="t2")
+    with pytest.raises(TaskNotFound):
+        await api.collect(t.id, [], tenant="t2")
+    assert (await api.list(tenant="t2")).tasks == []
+    assert [x.id for x in (await api.list(tenant="t1")).tasks] == [t.id]
+    assert (await api.get(t.id, "t1")).status is S.PENDING_SUBMIT
+
+
+# wait() and watch().
+
+
+async def test_wait_returns_when_another_party_finishes_the_task(
+    api: Api, store: Store, redis_client: redis.asyncio.Redis
+) -> None:
+    t = await api.submit("h", {}, **BASE)
+    await to_submitted(store)
+    out: dict[str, Any] = {}
+
+    async def waiter() -> None:
+        out["task"] = await api.in_background("wait", t.id, 10)
+        out["at"] = time.monotonic()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(waiter)
+        await wait_until(lambda: blocked_readers(redis_client), "wait() blocked on the stream")
+        reads_before = api.client._store.round_trips["read"]
+        await finish(store)
+        finished = time.monotonic()
+    assert (out["task"].status, out["task"].result) == (S.SUCCEEDED, {"pages": 3})
+    assert out["at"] - finished < 1.0
+    assert api.client._store.round_trips["read"] - reads_before <= 2  # one XREAD, one re-read
+
+
+async def test_wait_returns_the_snapshot_at_timeout_and_stops_on_parked(
+    api: Api, store: Store
+) -> None:
+    t = await api.submit("h", {}, **BASE)
+    started = time.monotonic()
+    assert (await api.wait(t.id, 0.2)).status is S.PENDING_SUBMIT
+    assert 0.2 <= time.monotonic() - started < 1.5
+    await park(store)
+    started = time.monotonic()
+    assert (await api.wait(t.id, 10)).status is S.SUBMIT_UNKNOWN
+    assert time.monotonic() - started < 1.0
+    with pytest.raises(TaskNotFound):
+        await api.wait(new_task_id(), 1)
+
+
+@pytest.mark.parametrize("op", ["wait", "watch"])
+async def test_a_change_right_after_the_snapshot_is_not_missed(
+    api: Api, store: Store, sync_store: SyncStore, monkeypatch: pytest.MonkeyPatch, op: str
+) -> None:
+    t = await api.submit("h", {}, **BASE)
+    (lease,) = await claim(store)
+    fired: list[bool] = []
+
+    def fail_after_snapshot(reads: Reads) -> None:
+        # The snapshot is already read (SUBMITTING); the task fails before the client reads
+        # the stream. A client that subscribed from "now" would sit out the whole timeout.
+        if not fired and any(cmd[0] == "xrevrange" for cmd in reads.cmds):
+            fired.append(True)
+            fields = {"error_code": "BAD", "error_message": "refused"}
+            assert sync_store.run(sync_store.ops.save(lease, S.FAILED, fields=fields)).ok
+
+    api.hook_reads(monkeypatch, fail_after_snapshot)
+    started = time.monotonic()
+    if op == "wait":
+        task = await api.wait(t.id, 3)
+        assert (task.status, task.error) == (S.FAILED, TaskError("BAD", "refused"))
+    else:
+        events: list[TaskEvent] = []
+        await api.collect(t.id, events)
+        assert [e.status for e in events] == [S.SUBMITTING, S.FAILED]
+    assert fired
+    assert time.monotonic() - started < 2.0
+
+
+async def test_watch_yields_progress_in_order_until_terminal(api: Api, store: Store) -> None:
+    t = await api.submit("h", {}, **BASE)
+    await to_submitted(store)
+    events: list[TaskEvent] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(api.collect, t.id, events)
+        await until(lambda: events, "the snapshot event")
+        for p in (0.25, 0.5, 0.75):
+            await report(store, p)
+        await finish(store)
+    assert [(e.status, e.progress) for e in events] == [
+        (S.SUBMITTED, None), (S.RUNNING, 0.25), (S.RUNNING, 0.5), (S.RUNNING, 0.75),
+        (S.SUCCEEDED, None),
+    ]  # fmt: skip
+    assert events[2].stage == "at 0.5"
+    assert all(e.task_id == t.id for e in events)
+    assert [e.version for e in events] == sorted({e.version for e in events})
+    assert [e.at for e in events] == sorted(e.at for e in events)
+
+
+async def test_watch_resumes_after_its_connection_is_killed(
+    api: Api, store: Store, redis_client: redis.asyncio.Redis
+) -> None:
+    t = await api.submit("h", {}, **BASE)
+    await to_submitted(store)
+    events: list[TaskEvent] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(api.collect, t.id, events)
+        await until(lambda: events, "the snapshot event")
+        await report(store, 0.1)
+        await until(lambda: len(events) == 2, "two events")
+        await wait_until(lambda: blocked_readers(redis_client), "watch() blocked on the stream")
+        # Kill the watcher's own connection (only it is blocked on XREAD) from another one.
+        for c in await redis_client.client_list():
+            if c.get("cmd") == "xread" and "b" in c.get("flags", ""):
+                assert await redis_client.client_kill_filter(_id=c["id"]) == 1
+        await report(store, 0.2)
+        await report(store, 0.3)
+        await finish(store)
+    assert [e.progress for e in events] == [None, 0.1, 0.2, 0.3, None]
+    assert events[-1].status is S.SUCCEEDED
+
+
+async def test_watch_rides_out_store_errors_and_gives_up_after_its_budget(
+    api: Api, store: Store, sync_store: SyncStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    t = await api.submit("h", {}, **BASE)
+    await to_submitted(store)
+    xreads: list[int] = []
+
+    def flaky(reads: Reads) -> bool:
+        if reads.cmds[0][0] != "xread":
+            return False
+        xreads.append(1)
+        if len(xreads) == 1:  # a change lands while the client cannot read
+            (c,) = sync_store.run(sync_store.ops.claim(0, "query", 1, 30_000, "w1", 10)).claimed
+            fields = {"progress": "0.5"}
+            assert sync_store.run(sync_store.ops.save(c.lease, S.RUNNING, fields=fields)).ok
+        return len(xreads) <= 3
+
+    api.fail_reads(monkeypatch, flaky)
+    events: list[TaskEvent] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(api.collect, t.id, events)
+        await until(lambda: len(events) == 2, "the event written during the outage")
+        await finish(store)
+    assert [(e.status, e.progress) for e in events] == [
+        (S.SUBMITTED, None), (S.RUNNING, 0.5), (S.SUCCEEDED, None)
+    ]  # fmt: skip
+
+    other = await api.submit("h", {}, **BASE)
+    monkeypatch.setattr(client_mod, "RECONNECT_BUDGET_S", 0.3)
+    api.fail_reads(monkeypatch, lambda reads: reads.cmds[0][0] == "xread")
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable, match="watch gave up after"):
+        await api.collect(other.id, [])
+    assert time.monotonic() - started < 3.0
+
+
+# list(), stats(), handlers().
+
+
+async def test_list_pages_through_every_task_and_filters(make_api: Callable[..., Api]) -> None:
+    api = make_api(shards=2)
+    made = {}
+    for i in range(17):
+        handler, tenant = ("a", "t1") if i < 12 else ("b", "t2")
+        made[(await api.submit(handler, {"i": i}, tenant=tenant, **BASE)).id] = (handler, tenant)
+
+    async def walk(**kwargs: Any) -> list[Task]:
+        out: list[Task] = []
+        cursor = None
+        for _ in range(50):
+            page = await api.list(cursor=cursor, **kwargs)
+            assert len(page.tasks) <= kwargs.get("limit", 100)
+            out += page.tasks
+            if (cursor := page.cursor) is None:
+                return out
+        raise AssertionError("list() never finished")
+
+    everything = await walk(limit=5)
+    assert sorted(t.id for t in everything) == sorted(made)
+    for shard in (0, 1):  # newest first; ids break ties within a millisecond
+        order = [(t.created_at, t.id) for t in everything if t.shard == shard]
+        assert order == sorted(order, reverse=True)
+    assert {t.id for t in await walk(handler="b", limit=2)} == {
+        k for k, v in made.items() if v[0] == "b"
+    }
+    assert len(await walk(handler="a", tenant="t1", status="PENDING_SUBMIT")) == 12
+    assert await walk(handler="a", tenant="t2") == []
+    assert await api.list(status=S.CANCELED) == client_mod.TaskPage([], None)
+    page = await api.list(limit=5)
+    with pytest.raises(InvalidTask, match="cursor"):
+        await api.list(status=S.CANCELED, cursor=page.cursor)
+    with pytest.raises(InvalidTask, match="cursor"):
+        await api.list(cursor="garbage")
+    with pytest.raises(InvalidTask, match="limit"):
+        await api.list(limit=0)
+    with pytest.raises(InvalidTask, match="not a status"):
+        await api.list(status="DONE")
+
+
+async def test_list_pages_over_equal_scores_and_bounds_its_work(api: Api, store: Store) -> None:
+    for i in range(130):
+        await api.submit("h", {"i": i}, **BASE)
+    claimed = await claim(store, n=130)  # one script: every index entry has the same score
+    seen: list[str] = []
+    cursor = None
+    while True:
+        page = await api.list(status=S.SUBMITTING, limit=30, cursor=cursor)
+        seen += [t.id for t in page.tasks]
+        if (cursor := page.cursor) is None:
+            break
+    assert sorted(seen) == sorted(lease.task_id for lease in claimed)
+    assert len(seen) == len(set(seen))
+    calls = 0
+    cursor = None
+    while True:
+        calls += 1
+        page = await api.list(handler="nobody", limit=1, cursor=cursor)
+        assert page.tasks == []
+        if (cursor := page.cursor) is None:
+            break
+    assert calls >= 130 // 20  # each call looked at no more than 20 * limit tasks
+
+
+async def test_stats_are_exact(api: Api, store: Store, redis_client: redis.asyncio.Redis) -> None:
+    for _ in range(3):
+        a = await api.submit("a", {}, **BASE)
+    for _ in range(2):
+        await api.submit("b", {}, priority=10, **BASE)  # claimed first
+    await claim(store)
+    await api.cancel(a.id)
+    now = time.time()
+    await redis_client.hset("atd:daemons", mapping={
+        "d1": msgspec.json.encode({"id": "d1", "heartbeat_at": now, "inflight": 3}),
+        "d2": msgspec.json.encode({"id": "d2", "heartbeat_at": now - 60}),
+        "d3": b"not json",
+    })  # fmt: skip
+    stats = await api.stats()
+    assert stats.by_status == {
+        **dict.fromkeys(Status, 0),
+        S.PENDING_SUBMIT: 3,
+        S.SUBMITTING: 1,
+        S.CANCELED: 1,
+    }
+    assert stats.by_handler == {
+        "a": {S.PENDING_SUBMIT: 2, S.CANCELED: 1},
+        "b": {S.PENDING_SUBMIT: 1, S.SUBMITTING: 1},
+    }
+    assert stats.daemons == [{"id": "d1", "heartbeat_at": now, "inflight": 3}]
+
+
+# Operator calls.
+
+
+@pytest.mark.parametrize("target", [S.SUBMITTED, S.PENDING_SUBMIT, S.FAILED, S.CANCELED])
+async def test_resolve_a_parked_task(api: Api, store: Store, target: Status) -> None:
+    t = await api.submit("h", {}, **BASE)
+    await park(store)
+    if target is S.SUBMITTED:
+        task = await api.resolve(t.id, target.value, external_id="job-9", query={"r": "eu"})
+        assert task.external_id == "job-9"
+    else:
+        task = await api.resolve(t.id, target, message="checked at the vendor")
+    assert task.status is target
+    assert task == await api.get(t.id)
+    if target.is_terminal:
+        assert task.error == TaskError(f"RESOLVED_{target.value}", "checked at the vendor")
+    elif target.phase is not None:  # due again at once, in the right phase
+        assert (await claim(store, target.phase))[0].task_id == t.id
+
+
+async def test_resolve_refusals(api: Api, store: Store) -> None:
+    t = await api.submit("h", {}, **BASE)
+    with pytest.raises(
+        IllegalTransition, match="is PENDING_SUBMIT: it cannot be resolved as FAILED"
+    ):
+        await api.resolve(t.id, S.FAILED)
+    with pytest.raises(InvalidTask, match="needs the vendor's external_id"):
+        await api.resolve(t.id, S.SUBMITTED)
+    with pytest.raises(InvalidTask, match="can be resolved as"):
+        await api.resolve(t.id, "RUNNING")
+    with pytest.raises(InvalidTask, match="only used when resolving as SUBMITTED"):
+        await api.resolve(t.id, S.FAILED, external_id="x")
+    with pytest.raises(TaskNotFound):
+        await api.resolve(new_task_id(), S.CANCELED)
+    assert (await api.get(t.id)).version == t.version
+
+
+async def test_requeue_failed_and_timed_out_tasks_only(api: Api, store: Store) -> None:
+    failed = await api.submit("h", {"n": 1}, **BASE)
+    await fail_submit(store)
+    task = await api.requeue(failed.id)
+    assert (task.status, task.error, task.params) == (S.PENDING_SUBMIT, None, {"n": 1})
+    with pytest.raises(IllegalTransition, match="is PENDING_SUBMIT"):
+        await api.requeue(failed.id)
+    assert (await claim(store))[0].task_id == failed.id
+
+    late = await api.submit("h", {}, tracking_timeout=0.001, strict=False)
+
+    async def timed_out() -> bool:
+        await store.time_out(0, 100)
+        return (await api.get(late.id)).status is S.TRACKING_TIMED_OUT
+
+    await wait_until(timed_out, "the deadline to pass")
+    assert (await api.requeue(late.id)).status is S.PENDING_SUBMIT
+
+    parked = await api.submit("h", {}, priority=50, **BASE)
+    await park(store)
+    with pytest.raises(IllegalTransition, match="SUBMIT_UNKNOWN"):
+        await api.requeue(parked.id)
+    assert (await api.get(parked.id)).status is S.SUBMIT_UNKNOWN
+    with pytest.raises(TaskNotFound):
+        await api.requeue(new_task_id())
+
+
+@pytest.mark.parametrize("kind", ["path", "file"])
+async def test_purge_archives_then_deletes_finished_tasks(
+    api: Api, redis_client: redis.asyncio.Redis, tmp_path: Path, kind: str
+) -> None:
+    keep = await api.submit("h", {}, **BASE)
+    done = [await api.submit("h", {"i": i}, tenant="t1", **BASE) for i in range(3)]
+    finished_ms = 0
+    for t in done:
+        assert await api.cancel(t.id)
+        finished_ms = max(finished_ms, int((await api.get(t.id)).finished_at * 1000))
+    assert await api.purge(3600) == 0
+    await wait_until(
+        lambda: _after(redis_client, finished_ms + 2), "the server clock to pass the finish time"
+    )
+    target: Any = tmp_path / "archive.jsonl" if kind == "path" else io.StringIO()
+    assert await api.purge(0, archive=target) == 3
+    text = target.read_text() if kind == "path" else target.getvalue()
+    archived = [msgspec.json.decode(line, type=Task) for line in text.splitlines()]
+    assert sorted(t.id for t in archived) == sorted(t.id for t in done)
+    assert {(t.status, t.tenant) for t in archived} == {(S.CANCELED, "t1")}
+    for t in done:
+        assert await api.get(t.id) is None
+    assert await api.get(keep.id) is not None
+    assert (await api.stats()).by_status[S.CANCELED] == 0
+    assert await api.purge(0, archive=target) == 0
+    with pytest.raises(InvalidTask, match="older_than"):
+        await api.purge(-1)
+
+
+async def _after(r: redis.asyncio.Redis, ms: int) -> bool:
+    return await server_ms(r) > ms
+
+
+# Construction and import hygiene.
+
+
+async def test_clients_close_only_what_they_opened(
+    redis_url: str, redis_client: redis.asyncio.Redis, sync_redis: Any
+) -> None:
+    async with AsyncClient.from_url(redis_url) as a:
+        t = await a.submit("h", {}, **BASE)
+    with Client.from_url(redis_url) as c:
+        assert c.get(t.id) == t
+    async with AsyncClient(redis_client) as a:
+        assert await a.get(t.id) == t
+    with Client(sync_redis) as c:
+        assert c.cancel(t.id)
+    assert await redis_client.ping()
+    assert sync_redis.ping()
+
+
+def test_client_imports_no_daemon_code() -> None:
+    code = (
+        "import asynctaskd.client, sys; assert not any(m in sys.modules for m in "
+        "('httpx', 'prometheus_client', 'asynctaskd.worker'))"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
