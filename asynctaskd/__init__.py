@@ -52,6 +52,7 @@ def __getattr__(name: str) -> Any:
         return getattr(handlers, name)
     raise AttributeError(f"module 'asynctaskd' has no attribute {name!r}")
 
+
 __version__ = "0.1.0"
 
 __all__ = [

@@ -104,8 +104,10 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--limit", type=int, default=50)
     sp.add_argument("--cursor")
 
-    for name, helptext in (("stats", "counts by status and handler, live daemons"),
-                           ("top", "a live view of stats (Ctrl-C to quit)")):  # fmt: skip
+    for name, helptext in (
+        ("stats", "counts by status and handler, live daemons"),
+        ("top", "a live view of stats (Ctrl-C to quit)"),
+    ):
         sp = sub.add_parser(name, help=helptext)
         conn(sp)
         js(sp)
@@ -116,10 +118,14 @@ def _parser() -> argparse.ArgumentParser:
     conn(sp)
     js(sp)
     sp.add_argument("task_id")
-    sp.add_argument("--as", dest="as_", required=True,
-                    choices=["SUBMITTED", "PENDING_SUBMIT", "FAILED", "CANCELED"],
-                    help="SUBMITTED (with --external-id) if the vendor has the job; "
-                         "PENDING_SUBMIT to resubmit knowingly")  # fmt: skip
+    sp.add_argument(
+        "--as",
+        dest="as_",
+        required=True,
+        choices=["SUBMITTED", "PENDING_SUBMIT", "FAILED", "CANCELED"],
+        help="SUBMITTED (with --external-id) if the vendor has the job; "
+        "PENDING_SUBMIT to resubmit knowingly",
+    )
     sp.add_argument("--external-id")
     sp.add_argument("--query", help="JSON object the handler's query needs besides the id")
     sp.add_argument("--message", default="")
@@ -200,13 +206,16 @@ def _client_command(args: argparse.Namespace) -> int:
             except json.JSONDecodeError as exc:
                 raise InvalidTask(f"params are not valid JSON: {exc}") from None
             task = client.submit(
-                args.handler, params,
+                args.handler,
+                params,
                 tracking_timeout=_duration(args.timeout, "--timeout"),
-                tenant=args.tenant, account=args.account, priority=args.priority,
+                tenant=args.tenant,
+                account=args.account,
+                priority=args.priority,
                 dedup_key=args.dedup_key,
                 delay=_duration(args.delay, "--delay") if args.delay else None,
                 strict=not args.no_strict,
-            )  # fmt: skip
+            )
             if args.json:
                 _print_task(task, True)
             else:
@@ -230,12 +239,19 @@ def _client_command(args: argparse.Namespace) -> int:
             _print_task(task, args.json)
             return 0 if task.status is Status.SUCCEEDED else 1
         if cmd == "list":
-            page = client.list(status=Status(args.status) if args.status else None,
-                               handler=args.handler, tenant=args.tenant,
-                               limit=args.limit, cursor=args.cursor)  # fmt: skip
+            page = client.list(
+                status=Status(args.status) if args.status else None,
+                handler=args.handler,
+                tenant=args.tenant,
+                limit=args.limit,
+                cursor=args.cursor,
+            )
             if args.json:
-                _out(json.dumps({"tasks": [_task_dict(t) for t in page.tasks],
-                                 "cursor": page.cursor}))  # fmt: skip
+                _out(
+                    json.dumps(
+                        {"tasks": [_task_dict(t) for t in page.tasks], "cursor": page.cursor}
+                    )
+                )
             else:
                 for t in page.tasks:
                     err = f" {t.error.code}" if t.error else ""
@@ -248,15 +264,21 @@ def _client_command(args: argparse.Namespace) -> int:
         if cmd in ("resolve", "requeue"):
             if cmd == "resolve":
                 query = json.loads(args.query) if args.query else None
-                task = client.resolve(args.task_id, args.as_, external_id=args.external_id,
-                                      query=query, message=args.message)  # fmt: skip
+                task = client.resolve(
+                    args.task_id,
+                    args.as_,
+                    external_id=args.external_id,
+                    query=query,
+                    message=args.message,
+                )
             else:
                 task = client.requeue(args.task_id)
             _print_task(task, args.json)
             return 0
         if cmd == "purge":
-            n = client.purge(_duration(args.older_than, "--older-than"), archive=args.archive,
-                             limit=args.limit)  # fmt: skip
+            n = client.purge(
+                _duration(args.older_than, "--older-than"), archive=args.archive, limit=args.limit
+            )
             _out(f"purged {n} task(s)")
             return 0
     raise AssertionError(f"unhandled command {args.command}")
@@ -268,8 +290,7 @@ def _stats(client: Any, args: argparse.Namespace) -> int:
         if args.json:
             return json.dumps(msgspec.to_builtins(s))
         lines = ["status               count"]
-        for status in Status:
-            lines.append(f"{status.value:<20} {s.by_status.get(status, 0):>6}")
+        lines += [f"{st.value:<20} {s.by_status.get(st, 0):>6}" for st in Status]
         if s.by_handler:
             lines.append("")
             lines.append("handler              " + " ".join(f"{st.value[:9]:>9}" for st in Status))
@@ -277,9 +298,11 @@ def _stats(client: Any, args: argparse.Namespace) -> int:
                 lines.append(f"{h:<20} " + " ".join(f"{counts.get(st, 0):>9}" for st in Status))
         lines.append("")
         lines.append(f"live daemons: {len(s.daemons)}")
-        for d in s.daemons:
-            lines.append(f"  {d.get('id')}  inflight={d.get('inflight')} "
-                         f"handlers={','.join(d.get('handlers', []))}")  # fmt: skip
+        lines += [
+            f"  {d.get('id')}  inflight={d.get('inflight')} "
+            f"handlers={','.join(d.get('handlers', []))}"
+            for d in s.daemons
+        ]
         return "\n".join(lines)
 
     if args.command == "stats":

@@ -767,7 +767,7 @@ class AsyncClient:
         """
         return await self._run(_cancel(self._ctx, task_id, tenant))
 
-    async def wait(self, task_id: str, timeout: float, tenant: str | None = None) -> Task:  # noqa: ASYNC109
+    async def wait(self, task_id: str, timeout: float, tenant: str | None = None) -> Task:
         """Return as soon as the task is terminal or SUBMIT_UNKNOWN, or its snapshot after
         `timeout` seconds. Follows the events stream: no polling, no missed change."""
         return await self._run(_wait(self._ctx, task_id, timeout, tenant))

@@ -11,7 +11,7 @@ import msgspec
 from .errors import CorruptTask, InvalidTask, PayloadTooLarge
 from .model import Status, Task, TaskError
 
-__all__ = ["decode_task", "encode_payload", "check_json_like", "DEFAULT_MAX_PAYLOAD"]
+__all__ = ["DEFAULT_MAX_PAYLOAD", "check_json_like", "decode_task", "encode_payload"]
 
 DEFAULT_MAX_PAYLOAD: Final = 256 * 1024
 

@@ -27,8 +27,12 @@ def _raise_for(response: httpx.Response, what: str) -> None:
         return
     text = response.text[:200]
     if status == 429 or (status == 503 and "retry-after" in response.headers):
-        raise RetryableError(f"{what}: throttled ({status})", code=f"HTTP_{status}",
-                             retry_after=_retry_after(response), throttled=True)  # fmt: skip
+        raise RetryableError(
+            f"{what}: throttled ({status})",
+            code=f"HTTP_{status}",
+            retry_after=_retry_after(response),
+            throttled=True,
+        )
     if status >= 500:
         raise RetryableError(f"{what}: vendor error {status}: {text}", code=f"HTTP_{status}")
     raise PermanentError(f"{what}: vendor refused {status}: {text}", code=f"HTTP_{status}")

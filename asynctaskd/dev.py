@@ -20,9 +20,17 @@ from .model import Status
 
 __all__ = ["run_dev"]
 
-_ORDER = [Status.PENDING_SUBMIT, Status.SUBMITTING, Status.SUBMITTED, Status.RUNNING,
-          Status.SUCCEEDED, Status.FAILED, Status.CANCELED, Status.TRACKING_TIMED_OUT,
-          Status.SUBMIT_UNKNOWN]  # fmt: skip
+_ORDER = [
+    Status.PENDING_SUBMIT,
+    Status.SUBMITTING,
+    Status.SUBMITTED,
+    Status.RUNNING,
+    Status.SUCCEEDED,
+    Status.FAILED,
+    Status.CANCELED,
+    Status.TRACKING_TIMED_OUT,
+    Status.SUBMIT_UNKNOWN,
+]
 
 
 def dev_config(url: str, vendor_url: str) -> Config:
@@ -75,9 +83,13 @@ async def _demo(config: Config, n: int, keep_running: bool) -> int:
             t0 = time.monotonic()
             for i in range(n):
                 task = await client.submit(
-                    "demo", {"document": f"page-{i}.pdf"}, tracking_timeout=120,
-                    tenant=f"tenant-{i % 3}", priority=i % 3, strict=False,
-                )  # fmt: skip
+                    "demo",
+                    {"document": f"page-{i}.pdf"},
+                    tracking_timeout=120,
+                    tenant=f"tenant-{i % 3}",
+                    priority=i % 3,
+                    strict=False,
+                )
                 ids.append(task.id)
             counts: Counter[Status] = Counter()
             tty = sys.stdout.isatty() and n > 0
@@ -125,18 +137,32 @@ def run_dev(args: argparse.Namespace) -> int:
     # dev is a sandbox: every run starts from an empty server, so the view counts only
     # this run's tasks.
     shutil.rmtree(data_dir, ignore_errors=True)
-    behaviour = Behaviour(polls_to_done=max(1, args.polls), query_latency=0.02,
-                          latency_jitter=0.05, error_rate=0.03, throttle_rate=0.02,
-                          fail_fraction=0.03, retry_after=1)  # fmt: skip
-    with ServerProcess(binary, data_dir=data_dir, aof=True) as server, \
-            FakeVendorProcess.start(behaviour) as vendor:  # fmt: skip
+    behaviour = Behaviour(
+        polls_to_done=max(1, args.polls),
+        query_latency=0.02,
+        latency_jitter=0.05,
+        error_rate=0.03,
+        throttle_rate=0.02,
+        fail_fraction=0.03,
+        retry_after=1,
+    )
+    with (
+        ServerProcess(binary, data_dir=data_dir, aof=True) as server,
+        FakeVendorProcess.start(behaviour) as vendor,
+    ):
         print(f"embedded valkey  {server.url}  (data in {data_dir})")  # noqa: T201
         print(f"fake vendor      {vendor.url}")  # noqa: T201 - CLI output
         config = dev_config(server.url, vendor.url)
         factory = install_uvloop()
         options = {"loop_factory": factory} if factory else {}
         try:
-            return anyio.run(_demo, config, args.demo, args.keep_running or args.demo == 0,
-                             backend="asyncio", backend_options=options)  # fmt: skip
+            return anyio.run(
+                _demo,
+                config,
+                args.demo,
+                args.keep_running or args.demo == 0,
+                backend="asyncio",
+                backend_options=options,
+            )
         except KeyboardInterrupt:
             return 0

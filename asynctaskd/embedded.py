@@ -13,7 +13,7 @@ import time
 from importlib.resources import files
 from pathlib import Path
 
-__all__ = ["ServerProcess", "free_port", "valkey_binary", "find_binary"]
+__all__ = ["ServerProcess", "find_binary", "free_port", "valkey_binary"]
 
 
 def valkey_binary() -> Path | None:

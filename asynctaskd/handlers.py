@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import logging
@@ -178,10 +179,8 @@ def load_handlers(
                 raise ConfigError(f"{where}: handler type {hc.type!r} is not available")
             handler = build(hc)
         if getattr(handler, "key", None) is None:
-            try:
+            with contextlib.suppress(AttributeError):  # a read-only key is checked below
                 handler.key = hc.key
-            except AttributeError:
-                pass
         check_handler(handler, hc.key, where)
         poll = float(hc.poll_interval) if hc.poll_interval is not None else None
         out[hc.key] = HandlerEntry(

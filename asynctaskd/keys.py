@@ -9,7 +9,7 @@ from typing import Final
 
 from .model import Phase, Status
 
-__all__ = ["Keys", "new_task_id", "HANDLER_KEY_RE"]
+__all__ = ["HANDLER_KEY_RE", "Keys", "new_task_id"]
 
 # Handler keys, tenants and accounts end up inside key names and counter fields.
 HANDLER_KEY_RE: Final = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")

@@ -10,7 +10,7 @@ import httpx
 
 from .errors import NotSent, PermanentError, RetryableError
 
-__all__ = ["SubmitFailure", "backoff", "classify_submit_error", "clamp_delay", "retry_after"]
+__all__ = ["SubmitFailure", "backoff", "clamp_delay", "classify_submit_error", "retry_after"]
 
 # Requests that provably never left this process (no connection was made to the vendor).
 _NEVER_SENT: Final = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, NotSent)
@@ -49,11 +49,11 @@ def backoff(
     burst of failures does not come back as a burst.
     """
     attempt = max(1, attempt)
-    base = min(cap, first * (2 ** min(attempt - 1, 62)))
+    base = float(min(cap, first * (2.0 ** min(attempt - 1, 62))))
     if jitter <= 0:
         return base
     r = (rng or random).uniform(-jitter, jitter)
-    return max(0.0, min(cap, base * (1 + r)))
+    return float(max(0.0, min(cap, base * (1 + r))))
 
 
 def retry_after(exc: BaseException) -> float | None:

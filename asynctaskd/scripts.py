@@ -12,7 +12,7 @@ import msgspec
 
 from .model import LEGAL_TRANSITIONS
 
-__all__ = ["SCRIPT_NAMES", "Script", "load_scripts", "legal_table_lua"]
+__all__ = ["SCRIPT_NAMES", "Script", "legal_table_lua", "load_scripts"]
 
 SCRIPT_NAMES: Final = (
     "create",
@@ -53,12 +53,12 @@ def legal_table_lua() -> str:
     prelude does a plain string.find. A constant string costs nothing per script call,
     unlike a nested table that Lua would build on every EVALSHA.
     """
-    tokens = []
-    for t in LEGAL_TRANSITIONS:
-        if t.source is None:
-            continue
-        for actor in t.actors:
-            tokens.append(f"{t.source.value}>{t.target.value}#{actor}")
+    tokens = [
+        f"{t.source.value}>{t.target.value}#{actor}"
+        for t in LEGAL_TRANSITIONS
+        if t.source is not None
+        for actor in t.actors
+    ]
     return "local LEGAL = ' " + " ".join(sorted(tokens)) + " '\n"
 
 

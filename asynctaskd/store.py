@@ -12,7 +12,7 @@ import enum
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Final, Generic, TypeVar
 
@@ -31,11 +31,11 @@ from .scripts import Script, load_scripts
 __all__ = [
     "Batcher",
     "Call",
-    "Gate",
     "ClaimBatch",
     "Claimed",
     "Code",
     "Created",
+    "Gate",
     "Lease",
     "Result",
     "Store",
@@ -218,8 +218,20 @@ class Ops:
                 raise ScriptError(f"task id {task_id} already exists: ids must be unique")
             raise ScriptError(f"unexpected create reply {reply!r}")
 
-        args = [task_id, handler, provider, tenant, account, priority, delay_ms,
-                not_before_ms, timeout_ms, params_json, metadata_json, dedup_key]  # fmt: skip
+        args = [
+            task_id,
+            handler,
+            provider,
+            tenant,
+            account,
+            priority,
+            delay_ms,
+            not_before_ms,
+            timeout_ms,
+            params_json,
+            metadata_json,
+            dedup_key,
+        ]
         return Call("create", [prefix, task_key, dedup], args, decode)
 
     def claim(
@@ -336,11 +348,12 @@ def _task_reply(raw: Any, task_id: str) -> Task | None:
 
 
 class _Base:
-    def __init__(self, keys: Keys, settings: dict[str, int] | None = None) -> None:
+    def __init__(self, keys: Keys, settings: Mapping[str, int] | None = None) -> None:
         self.keys = keys
         self.ops = Ops(keys)
         self.scripts: dict[str, Script] = load_scripts()
-        self.settings = settings or {}
+        # Any: redis-py's hset wants a Mapping over its own invariant key union.
+        self.settings: dict[Any, Any] = dict(settings or {})
         self.round_trips: dict[str, int] = {}
         # Called with (script or op name, seconds) after each round trip: metrics hook.
         self.on_call: Callable[[str, float], None] | None = None
@@ -357,7 +370,7 @@ class Store(_Base):
     """Asyncio access to tasks in Redis. One instance per daemon or client."""
 
     def __init__(
-        self, redis: redis.asyncio.Redis, keys: Keys, settings: dict[str, int] | None = None
+        self, redis: redis.asyncio.Redis, keys: Keys, settings: Mapping[str, int] | None = None
     ) -> None:
         super().__init__(keys, settings)
         self.redis = redis
@@ -432,7 +445,7 @@ class Store(_Base):
             else:
                 try:
                     out.append(call.decode(reply))
-                except Exception as exc:  # noqa: BLE001 - returned to the caller as a value
+                except Exception as exc:
                     out.append(exc)
         return out, rerun, trailer_reply
 
@@ -658,9 +671,13 @@ class Batcher:
     """
 
     def __init__(
-        self, store: Store, gate: Gate | None = None, *, max_batch: int = 256,
+        self,
+        store: Store,
+        gate: Gate | None = None,
+        *,
+        max_batch: int = 256,
         max_pipelines: int = 4,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.store = store
         self.gate = gate
         self.max_batch = max_batch
@@ -707,7 +724,7 @@ class Batcher:
                     p.durable = ok and not again
             for p, result in zip(batch, results, strict=True):
                 p.result = result
-        except Exception as exc:  # noqa: BLE001 - handed to every waiting caller
+        except Exception as exc:
             for p in batch:
                 p.result = exc
         finally:
@@ -739,7 +756,7 @@ class SyncStore(_Base):
     """Blocking access for producers (Django, Flask): the same Calls, run synchronously."""
 
     def __init__(
-        self, redis: SyncRedis, keys: Keys, settings: dict[str, int] | None = None
+        self, redis: SyncRedis, keys: Keys, settings: Mapping[str, int] | None = None
     ) -> None:
         super().__init__(keys, settings)
         self.redis = redis

@@ -23,11 +23,18 @@ import httpx
 from .codec import check_json_like, encode_json
 from .config import Config
 from .errors import HandlerError, InvalidTask, PermanentError, StoreUnavailable
-from .handlers import Failed, HandlerContext, HandlerEntry, Running, Submitted, Succeeded
-from .handlers import valid_progress
+from .handlers import (
+    Failed,
+    HandlerContext,
+    HandlerEntry,
+    Running,
+    Submitted,
+    Succeeded,
+    valid_progress,
+)
 from .metrics import Metrics
 from .model import Phase, Status, Task
-from .retry import SubmitFailure, backoff, classify_submit_error, clamp_delay, retry_after
+from .retry import SubmitFailure, backoff, clamp_delay, classify_submit_error, retry_after
 from .store import Batcher, Claimed, Code, Gate, Lease, Result, Store
 
 __all__ = ["Worker", "default_worker_id"]
@@ -306,9 +313,10 @@ class Worker:
         except StoreUnavailable as exc:
             self.metrics.store_errors.labels("call").inc()
             logger.warning(
-                "Redis unavailable while handling the task; its lease will expire: %s", exc,
+                "Redis unavailable while handling the task; its lease will expire: %s",
+                exc,
                 extra={"task_id": task.id, "handler": task.handler},
-            )  # fmt: skip
+            )
         except Exception:
             self.metrics.handler_crashes.labels(task.handler).inc()
             logger.exception(
@@ -419,8 +427,12 @@ class Worker:
                 except StoreUnavailable as exc:
                     self.metrics.store_errors.labels("save").inc()
                     if time.monotonic() > give_up_at:
-                        logger.error("giving up saving %s: %s", status, exc,
-                                     extra={"task_id": active.lease.task_id})  # fmt: skip
+                        logger.error(
+                            "giving up saving %s: %s",
+                            status,
+                            exc,
+                            extra={"task_id": active.lease.task_id},
+                        )
                         return None
                     await anyio.sleep(min(2.0, 0.05 * 2 ** min(attempt, 6)))
                     continue
@@ -439,11 +451,13 @@ class Worker:
                     await anyio.sleep(min(1.0, self.lease_ms / 4000))
                     continue
                 logger.warning(
-                    "save refused: %s", result.code.name,
+                    "save refused: %s",
+                    result.code.name,
                     extra={"task_id": active.lease.task_id, "fence": active.lease.fence},
-                )  # fmt: skip
+                )
                 active.saved = True  # nothing more to do with this lease
                 return result
+        return None  # only if the (never cancelled) shield scope swallowed a cancel
 
     # --- submit phase -----------------------------------------------------------------------
 
@@ -467,8 +481,12 @@ class Worker:
         active.lease = Lease(active.lease.task_id, active.lease.fence, result.version)
         if not durable:
             # The started mark might not survive a failover: do not call the vendor.
-            await self._save(active, Status.PENDING_SUBMIT, delay=0.5,
-                             fields={"error_code": "DURABILITY_TIMEOUT", "error_message": ""})  # fmt: skip
+            await self._save(
+                active,
+                Status.PENDING_SUBMIT,
+                delay=0.5,
+                fields={"error_code": "DURABILITY_TIMEOUT", "error_message": ""},
+            )
             return
         active.started = True
         ctx = self._ctx(entry, task, active.lease)
@@ -479,7 +497,7 @@ class Worker:
             out = await entry.handler.submit(task.params, ctx)
         except anyio.get_cancelled_exc_class():
             raise
-        except BaseException as exc:  # noqa: BLE001 - a handler must never kill the daemon
+        except BaseException as exc:
             outcome = "error"
             await self._submit_failed(entry, task, active, exc)
             return
@@ -493,9 +511,11 @@ class Worker:
             or not out.external_id
         ):
             await self._submit_failed(
-                entry, task, active,
+                entry,
+                task,
+                active,
                 InvalidTask(f"submit() returned {type(out).__name__}, not Submitted(external_id)"),
-            )  # fmt: skip
+            )
             return
         try:
             handle = encode_json({"external_id": out.external_id, "query": out.query})
@@ -510,10 +530,14 @@ class Worker:
             active,
             Status.SUBMITTED,
             delay=clamp_delay(poll, time.time(), task.deadline_at),
-            fields={"external_id": out.external_id[:512], "handle": handle,
-                    "error_code": "", "error_message": ""},
+            fields={
+                "external_id": out.external_id[:512],
+                "handle": handle,
+                "error_code": "",
+                "error_message": "",
+            },
             must_land=True,
-        )  # fmt: skip
+        )
 
     async def _submit_failed(
         self, entry: HandlerEntry, task: Task, active: _Active, exc: BaseException
@@ -531,22 +555,54 @@ class Worker:
             )
         elif kind is SubmitFailure.AMBIGUOUS:
             logger.warning("submit outcome unknown: %s", message, extra=log_extra)
-            await self._save(active, Status.SUBMIT_UNKNOWN,
-                             fields={"error_code": code, "error_message": message})  # fmt: skip
+            await self._save(
+                active, Status.SUBMIT_UNKNOWN, fields={"error_code": code, "error_message": message}
+            )
         elif kind is SubmitFailure.THROTTLED:
-            delay = max(retry_after(exc) or 0.0,
-                        backoff(1, float(retry.first_error_delay), float(retry.max_error_delay), retry.jitter, self.rng))  # fmt: skip
-            await self._save(active, Status.PENDING_SUBMIT, delay=delay,
-                             fields={"error_code": code, "error_message": message})  # fmt: skip
+            delay = max(
+                retry_after(exc) or 0.0,
+                backoff(
+                    1,
+                    float(retry.first_error_delay),
+                    float(retry.max_error_delay),
+                    retry.jitter,
+                    self.rng,
+                ),
+            )
+            await self._save(
+                active,
+                Status.PENDING_SUBMIT,
+                delay=delay,
+                fields={"error_code": code, "error_message": message},
+            )
         elif attempts > retry.max_submit_retries:
-            await self._save(active, Status.FAILED, fields={
-                "error_code": "SUBMIT_RETRIES_EXHAUSTED",
-                "error_message": f"{attempts} submit attempts never reached the vendor; last: {message}"})  # fmt: skip
+            await self._save(
+                active,
+                Status.FAILED,
+                fields={
+                    "error_code": "SUBMIT_RETRIES_EXHAUSTED",
+                    "error_message": (
+                        f"{attempts} submit attempts never reached the vendor; last: {message}"
+                    ),
+                },
+            )
         else:
-            delay = max(retry_after(exc) or 0.0,
-                        backoff(attempts, float(retry.first_error_delay), float(retry.max_error_delay), retry.jitter, self.rng))  # fmt: skip
-            await self._save(active, Status.PENDING_SUBMIT, delay=delay,
-                             fields={"error_code": code, "error_message": message})  # fmt: skip
+            delay = max(
+                retry_after(exc) or 0.0,
+                backoff(
+                    attempts,
+                    float(retry.first_error_delay),
+                    float(retry.max_error_delay),
+                    retry.jitter,
+                    self.rng,
+                ),
+            )
+            await self._save(
+                active,
+                Status.PENDING_SUBMIT,
+                delay=delay,
+                fields={"error_code": code, "error_message": message},
+            )
 
     # --- query phase ------------------------------------------------------------------------
 
@@ -571,7 +627,7 @@ class Worker:
             outcome = "deadline"
             await self._save(active, task.status, delay=0)  # the save clamps to the deadline
             return
-        except BaseException as exc:  # noqa: BLE001 - a handler must never kill the daemon
+        except BaseException as exc:
             outcome = "error"
             await self._query_failed(task, active, exc)
             return
@@ -613,14 +669,21 @@ class Worker:
             await self._succeeded(entry, task, active, ctx, out.result)
         elif isinstance(out, Failed):
             code = out.code if isinstance(out.code, str) and out.code else "VENDOR_FAILED"
-            await self._save(active, Status.FAILED, fields={
-                "error_code": code[:200], "error_message": str(out.message)[:_MAX_TEXT],
-                "poll_count": task.poll_count + 1})  # fmt: skip
+            await self._save(
+                active,
+                Status.FAILED,
+                fields={
+                    "error_code": code[:200],
+                    "error_message": str(out.message)[:_MAX_TEXT],
+                    "poll_count": task.poll_count + 1,
+                },
+            )
         else:
             await self._query_failed(
-                task, active,
+                task,
+                active,
                 InvalidTask(f"query() returned {type(out).__name__}, not Running/Succeeded/Failed"),
-            )  # fmt: skip
+            )
 
     async def _succeeded(
         self, entry: HandlerEntry, task: Task, active: _Active, ctx: HandlerContext, result: Any
@@ -631,18 +694,24 @@ class Worker:
                 result = await finalize(result, ctx)
             except anyio.get_cancelled_exc_class():
                 raise
-            except BaseException as exc:  # noqa: BLE001 - retried as a query error
+            except BaseException as exc:
                 await self._query_failed(task, active, exc)
                 return
         try:
             check_json_like(result, "result")
             blob = encode_json(result)
         except InvalidTask as exc:
-            await self._save(active, Status.FAILED, fields={
-                "error_code": "INVALID_RESULT", "error_message": str(exc)[:_MAX_TEXT]})  # fmt: skip
+            await self._save(
+                active,
+                Status.FAILED,
+                fields={"error_code": "INVALID_RESULT", "error_message": str(exc)[:_MAX_TEXT]},
+            )
             return
-        await self._save(active, Status.SUCCEEDED, fields={
-            "result": blob, "poll_count": task.poll_count + 1, "progress": "1.0"})  # fmt: skip
+        await self._save(
+            active,
+            Status.SUCCEEDED,
+            fields={"result": blob, "poll_count": task.poll_count + 1, "progress": "1.0"},
+        )
 
     async def _query_failed(self, task: Task, active: _Active, exc: BaseException) -> None:
         retry = self.config.retry
@@ -663,15 +732,34 @@ class Worker:
             return
         errors = task.consecutive_errors + 1
         if errors >= retry.max_consecutive_errors:
-            await self._save(active, Status.FAILED, fields={
-                "error_code": "QUERY_ERRORS",
-                "error_message": f"{errors} query errors in a row; last: {code}: {message}"[:_MAX_TEXT],
-                "consecutive_errors": errors})  # fmt: skip
+            await self._save(
+                active,
+                Status.FAILED,
+                fields={
+                    "error_code": "QUERY_ERRORS",
+                    "error_message": f"{errors} query errors in a row; last: {code}: {message}"[
+                        :_MAX_TEXT
+                    ],
+                    "consecutive_errors": errors,
+                },
+            )
             return
-        delay = max(retry_after(exc) or 0.0,
-                    backoff(errors, float(retry.first_error_delay), float(retry.max_error_delay), retry.jitter, self.rng))  # fmt: skip
-        await self._save(active, task.status, delay=clamp_delay(delay, time.time(), task.deadline_at),
-                         fields={"consecutive_errors": errors, "error_code": code, "error_message": message})  # fmt: skip
+        delay = max(
+            retry_after(exc) or 0.0,
+            backoff(
+                errors,
+                float(retry.first_error_delay),
+                float(retry.max_error_delay),
+                retry.jitter,
+                self.rng,
+            ),
+        )
+        await self._save(
+            active,
+            task.status,
+            delay=clamp_delay(delay, time.time(), task.deadline_at),
+            fields={"consecutive_errors": errors, "error_code": code, "error_message": message},
+        )
 
     async def _cancel_remote(
         self, entry: HandlerEntry, task: Task, handle: dict[str, Any], ctx: HandlerContext
@@ -686,15 +774,18 @@ class Worker:
                 await cancel(query_handle, ctx)
             except anyio.get_cancelled_exc_class():
                 raise
-            except BaseException as exc:  # noqa: BLE001 - best effort by contract
+            except BaseException as exc:
                 logger.warning("remote cancel failed: %s", exc, extra={"task_id": task.id})
 
     async def _unknown_handler(self, active: _Active, task: Task) -> None:
         message = f"no handler {task.handler!r} is registered in daemon {self.id}"
         if active.phase == "submit":
             # Nothing was sent: the task cannot run anywhere that lacks the handler.
-            await self._save(active, Status.FAILED,
-                             fields={"error_code": "UNKNOWN_HANDLER", "error_message": message})  # fmt: skip
+            await self._save(
+                active,
+                Status.FAILED,
+                fields={"error_code": "UNKNOWN_HANDLER", "error_message": message},
+            )
         else:
             await self._query_failed(task, active, HandlerError(message, code="UNKNOWN_HANDLER"))
 

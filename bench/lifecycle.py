@@ -24,13 +24,12 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asynctaskd.codec import encode_json  # noqa: E402
-from asynctaskd.config import parse_config  # noqa: E402
-from asynctaskd.embedded import ServerProcess, find_binary  # noqa: E402
-from asynctaskd.handlers import HandlerContext, HandlerEntry, Submitted, Succeeded  # noqa: E402
-from asynctaskd.keys import Keys, new_task_id  # noqa: E402
-from asynctaskd.store import Store, open_redis  # noqa: E402
-from asynctaskd.worker import Worker  # noqa: E402
+from asynctaskd.config import parse_config
+from asynctaskd.embedded import ServerProcess, find_binary
+from asynctaskd.handlers import HandlerContext, HandlerEntry, Submitted, Succeeded
+from asynctaskd.keys import Keys, new_task_id
+from asynctaskd.store import Store, open_redis
+from asynctaskd.worker import Worker
 
 
 class Instant:
@@ -110,7 +109,7 @@ async def run(url: str, n: int, inflight: int) -> dict[str, Any]:
     for s in range(0, n, 1000):
         await store.run_many(calls[s : s + 1000])
     config = parse_config(
-        f"[worker]\nmax_inflight = {inflight}\nbatch_size = 1000\nlease = \"30s\"\n"
+        f'[worker]\nmax_inflight = {inflight}\nbatch_size = 1000\nlease = "30s"\n'
         '[retry]\npoll_interval = "1ms"\n'
     )
     handler = Instant()
@@ -168,16 +167,22 @@ def main() -> int:
             options: dict[str, Any] = {"loop_factory": uvloop.new_event_loop}
         except ImportError:
             options = {}
-        result = anyio.run(run, server.url, args.tasks, args.inflight,
-                           backend_options=options)  # fmt: skip
+        result = anyio.run(run, server.url, args.tasks, args.inflight, backend_options=options)
         ceiling = anyio.run(redis_ceiling, server.url, backend_options=options)
     result.update(ceiling)
     result["lifecycles_vs_evalsha_ceiling"] = result["tasks_per_s"] / ceiling["evalsha_per_s"]
     print(f"W1 lifecycle ({args.server}): {result['tasks']} tasks, {result['inflight']} in flight")  # noqa: T201
-    for k in ("tasks_per_s", "redis_commands_per_task", "round_trips_per_task", "cpu_ms_per_task",
-              "redis_cpu_ms_per_task",
-              "peak_rss_mb", "evalsha_per_s", "evalsha_pipelined_per_s",
-              "lifecycles_vs_evalsha_ceiling"):  # fmt: skip
+    for k in (
+        "tasks_per_s",
+        "redis_commands_per_task",
+        "round_trips_per_task",
+        "cpu_ms_per_task",
+        "redis_cpu_ms_per_task",
+        "peak_rss_mb",
+        "evalsha_per_s",
+        "evalsha_pipelined_per_s",
+        "lifecycles_vs_evalsha_ceiling",
+    ):
         print(f"  {k:<32} {result[k]:>12.3f}")  # noqa: T201
     print(f"  all succeeded, each submitted once: {result['all_succeeded_once']}")  # noqa: T201
     print(json.dumps({"bench": "w1_lifecycle", **result}))  # noqa: T201

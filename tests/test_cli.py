@@ -18,13 +18,17 @@ from asynctaskd.store import Lease, SyncStore
 pytestmark = pytest.mark.slow
 
 
-def cli(*args: str, url: str | None = None, check: int | None = 0) -> subprocess.CompletedProcess[str]:
+def cli(
+    *args: str, url: str | None = None, check: int | None = 0
+) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "asynctaskd", *args]
     if url is not None:
         argv += ["--url", url]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     if check is not None:
-        assert proc.returncode == check, f"{args}: rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+        assert proc.returncode == check, (
+            f"{args}: rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+        )
     return proc
 
 
@@ -33,8 +37,17 @@ def js(*args: str, url: str) -> Any:
 
 
 def test_submit_get_list_stats_cancel(redis_url: str, sync_redis: SyncRedis) -> None:
-    proc = cli("submit", "ocr", '{"url": "https://x"}', "--timeout", "10m", "--tenant", "t1",
-               "--no-strict", url=redis_url)  # fmt: skip
+    proc = cli(
+        "submit",
+        "ocr",
+        '{"url": "https://x"}',
+        "--timeout",
+        "10m",
+        "--tenant",
+        "t1",
+        "--no-strict",
+        url=redis_url,
+    )
     task_id = proc.stdout.strip()
     task = js("get", task_id, url=redis_url)
     assert task["status"] == "PENDING_SUBMIT" and task["params"] == {"url": "https://x"}
@@ -66,12 +79,15 @@ def test_resolve_requeue_and_purge(redis_url: str, sync_redis: SyncRedis, tmp_pa
     batch = store.run(store.ops.claim(0, "submit", 1, 10_000, "w", 100))
     lease = batch.claimed[0].lease
     started = store.run(store.ops.start(lease, False))
-    parked = store.run(store.ops.save(Lease(task_id, lease.fence, started.version),
-                                      Status.SUBMIT_UNKNOWN))  # fmt: skip
+    parked = store.run(
+        store.ops.save(Lease(task_id, lease.fence, started.version), Status.SUBMIT_UNKNOWN)
+    )
     assert parked.ok
     unknown = js("list", "--status", "SUBMIT_UNKNOWN", url=redis_url)
     assert [t["id"] for t in unknown["tasks"]] == [task_id]
-    resolved = js("resolve", task_id, "--as", "FAILED", "--message", "checked: no job", url=redis_url)
+    resolved = js(
+        "resolve", task_id, "--as", "FAILED", "--message", "checked: no job", url=redis_url
+    )
     assert resolved["status"] == "FAILED"
     # resolving again is refused: it is no longer SUBMIT_UNKNOWN
     cli("resolve", task_id, "--as", "CANCELED", url=redis_url, check=1)
@@ -112,8 +128,11 @@ def test_help_reads_naturally() -> None:
 def test_dev_demo_runs_to_completion(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "asynctaskd", "dev", "--demo", "20", "--data-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=90, cwd=tmp_path,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=90,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "20 demo tasks settled" in proc.stdout
     assert "SUCCEEDED" in proc.stdout

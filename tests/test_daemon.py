@@ -160,9 +160,7 @@ def test_sigterm_with_calls_in_flight_lets_a_peer_finish(
 ) -> None:
     # Slow queries: 200 calls are in flight when the first daemon is told to stop.
     vendor.configure(query_latency=1.0, polls_to_done=2)
-    config = write_config(
-        tmp_path, redis_url, vendor.url, metrics_port=0, shutdown_grace="200ms"
-    )
+    config = write_config(tmp_path, redis_url, vendor.url, metrics_port=0, shutdown_grace="200ms")
     store = SyncStore(sync_redis, Keys())
     ids = create(store, 200)
     first = start_daemon(config)
@@ -217,13 +215,15 @@ def test_sighup_reloads_handlers(
     config = write_config(tmp_path, redis_url, vendor.url, metrics_port=0)
     proc = start_daemon(config)
     try:
-        wait_until_sync(lambda: sync_redis.hget(Keys().handlers(), "demo"), "handlers published",
-                        timeout=15)  # fmt: skip
+        wait_until_sync(
+            lambda: sync_redis.hget(Keys().handlers(), "demo"), "handlers published", timeout=15
+        )
         text = config.read_text()
         config.write_text(text + text[text.index("[[handlers]]") :].replace('"demo"', '"demo2"'))
         proc.send_signal(signal.SIGHUP)
-        wait_until_sync(lambda: sync_redis.hget(Keys().handlers(), "demo2"), "demo2 published",
-                        timeout=15)  # fmt: skip
+        wait_until_sync(
+            lambda: sync_redis.hget(Keys().handlers(), "demo2"), "demo2 published", timeout=15
+        )
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
     finally:

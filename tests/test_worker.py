@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import httpx
 import pytest
 import redis.asyncio
@@ -42,7 +43,7 @@ def make_config(**sections: dict[str, Any]) -> Config:
             "first_error_delay": "20ms",
             "max_error_delay": "200ms",
             "jitter": 0,
-        },  # fmt: skip
+        },
     }
     for name, values in sections.items():
         base.setdefault(name, {}).update(values)
@@ -99,9 +100,12 @@ def entry(handler: Any, key: str = "demo", **kw: Any) -> dict[str, HandlerEntry]
 
 
 async def test_end_to_end_500_tasks_each_submitted_once(
-    store: Store, fresh_vendor: FakeVendorProcess, http: httpx.AsyncClient,
-    redis_client: redis.asyncio.Redis, keys: Keys,
-) -> None:  # fmt: skip
+    store: Store,
+    fresh_vendor: FakeVendorProcess,
+    http: httpx.AsyncClient,
+    redis_client: redis.asyncio.Redis,
+    keys: Keys,
+) -> None:
     ids = await submit_many(store, 500)
     worker = Worker(store, entry(DemoHandler("demo", fresh_vendor.url)), make_config(), http=http)
     with anyio.fail_after(60):
@@ -303,8 +307,9 @@ async def test_unknown_handler_fails_in_submit_phase(store: Store) -> None:
     assert task.error is not None and task.error.code == "UNKNOWN_HANDLER"
 
 
-async def test_lost_lease_cancels_the_query_call(store: Store, redis_client: redis.asyncio.Redis,
-                                                 keys: Keys) -> None:  # fmt: skip
+async def test_lost_lease_cancels_the_query_call(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
     h = Scripted()
     inside = anyio.Event()
     cancelled = anyio.Event()
@@ -353,7 +358,7 @@ async def test_stop_drains_in_flight_calls(store: Store) -> None:
         with anyio.fail_after(10):
             await all_in.wait()
             worker.stop()
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
             gate.set()
     assert await statuses(store, ids) == Counter({Status.SUCCEEDED: 50})
 

@@ -21,8 +21,9 @@ from asynctaskd.model import Status
 from asynctaskd.store import SyncStore
 
 
-def daemon_config(tmp: Path, url: str, vendor_url: str, *, idempotent: bool = False,
-                  lease: str = "1s") -> Path:  # fmt: skip
+def daemon_config(
+    tmp: Path, url: str, vendor_url: str, *, idempotent: bool = False, lease: str = "1s"
+) -> Path:
     path = tmp / "daemon.toml"
     path.write_text(f"""
 [redis]
@@ -108,7 +109,9 @@ class Daemons:
         return codes
 
     def logs(self) -> str:
-        return "\n".join(p.read_text(errors="replace")[-3000:] for p in self.log_dir.glob("daemon-*.log"))
+        return "\n".join(
+            p.read_text(errors="replace")[-3000:] for p in self.log_dir.glob("daemon-*.log")
+        )
 
 
 def create_tasks(url: str, n: int, *, timeout_ms: int = 300_000) -> list[str]:
@@ -146,8 +149,9 @@ def settled(url: str, ids: list[str]) -> bool:
     return done >= len(ids)
 
 
-def check_history(url: str, ids: list[str], vendor_log: list[dict[str, Any]],
-                  *, idempotent: bool = False) -> Counter[Status]:  # fmt: skip
+def check_history(
+    url: str, ids: list[str], vendor_log: list[dict[str, Any]], *, idempotent: bool = False
+) -> Counter[Status]:
     """The guarantees: no duplicate vendor job, nothing lost, parked only if started."""
     tasks = snapshot(url, ids)
     statuses: Counter[Status] = Counter()

@@ -33,8 +33,9 @@ def aof_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Serve
 @pytest.fixture
 def slow_vendor() -> Iterator[FakeVendorProcess]:
     # Submits take long enough that kills land inside them.
-    behaviour = Behaviour(submit_latency=0.05, query_latency=0.02, latency_jitter=0.05,
-                          polls_to_done=3, seed=7)  # fmt: skip
+    behaviour = Behaviour(
+        submit_latency=0.05, query_latency=0.02, latency_jitter=0.05, polls_to_done=3, seed=7
+    )
     with FakeVendorProcess.start(behaviour) as vendor:
         yield vendor
 
@@ -79,8 +80,9 @@ def test_redis_restarted_twice_loses_nothing(
     assert statuses[Status.SUCCEEDED] + statuses[Status.SUBMIT_UNKNOWN] == 1500, statuses
 
 
-def test_ambiguous_submits_park_and_idempotent_handler_recovers(tmp_path: Path,
-                                                                aof_server: ServerProcess) -> None:  # fmt: skip
+def test_ambiguous_submits_park_and_idempotent_handler_recovers(
+    tmp_path: Path, aof_server: ServerProcess
+) -> None:
     behaviour = Behaviour(ambiguous_rate=0.2, ambiguous_delay=3.0, polls_to_done=2, seed=3)
     with FakeVendorProcess.start(behaviour) as vendor:
         ids = create_tasks(aof_server.url, 200)

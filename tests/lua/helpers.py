@@ -11,8 +11,15 @@ from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.model import Status
 from asynctaskd.store import Claimed, Code, Created, Lease, Store
 
-INDEXES = ("due:submit", "due:query", "ready:submit", "ready:query", "leases", "deadlines",
-           "quarantine")  # fmt: skip
+INDEXES = (
+    "due:submit",
+    "due:query",
+    "ready:submit",
+    "ready:query",
+    "leases",
+    "deadlines",
+    "quarantine",
+)
 
 
 async def create(

@@ -27,8 +27,9 @@ pytestmark = pytest.mark.anyio
 # --- create -------------------------------------------------------------------------------
 
 
-async def test_create_writes_the_whole_task(store: Store, redis_client: redis.asyncio.Redis,
-                                            keys: Keys) -> None:  # fmt: skip
+async def test_create_writes_the_whole_task(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
     created = await create(store, priority=5, tenant="t1", params={"url": "u"})
     assert not created.deduped and created.version == 1
     task = await store.get(created.task_id)
@@ -76,8 +77,9 @@ async def test_create_refuses_malformed_argv_and_writes_nothing(
 # --- claim --------------------------------------------------------------------------------
 
 
-async def test_claim_leases_with_a_new_fence(store: Store, redis_client: redis.asyncio.Redis,
-                                             keys: Keys) -> None:  # fmt: skip
+async def test_claim_leases_with_a_new_fence(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
     created = await create(store)
     c = await claim_one(store)
     assert c.task.status is Status.SUBMITTING and c.lease.fence == 1
@@ -134,9 +136,9 @@ async def test_concurrent_claimers_claim_each_task_once(store: Store) -> None:
     assert len(seen) == total and len(set(seen)) == total
 
 
-async def test_claim_times_out_a_task_past_its_deadline(store: Store,
-                                                        redis_client: redis.asyncio.Redis,
-                                                        keys: Keys) -> None:  # fmt: skip
+async def test_claim_times_out_a_task_past_its_deadline(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
     created = await create(store, timeout_ms=100, delay_ms=150)
 
     async def due_now() -> bool:
@@ -181,8 +183,12 @@ async def test_full_lifecycle_and_terminal_bookkeeping(
     assert task.submit_attempts == 1 and task.started_fence == 0
     c = await claim_one(store, "query")
     assert c.lease.fence == 2 and c.task.handle == {"external_id": "x1"}
-    r = await store.save(c.lease, Status.RUNNING, delay_ms=5_000,
-                         fields={"progress": "0.5", "stage": "ocr", "poll_count": 1})  # fmt: skip
+    r = await store.save(
+        c.lease,
+        Status.RUNNING,
+        delay_ms=5_000,
+        fields={"progress": "0.5", "stage": "ocr", "poll_count": 1},
+    )
     assert r.code is Code.OK and r.status is Status.RUNNING
     snap = await snapshot(redis_client, keys, tid)
     assert snap["due:query"] is not None and snap["leases"] is None
@@ -243,8 +249,9 @@ async def test_forged_fence_is_refused(store: Store) -> None:
     assert (await store.save(forged, Status.FAILED)).code is Code.STALE_FENCE
 
 
-async def test_wrong_version_is_refused(store: Store, redis_client: redis.asyncio.Redis,
-                                        keys: Keys) -> None:  # fmt: skip
+async def test_wrong_version_is_refused(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
     await create(store)
     c = await claim_one(store)
     stale = Lease(c.lease.task_id, c.lease.fence, c.lease.version - 1)
@@ -254,8 +261,9 @@ async def test_wrong_version_is_refused(store: Store, redis_client: redis.asynci
     assert before == await snapshot(redis_client, keys, c.lease.task_id)
 
 
-async def test_no_lease_after_reap_in_query_phase(store: Store, redis_client: redis.asyncio.Redis,
-                                                  keys: Keys) -> None:  # fmt: skip
+async def test_no_lease_after_reap_in_query_phase(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
     await submitted(store)
     c = await claim_one(store, "query", lease_ms=100)
     await wait_until(lambda: lease_expired(redis_client, keys, c.lease.task_id), "lease expiry")
@@ -288,8 +296,9 @@ async def test_save_refuses_fields_it_does_not_own(store: Store) -> None:
 # --- cancel -------------------------------------------------------------------------------
 
 
-async def test_cancel_pending_is_immediate(store: Store, redis_client: redis.asyncio.Redis,
-                                           keys: Keys) -> None:  # fmt: skip
+async def test_cancel_pending_is_immediate(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
     created = await create(store, tenant="t1")
     assert (await store.cancel(created.task_id, tenant="t2")).code is Code.NOT_FOUND
     r = await store.cancel(created.task_id, tenant="t1")
@@ -363,8 +372,9 @@ async def test_cancel_idle_submitted_task_makes_it_due_now(
 # --- reap and the late save --------------------------------------------------------------
 
 
-async def _expire(store: Store, r: redis.asyncio.Redis, keys: Keys, task_id: str) -> list[
-    tuple[str, Status]]:  # fmt: skip
+async def _expire(
+    store: Store, r: redis.asyncio.Redis, keys: Keys, task_id: str
+) -> list[tuple[str, Status]]:
     await wait_until(lambda: lease_expired(r, keys, task_id), "lease expiry")
     return await store.reap(0, 100, 2)
 
@@ -442,8 +452,9 @@ async def test_reap_query_lease_makes_task_due_and_counts_reclaims(
     await check_invariants(redis_client, keys)
 
 
-async def test_two_reapers_never_both_act(store: Store, redis_client: redis.asyncio.Redis,
-                                          keys: Keys) -> None:  # fmt: skip
+async def test_two_reapers_never_both_act(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
     for _ in range(50):
         await create(store)
     batch = await store.claim(0, "submit", 50, 100, "w")
@@ -466,8 +477,9 @@ async def test_two_reapers_never_both_act(store: Store, redis_client: redis.asyn
 # --- renew and release ----------------------------------------------------------------------
 
 
-async def test_renew_many_in_one_call(store: Store, redis_client: redis.asyncio.Redis,
-                                      keys: Keys) -> None:  # fmt: skip
+async def test_renew_many_in_one_call(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
     for _ in range(3):
         await create(store)
     batch = await store.claim(0, "submit", 3, 200, "w")
@@ -546,8 +558,9 @@ async def _parked(store: Store, r: redis.asyncio.Redis, keys: Keys) -> str:
 @pytest.mark.parametrize(
     "target", [Status.SUBMITTED, Status.PENDING_SUBMIT, Status.FAILED, Status.CANCELED]
 )
-async def test_resolve_submit_unknown(store: Store, redis_client: redis.asyncio.Redis,
-                                      keys: Keys, target: Status) -> None:  # fmt: skip
+async def test_resolve_submit_unknown(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys, target: Status
+) -> None:
     tid = await _parked(store, redis_client, keys)
     r = await store.resolve(tid, target, external_id="v-1", handle_json=b'{"external_id":"v-1"}')
     assert r.code is Code.OK
@@ -567,8 +580,9 @@ async def test_resolve_refuses_other_statuses(store: Store) -> None:
     assert (await store.resolve("01NOPE", Status.FAILED)).code is Code.NOT_FOUND
 
 
-async def test_requeue_failed_task(store: Store, redis_client: redis.asyncio.Redis,
-                                   keys: Keys) -> None:  # fmt: skip
+async def test_requeue_failed_task(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
     await create(store)
     c = await claim_one(store)
     await store.save(c.lease, Status.FAILED, fields={"error_code": "x", "error_message": "y"})

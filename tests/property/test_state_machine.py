@@ -33,10 +33,22 @@ from asynctaskd.store import Code, Lease, SyncStore
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 KEYS = Keys()
-OUTCOMES_SUBMIT = [Status.SUBMITTED, Status.FAILED, Status.PENDING_SUBMIT, Status.SUBMIT_UNKNOWN,
-                   Status.RUNNING, Status.SUCCEEDED]  # fmt: skip
-OUTCOMES_QUERY = [Status.RUNNING, Status.SUCCEEDED, Status.FAILED, Status.CANCELED,
-                  Status.SUBMITTED, Status.PENDING_SUBMIT]  # fmt: skip
+OUTCOMES_SUBMIT = [
+    Status.SUBMITTED,
+    Status.FAILED,
+    Status.PENDING_SUBMIT,
+    Status.SUBMIT_UNKNOWN,
+    Status.RUNNING,
+    Status.SUCCEEDED,
+]
+OUTCOMES_QUERY = [
+    Status.RUNNING,
+    Status.SUCCEEDED,
+    Status.FAILED,
+    Status.CANCELED,
+    Status.SUBMITTED,
+    Status.PENDING_SUBMIT,
+]
 
 
 @dataclass
@@ -73,8 +85,9 @@ class Lifecycle(RuleBasedStateMachine):
     @rule(target=tasks, priority=st.integers(-3, 3))
     def create(self, priority: int) -> str:
         tid = new_task_id()
-        call = self.store.ops.create(tid, "h", encode_json({"p": priority}), timeout_ms=600_000,
-                                     priority=priority)  # fmt: skip
+        call = self.store.ops.create(
+            tid, "h", encode_json({"p": priority}), timeout_ms=600_000, priority=priority
+        )
         assert not self.store.run(call).deduped
         self.model[tid] = Model()
         return tid
@@ -85,7 +98,7 @@ class Lifecycle(RuleBasedStateMachine):
         for c in batch.claimed:
             m = self.model[c.lease.task_id]
             assert m.held is None, "claimed a task that is already leased"
-            assert (m.status.phase == phase), f"{m.status} claimed in {phase}"
+            assert m.status.phase == phase, f"{m.status} claimed in {phase}"
             if phase == "submit":
                 assert m.status is Status.PENDING_SUBMIT
                 m.status = Status.SUBMITTING
@@ -202,17 +215,26 @@ class Lifecycle(RuleBasedStateMachine):
         else:
             assert tid not in swept  # its holder's next save clamps to the deadline
 
-    @rule(tid=tasks, to=st.sampled_from([Status.SUBMITTED, Status.PENDING_SUBMIT,
-                                          Status.FAILED, Status.CANCELED]))  # fmt: skip
+    @rule(
+        tid=tasks,
+        to=st.sampled_from(
+            [Status.SUBMITTED, Status.PENDING_SUBMIT, Status.FAILED, Status.CANCELED]
+        ),
+    )
     def resolve(self, tid: str, to: Status) -> None:
         target = to
         m = self.model[tid]
-        r = self.store.run(self.store.ops.resolve(tid, target, external_id="x",
-                                                  handle_json=b'{"external_id":"x"}'))  # fmt: skip
-        allowed = (m.status is Status.SUBMIT_UNKNOWN
-                   or (m.status in (Status.FAILED, Status.TRACKING_TIMED_OUT)
-                       and target is Status.PENDING_SUBMIT)
-                   or (m.status is Status.PENDING_SUBMIT and target is Status.CANCELED))  # fmt: skip
+        r = self.store.run(
+            self.store.ops.resolve(tid, target, external_id="x", handle_json=b'{"external_id":"x"}')
+        )
+        allowed = (
+            m.status is Status.SUBMIT_UNKNOWN
+            or (
+                m.status in (Status.FAILED, Status.TRACKING_TIMED_OUT)
+                and target is Status.PENDING_SUBMIT
+            )
+            or (m.status is Status.PENDING_SUBMIT and target is Status.CANCELED)
+        )
         assert (r.code is Code.OK) == allowed, (m.status, target, r)
         if allowed:
             if m.status.is_terminal:
@@ -269,12 +291,16 @@ SYNC_REDIS: Any = None
 
 
 def test_random_interleavings_keep_every_invariant(sync_redis: SyncRedis) -> None:
-    global SYNC_REDIS  # noqa: PLW0603 - hypothesis builds the machine without fixtures
+    global SYNC_REDIS
     SYNC_REDIS = sync_redis
     from hypothesis.stateful import run_state_machine_as_test
 
     run_state_machine_as_test(
         Lifecycle,
-        settings=settings(max_examples=20, stateful_step_count=25, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow]),  # fmt: skip
+        settings=settings(
+            max_examples=20,
+            stateful_step_count=25,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
     )
