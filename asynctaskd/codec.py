@@ -71,13 +71,13 @@ def encode_json(value: Any) -> bytes:
     return _ENCODER.encode(value)
 
 
-def _text(raw: Mapping[bytes, bytes], name: str) -> str | None:
-    v = raw.get(name.encode())
+def _text(raw: Mapping[str, bytes], name: str) -> str | None:
+    v = raw.get(name)
     return None if v is None else v.decode("utf-8", "replace")
 
 
-def _int(raw: Mapping[bytes, bytes], task_id: str, name: str, default: int = 0) -> int:
-    v = raw.get(name.encode())
+def _int(raw: Mapping[str, bytes], task_id: str, name: str, default: int = 0) -> int:
+    v = raw.get(name)
     if v is None or v == b"":
         return default
     try:
@@ -86,8 +86,8 @@ def _int(raw: Mapping[bytes, bytes], task_id: str, name: str, default: int = 0) 
         raise CorruptTask(task_id, f"field {name} is {v[:40]!r}, not an integer") from None
 
 
-def _float(raw: Mapping[bytes, bytes], task_id: str, name: str) -> float | None:
-    v = raw.get(name.encode())
+def _float(raw: Mapping[str, bytes], task_id: str, name: str) -> float | None:
+    v = raw.get(name)
     if v is None or v == b"":
         return None
     try:
@@ -99,8 +99,8 @@ def _float(raw: Mapping[bytes, bytes], task_id: str, name: str) -> float | None:
     return out
 
 
-def _json(raw: Mapping[bytes, bytes], task_id: str, name: str) -> Any:
-    v = raw.get(name.encode())
+def _json(raw: Mapping[str, bytes], task_id: str, name: str) -> Any:
+    v = raw.get(name)
     if v is None or v == b"":
         return None
     try:
@@ -109,16 +109,20 @@ def _json(raw: Mapping[bytes, bytes], task_id: str, name: str) -> Any:
         raise CorruptTask(task_id, f"field {name} is not valid JSON ({exc})") from None
 
 
-def _ms(raw: Mapping[bytes, bytes], task_id: str, name: str) -> float | None:
+def _ms(raw: Mapping[str, bytes], task_id: str, name: str) -> float | None:
     v = _int(raw, task_id, name, -1)
     return None if v < 0 else v / 1000.0
 
 
-def decode_task(raw: Mapping[bytes, bytes], task_id: str | None = None) -> Task:
+def decode_task(hash_: Mapping[bytes, bytes], task_id: str | None = None) -> Task:
     """Build a Task from a task hash (HGETALL reply as a dict of bytes).
 
     Raises CorruptTask, naming the field, when anything cannot be read.
     """
+    try:
+        raw = {k.decode(): v for k, v in hash_.items()}
+    except UnicodeDecodeError:
+        raise CorruptTask(task_id or "?", "a field name is not UTF-8") from None
     tid = _text(raw, "id") or task_id or "?"
     if task_id is not None and tid != task_id:
         raise CorruptTask(task_id, f"field id is {tid!r}")
