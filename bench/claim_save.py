@@ -18,18 +18,15 @@ import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import anyio
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from asynctaskd.codec import encode_json  # noqa: E402
-from asynctaskd.embedded import ServerProcess, find_binary  # noqa: E402
-from asynctaskd.keys import Keys, new_task_id  # noqa: E402
-from asynctaskd.model import Status  # noqa: E402
-from asynctaskd.store import Batcher, Lease, Store, open_redis  # noqa: E402
+from asynctaskd.codec import encode_json
+from asynctaskd.embedded import ServerProcess, find_binary
+from asynctaskd.keys import Keys, new_task_id
+from asynctaskd.model import Status
+from asynctaskd.store import Batcher, Lease, Store, open_redis
 
 CLAIM_SHAPED = (
     "local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, 1) "

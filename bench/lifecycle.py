@@ -16,13 +16,10 @@ import resource
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asynctaskd.config import parse_config
 from asynctaskd.embedded import ServerProcess, find_binary
