@@ -344,7 +344,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = load_config(args.config)
             from .handlers import load_handlers
 
-            handlers = load_handlers(list(config.handlers))
+            from . import http_handler
+
+            handlers = load_handlers(
+                list(config.handlers),
+                builders=http_handler.builders(config.handlers, args.config),
+            )
             effective = config.redacted()
             if args.json:
                 _out(json.dumps(effective))

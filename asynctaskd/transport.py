@@ -315,7 +315,9 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             response = await session.request(
                 request.method,
                 # encoded=True: httpx already percent-encoded the URL; send it byte for byte.
-                yarl.URL(str(request.url), encoded=True),
+                # Credentials in the URL already became an Authorization header in httpx;
+                # aiohttp refuses both at once, so the URL goes without them.
+                yarl.URL(str(request.url.copy_with(username=None, password=None)), encoded=True),
                 headers=headers,
                 data=data,
                 chunked=chunked,

@@ -1,0 +1,152 @@
+"""A fake of Replicate's predictions API: the request and response shapes of its HTTP docs.
+
+Endpoints (all need ``Authorization: Bearer <token>``; otherwise 401 with a problem body
+``{"title", "detail", "status"}``):
+
+``POST /v1/predictions``
+    Body ``{"version", "input", "webhook"?, "webhook_events_filter"?}``; answers 201 with a
+    prediction in status ``starting`` (``urls.get`` and ``urls.cancel`` included), 422 with
+    ``{"title": "Input validation failed", "detail", "status", "invalid_fields"}`` for a
+    bad body.
+``GET /v1/predictions/{id}``
+    The prediction. Each answered poll of a live one moves it on: ``processing`` (``logs``
+    grow) until poll ``polls_to_done``, which ends it ``succeeded`` with ``output`` a list
+    of file URLs under ``/delivery/`` and ``metrics.predict_time``; an input with
+    ``"fail": true`` ends ``failed`` with ``error`` a string.
+``POST /v1/predictions/{id}/cancel``
+    Moves a live prediction to ``canceled``; answers the prediction.
+``GET /delivery/{id}/{name}``
+    A file output (no auth, as on replicate.delivery).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+__all__ = ["PNG", "ReplicatePredictions"]
+
+PNG = b"\x89PNG\r\n\x1a\n" + b"fake image bytes" * 8
+LIVE = frozenset({"starting", "processing"})
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+
+
+def _problem(status: int, title: str, detail: str, **extra: Any) -> web.Response:
+    body = {"title": title, "detail": detail, "status": status, **extra}
+    return web.json_response(body, status=status, content_type="application/problem+json")
+
+
+@dataclass
+class _Prediction:
+    obj: dict[str, Any]
+    polls: int = 0
+
+
+@dataclass
+class ReplicatePredictions:
+    """The fake's state; `app()` builds the aiohttp application."""
+
+    token: str
+    polls_to_done: int = 3
+    predictions: dict[str, _Prediction] = field(default_factory=dict)
+    requests: list[tuple[str, str]] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)
+    downloads: list[str] = field(default_factory=list)
+    _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._auth])
+        app.add_routes(
+            [
+                web.post("/v1/predictions", self._create),
+                web.get("/v1/predictions/{id}", self._get),
+                web.post("/v1/predictions/{id}/cancel", self._cancel),
+                web.get("/delivery/{id}/{name}", self._deliver),
+            ]
+        )
+        return app
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        self.requests.append((request.method, request.path))
+        public = request.path.startswith("/delivery/")
+        if not public and request.headers.get("Authorization") != f"Bearer {self.token}":
+            return _problem(401, "Unauthenticated",
+                            "You did not pass a valid authentication token")  # fmt: skip
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    async def _create(self, request: web.Request) -> web.Response:
+        try:
+            body = msgspec.json.decode(await request.read())
+        except msgspec.DecodeError:
+            return _problem(400, "Bad request", "The request body is not valid JSON.")
+        invalid = []
+        if not isinstance(body, dict) or not isinstance(body.get("version"), str):
+            invalid.append({"type": "required", "field": "version", "description": "required"})
+        if not isinstance(body, dict) or not isinstance(body.get("input"), dict):
+            invalid.append({"type": "required", "field": "input", "description": "required"})
+        if invalid:
+            return _problem(422, "Input validation failed", "- version or input is missing",
+                            invalid_fields=invalid)  # fmt: skip
+        n = next(self._ids)
+        pid = f"q{n:04d}fakepredictionid{n:04d}"
+        base = f"{request.url.origin()}/v1/predictions/{pid}"
+        obj: dict[str, Any] = {
+            "id": pid, "model": "acme/fake-model", "version": body["version"],
+            "input": body["input"], "logs": "", "output": None, "data_removed": False,
+            "error": None, "status": "starting", "created_at": _now(), "started_at": None,
+            "completed_at": None, "source": "api",
+            "urls": {"get": base, "cancel": f"{base}/cancel",
+                     "web": f"https://replicate.com/p/{pid}"},
+        }  # fmt: skip
+        self.predictions[pid] = _Prediction(obj)
+        return web.json_response(obj, status=201)
+
+    async def _get(self, request: web.Request) -> web.Response:
+        prediction = self.predictions.get(request.match_info["id"])
+        if prediction is None:
+            return _problem(404, "Not found", "Not found.")
+        obj = prediction.obj
+        if obj["status"] in LIVE:
+            prediction.polls += 1
+            p = prediction.polls
+            obj["logs"] += f"step {p}/{self.polls_to_done}\n"
+            obj["started_at"] = obj["started_at"] or _now()
+            if p < self.polls_to_done:
+                obj["status"] = "processing"
+            elif obj["input"].get("fail"):
+                obj.update(status="failed", error="CUDA out of memory", completed_at=_now(),
+                           metrics={"predict_time": 0.5})  # fmt: skip
+            else:
+                origin = request.url.origin()
+                obj.update(
+                    status="succeeded",
+                    output=[f"{origin}/delivery/{obj['id']}/out-{i}.png" for i in range(2)],
+                    completed_at=_now(),
+                    metrics={"predict_time": 1.25},
+                )
+        return web.json_response(obj)
+
+    async def _cancel(self, request: web.Request) -> web.Response:
+        prediction = self.predictions.get(request.match_info["id"])
+        if prediction is None:
+            return _problem(404, "Not found", "Not found.")
+        self.cancels.append(prediction.obj["id"])
+        if prediction.obj["status"] in LIVE:
+            prediction.obj.update(status="canceled", completed_at=_now())
+        return web.json_response(prediction.obj)
+
+    async def _deliver(self, request: web.Request) -> web.Response:
+        self.downloads.append(request.path)
+        if request.match_info["id"] not in self.predictions:
+            return web.Response(status=404, text="not found")
+        return web.Response(body=PNG, content_type="image/png")
