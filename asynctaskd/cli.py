@@ -342,9 +342,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_dev(args)
         if args.command == "check-config":
             config = load_config(args.config)
-            from .handlers import load_handlers
-
             from . import http_handler
+            from .handlers import load_handlers
 
             handlers = load_handlers(
                 list(config.handlers),
