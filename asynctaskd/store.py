@@ -339,6 +339,10 @@ def _mapped(what: str) -> Iterator[None]:
         raise ScriptError(f"{what}: Redis refused the script: {text}") from exc
     except rex.RedisError as exc:
         raise StoreUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
+    except (OSError, RuntimeError) as exc:
+        # Below redis-py: with uvloop, writing on a transport closed under a reconnect
+        # raises RuntimeError("... the handler is closed"); sockets raise OSError.
+        raise StoreUnavailable(f"{what}: connection failed ({type(exc).__name__}: {exc})") from exc
 
 
 def _task_reply(raw: Any, task_id: str) -> Task | None:

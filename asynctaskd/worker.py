@@ -53,7 +53,9 @@ def default_worker_id() -> str:
 class _Active:
     """A call in flight: the lease it holds and the scope that cancels it."""
 
-    __slots__ = ("handler", "lease", "lost", "phase", "saved", "saving", "scope", "started")
+    __slots__ = (
+        "handler", "landing", "lease", "lost", "phase", "saved", "saving", "scope", "started",
+    )
 
     def __init__(self, lease: Lease, phase: Phase, handler: str) -> None:
         self.lease = lease
@@ -61,6 +63,7 @@ class _Active:
         self.handler = handler  # metric label: a registered key, or "other"
         self.saved = False  # an outcome landed, or there is nothing left to give back
         self.saving = False  # a save is in flight: a NO_LEASE from renew may be that save
+        self.landing = False  # a must-land save runs in the landing group
         self.scope = anyio.CancelScope()
         self.lost = False
         self.started = False  # submit marked started: cancelling now would be ambiguous
@@ -104,6 +107,7 @@ class Worker:
         self._slot_freed = anyio.Event()
         self._nudge = anyio.Event()
         self._intake = anyio.CancelScope()
+        self._landing: anyio.abc.TaskGroup | None = None
         self._everything = anyio.CancelScope()
         self._stopping = False
         self._burst = False
@@ -131,24 +135,31 @@ class Worker:
 
     async def run(self) -> None:
         """Claim and run until stopped, then drain (see daemon.py for the whole order)."""
-        # The batcher outlives the calls: shielded saves during a drain still need it.
+        # The batcher outlives the calls: saves during a drain still need it. Saves that
+        # must land (a vendor handle in hand) run in `landing`, outside the calls' group,
+        # so cancelling a call at the end of the grace period cannot drop them.
         async with anyio.create_task_group() as outer:
             outer.start_soon(self.batcher.run)
-            with self._everything:
-                async with anyio.create_task_group() as aux:
-                    aux.start_soon(self._renew_loop)
-                    # Handler calls are spawned thousands of times a second: an asyncio
-                    # TaskGroup (still structured) costs ~11 us a task here, anyio's
-                    # start_soon ~100 us. Cancelling `_everything` cancels this host
-                    # task, and the TaskGroup then cancels every call once.
-                    async with asyncio.TaskGroup() as calls:
-                        with self._intake:
-                            await self._claim_loop(calls)
-                        # Intake stopped: wait for calls, then stop the renewal loop.
-                        while self._active:
-                            await self._wait_slot(1.0)
-                    aux.cancel_scope.cancel()
+            async with anyio.create_task_group() as landing:
+                self._landing = landing
+                await self._run_calls()
             outer.cancel_scope.cancel()
+
+    async def _run_calls(self) -> None:
+        with self._everything:
+            async with anyio.create_task_group() as aux:
+                aux.start_soon(self._renew_loop)
+                # Handler calls are spawned thousands of times a second: an asyncio
+                # TaskGroup (still structured) costs ~11 us a task here, anyio's
+                # start_soon ~100 us. Cancelling `_everything` cancels this host
+                # task, and the TaskGroup then cancels every call once.
+                async with asyncio.TaskGroup() as calls:
+                    with self._intake:
+                        await self._claim_loop(calls)
+                    # Intake stopped: wait for calls, then stop the renewal loop.
+                    while self._active:
+                        await self._wait_slot(1.0)
+                aux.cancel_scope.cancel()
 
     async def run_until_idle(self) -> None:
         """Claim until nothing is due, finish every call, return (tests and benchmarks)."""
@@ -334,7 +345,7 @@ class Worker:
         finally:
             self._forget(active)
             self.completed += 1
-            if not active.lost and not active.saved:
+            if not active.lost and not active.saved and not active.landing:
                 await self._release(active)
             self._slot_freed.set()
 
@@ -366,7 +377,7 @@ class Worker:
                         "submit interrupted after the vendor call started: SUBMIT_UNKNOWN",
                         extra={"task_id": active.lease.task_id},
                     )
-            except StoreUnavailable as exc:
+            except Exception as exc:  # noqa: BLE001 - cleanup must never kill the worker
                 logger.warning("release failed; the lease will expire: %s", exc)
 
     def _ctx(self, entry: HandlerEntry, task: Task, lease: Lease) -> HandlerContext:
@@ -400,13 +411,52 @@ class Worker:
         fields: dict[str, Any] | None = None,
         must_land: bool = False,
     ) -> Result | None:
+        if must_land:
+            return await self._save_landing(active, status, delay=delay, fields=fields)
         active.saving = True
         try:
-            return await self._save_once(
-                active, status, delay=delay, fields=fields, must_land=must_land
-            )
+            return await self._save_once(active, status, delay=delay, fields=fields)
         finally:
             active.saving = False
+
+    async def _save_started(
+        self,
+        active: _Active,
+        status: Status,
+        *,
+        delay: float = 0.0,
+        fields: dict[str, Any] | None = None,
+    ) -> Result | None:
+        """The outcome of a submit whose vendor call started: a fact the task must not lose
+        (given up, the task would be parked in SUBMIT_UNKNOWN for an operator)."""
+        return await self._save(active, status, delay=delay, fields=fields, must_land=True)
+
+    async def _save_landing(
+        self, active: _Active, status: Status, *, delay: float, fields: dict[str, Any] | None
+    ) -> Result | None:
+        """Save a vendor handle from a task of its own in the landing group: if this call
+        is cancelled meanwhile (drain), the save still runs to the end."""
+        done = anyio.Event()
+        box: list[Result | None] = [None]
+
+        async def land() -> None:
+            active.saving = True
+            try:
+                box[0] = await self._save_once(
+                    active, status, delay=delay, fields=fields, must_land=True
+                )
+            finally:
+                active.saving = False
+                active.landing = False
+                done.set()
+
+        if self._landing is None:  # not running under run(): nothing to outlive
+            await land()
+            return box[0]
+        active.landing = True
+        self._landing.start_soon(land)
+        await done.wait()
+        return box[0]
 
     async def _save_once(
         self,
@@ -458,12 +508,10 @@ class Worker:
                     if not final.is_settled:
                         self._scheduled(delay if final is status else 0.0)
                     return result
+                # A rejection is final, NO_LEASE included: an expired lease that was not
+                # reaped still accepts the save, and a parked task accepts the late save;
+                # NO_LEASE means the task moved on (canceled, requeued, resolved).
                 self.metrics.rejected_writes.labels("save", result.code.name.lower()).inc()
-                if must_land and result.code is Code.NO_LEASE and time.monotonic() < give_up_at:
-                    # The lease expired under a started submit; once the reaper parks the
-                    # task in SUBMIT_UNKNOWN the late save with this fence lands.
-                    await anyio.sleep(min(1.0, self.lease_ms / 4000))
-                    continue
                 logger.warning(
                     "save refused: %s",
                     result.code.name,
@@ -564,12 +612,12 @@ class Worker:
         if kind is SubmitFailure.AMBIGUOUS and entry.idempotent:
             kind = SubmitFailure.NEVER_SENT  # the vendor dedups on the idempotency key
         if kind is SubmitFailure.PERMANENT:
-            await self._save(
+            await self._save_started(
                 active, Status.FAILED, fields={"error_code": code, "error_message": message}
             )
         elif kind is SubmitFailure.AMBIGUOUS:
             logger.warning("submit outcome unknown: %s", message, extra=log_extra)
-            await self._save(
+            await self._save_started(
                 active, Status.SUBMIT_UNKNOWN, fields={"error_code": code, "error_message": message}
             )
         elif kind is SubmitFailure.THROTTLED:
@@ -583,14 +631,14 @@ class Worker:
                     self.rng,
                 ),
             )
-            await self._save(
+            await self._save_started(
                 active,
                 Status.PENDING_SUBMIT,
                 delay=delay,
                 fields={"error_code": code, "error_message": message},
             )
         elif attempts > retry.max_submit_retries:
-            await self._save(
+            await self._save_started(
                 active,
                 Status.FAILED,
                 fields={
@@ -611,7 +659,7 @@ class Worker:
                     self.rng,
                 ),
             )
-            await self._save(
+            await self._save_started(
                 active,
                 Status.PENDING_SUBMIT,
                 delay=delay,
