@@ -377,7 +377,7 @@ class Worker:
                         "submit interrupted after the vendor call started: SUBMIT_UNKNOWN",
                         extra={"task_id": active.lease.task_id},
                     )
-            except Exception as exc:  # noqa: BLE001 - cleanup must never kill the worker
+            except Exception as exc:  # cleanup must never kill the worker
                 logger.warning("release failed; the lease will expire: %s", exc)
 
     def _ctx(self, entry: HandlerEntry, task: Task, lease: Lease) -> HandlerContext:
