@@ -54,7 +54,15 @@ class _Active:
     """A call in flight: the lease it holds and the scope that cancels it."""
 
     __slots__ = (
-        "handler", "landing", "lease", "lost", "phase", "saved", "saving", "scope", "started",
+        "handler",
+        "landing",
+        "lease",
+        "lost",
+        "phase",
+        "saved",
+        "saving",
+        "scope",
+        "started",
     )
 
     def __init__(self, lease: Lease, phase: Phase, handler: str) -> None:
