@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 from typing import Final
 
@@ -17,10 +18,26 @@ HANDLER_KEY_RE: Final = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")
 _CROCKFORD: Final = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 
 
+_last: list[int] = [0, 0]  # (ms, random) of the previous id made in this process
+_lock = threading.Lock()  # sync producers may make ids from several threads
+
+
 def new_task_id(shard: int = 0, *, now_ms: int | None = None) -> str:
-    """A time-ordered ULID, with `-<shard>` appended when the shard is not 0."""
+    """A ULID, with `-<shard>` appended when the shard is not 0.
+
+    Monotonic within a process: ids made in the same millisecond increment the random
+    part, so the ready sets' FIFO tie-break (equal scores sort by member) keeps the order
+    in which one producer created its tasks.
+    """
     ms = int(time.time() * 1000) if now_ms is None else now_ms
-    value = (ms << 80) | int.from_bytes(os.urandom(10), "big")
+    with _lock:
+        if ms <= _last[0]:
+            ms = _last[0]
+            rand = (_last[1] + 1) & ((1 << 80) - 1)
+        else:
+            rand = int.from_bytes(os.urandom(10), "big") >> 1  # leave room to increment
+        _last[0], _last[1] = ms, rand
+    value = (ms << 80) | rand
     chars = []
     for _ in range(26):
         chars.append(_CROCKFORD[value & 31])
@@ -97,3 +114,11 @@ class Keys:
     def daemons(self) -> str:
         """HASH of live daemons: id -> JSON heartbeat."""
         return f"{self.namespace}:daemons"
+
+    def groups(self) -> str:
+        """HASH of handler groups: name -> JSON definition (policy and members)."""
+        return f"{self.namespace}:groups"
+
+    def group_counter(self, name: str) -> str:
+        """Counter of a round-robin or weighted group: INCR once per routed submit."""
+        return f"{self.namespace}:group:{name}:rr"

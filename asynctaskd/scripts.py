@@ -27,6 +27,8 @@ SCRIPT_NAMES: Final = (
     "resolve",
     "purge",
     "quarantine",
+    "pause",
+    "resume",
 )
 
 _KEY_LINE: Final = re.compile(r"^-- KEYS\[(\d+)\] (\w+)")

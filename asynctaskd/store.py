@@ -24,7 +24,7 @@ from redis import Redis as SyncRedis
 
 from .codec import decode_task, pairs_to_dict
 from .errors import CorruptTask, ScriptError, StoreUnavailable
-from .keys import Keys
+from .keys import HANDLER_KEY_RE, Keys
 from .model import Phase, Status, Task, shard_of
 from .scripts import Script, load_scripts
 
@@ -162,6 +162,19 @@ def _pairs(reply: Any) -> list[tuple[str, Status]]:
     if len(out) != count:
         raise ScriptError(f"reply says {count} tasks but has {len(out)}")
     return out
+
+
+PAUSE_KINDS: Final = ("handler", "provider", "tenant", "account")
+
+
+def check_dimension(dimension: str) -> None:
+    """Raise ValueError unless `dimension` is '<kind>:<name>' with a known kind."""
+    kind, sep, name = dimension.partition(":")
+    if not sep or kind not in PAUSE_KINDS or not HANDLER_KEY_RE.fullmatch(name):
+        raise ValueError(
+            f"cannot pause {dimension!r}: use handler:<key>, provider:<name>, "
+            "tenant:<name> or account:<name> (letters, digits, '_', '.', ':', '-')"
+        )
 
 
 def _ms(seconds: float) -> int:
@@ -313,6 +326,18 @@ class Ops:
 
     def purge(self, shard: int, older_than_ms: int, limit: int) -> Call[list[str]]:
         return Call("purge", [self._prefix(shard)], [older_than_ms, limit], _id_list)
+
+    def pause(self, shard: int, dimension: str, note: str = "") -> Call[bool]:
+        """Hold back new submits for `dimension` ('tenant:t1', 'handler:ocr', ...)."""
+        check_dimension(dimension)
+        return Call("pause", [self._prefix(shard)], [dimension, note[:200]],
+                    lambda reply: int(reply[0]) == 1)  # fmt: skip
+
+    def resume(self, shard: int, dimension: str, limit: int = 1000) -> Call[tuple[int, int]]:
+        """Lift a pause; returns (moved back, still held). Call again while still held."""
+        check_dimension(dimension)
+        return Call("resume", [self._prefix(shard)], [dimension, limit],
+                    lambda reply: (int(reply[0]), int(reply[1])))  # fmt: skip
 
     def quarantine(self, task_id: str, reason: str) -> Call[Result]:
         prefix, task_key = self._task(task_id)
@@ -563,6 +588,31 @@ class Store(_Base):
 
     async def purge(self, shard: int, older_than_ms: int, limit: int) -> list[str]:
         return await self.run(self.ops.purge(shard, older_than_ms, limit))
+
+    # Pauses (submit phase), on every shard.
+
+    async def pause(self, dimension: str, note: str = "") -> bool:
+        """Hold back new submits for a dimension on every shard; True if newly paused."""
+        results = [await self.run(self.ops.pause(s, dimension, note))
+                   for s in range(self.keys.shards)]  # fmt: skip
+        return any(results)
+
+    async def resume(self, dimension: str) -> int:
+        """Lift a pause on every shard; returns how many held tasks went back."""
+        moved = 0
+        for shard in range(self.keys.shards):
+            while True:
+                n, left = await self.run(self.ops.resume(shard, dimension))
+                moved += n
+                if not left:
+                    break
+        return moved
+
+    async def paused(self) -> dict[str, dict[str, Any]]:
+        """Paused dimensions (as written on shard 0) with when and why."""
+        with _mapped("paused"):
+            raw = await self.redis.hgetall(self.keys.tag(0) + ":paused")
+        return {_s(k): msgspec.json.decode(v) for k, v in raw.items()}
 
     # Durability, wake-ups and the daemon registry.
 

@@ -9,11 +9,14 @@
 -- ARGV[4] owner            worker id, recorded in the task
 -- ARGV[5] promote_limit    how many newly due tasks to move into the ready set at most
 --
+-- Also reads <prefix>paused (HASH of 'handler:<k>', 'provider:<p>', 'tenant:<t>',
+-- 'account:<a>') and writes <prefix>held:<dim> (ZSET, ready score) for paused tasks.
+--
 -- Returns {next_due_ms, ready_left, dropped, task, task, ...} where each task is
 --   {task_id, fence, version, {field, value, ...}}  (the whole hash after the claim)
 -- next_due_ms is the earliest due time still waiting in this phase (0 if none), ready_left
 -- how many due tasks are still ready, dropped how many entries were not claimable
--- (gone, timed out, canceled, or quarantined because their hash is unreadable).
+-- (gone, timed out, canceled, held back by a pause, or quarantined because unreadable).
 -- Invariants: a task is claimed only if its status belongs to the phase, it is not
 -- leased, and its deadline has not passed; a past deadline times the task out here
 -- instead (no vendor call after the deadline); a canceled PENDING_SUBMIT task becomes
@@ -47,12 +50,38 @@ end
 
 local reply = {0, 0, 0}
 local dropped = 0
+-- Pauses hold back new vendor submits only. A paused task is set aside in the held set
+-- of the first paused dimension it matches, keeping its ready score, so it neither
+-- blocks the tasks behind it nor loses its place; resume puts it back. At most
+-- `hold_budget` tasks are set aside per call: the work stays bounded.
+local paused = nil
+if phase == 'submit' and redis.call('EXISTS', P .. 'paused') == 1 then
+  paused = redis.call('HGETALL', P .. 'paused')
+end
+local hold_budget = 1000
+local function paused_dim(t)
+  -- t: handler, provider, tenant, account
+  local dims = {'handler:' .. t[1], 'provider:' .. (t[2] or t[1])}
+  if t[3] then dims[#dims + 1] = 'tenant:' .. t[3] end
+  if t[4] then dims[#dims + 1] = 'account:' .. t[4] end
+  for _, d in ipairs(dims) do
+    for i = 1, #paused, 2 do
+      if paused[i] == d then return d end
+    end
+  end
+  return nil
+end
 local want = (phase == 'submit') and {PENDING_SUBMIT = true} or {SUBMITTED = true, RUNNING = true}
 local got = 0
 while got < n do
   local popped = redis.call('ZPOPMIN', ready_key)
   if #popped == 0 then break end
   local id = popped[1]
+  local held_dim = nil
+  if paused and hold_budget > 0 then
+    held_dim = paused_dim(redis.call('HMGET', task_key(id), 'handler', 'provider', 'tenant',
+                                     'account'))
+  end
   local tk = task_key(id)
   local t = redis.call('HMGET', tk, 'status', 'deadline_ms', 'cancel_requested', 'handler')
   local status, deadline_ms, handler = t[1], tonumber(t[2]), t[4]
@@ -73,6 +102,14 @@ while got < n do
     finish(tk, id, status, 'CANCELED', handler)
     emit(id, 'CANCELED', v)
     dropped = dropped + 1
+  elseif held_dim then
+    redis.call('ZADD', P .. 'held:' .. held_dim, popped[2], id)
+    redis.call('HSET', tk, 'held', held_dim)
+    hold_budget = hold_budget - 1
+    dropped = dropped + 1
+  elseif paused and hold_budget <= 0 then
+    redis.call('ZADD', ready_key, popped[2], id)  -- budget spent: leave it for the next call
+    break
   else
     local fence = redis.call('HINCRBY', tk, 'fence', 1)
     local v = bump(tk)

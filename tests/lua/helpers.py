@@ -116,11 +116,16 @@ async def check_invariants(r: redis.asyncio.Redis, keys: Keys) -> None:
         places = [n for n, members in sets.items() if tid in members]
         if tid in leased:
             places.append("leases")
+        held = h.get(b"held")
+        if held is not None:
+            assert s is Status.PENDING_SUBMIT, f"{tid} {s} is held"
+            assert await r.zscore(f"{tag}:held:{held.decode()}", tid) is not None
+            places.append("held")
         if s.is_terminal or s is Status.SUBMIT_UNKNOWN:
             assert places == [], f"{tid} {s} still in {places}"
         else:
             assert len(places) == 1, f"{tid} {s} in {places}"
             if s is Status.SUBMITTING:
                 assert places == ["leases"]
-            elif "leases" not in places:
+            elif "leases" not in places and "held" not in places:
                 assert places[0].endswith(s.phase or "?"), f"{tid} {s} in {places}"

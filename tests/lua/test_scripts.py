@@ -9,7 +9,7 @@ import redis.asyncio
 from asynctaskd.errors import ScriptError
 from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.model import Status
-from asynctaskd.store import Code, Lease, Store
+from asynctaskd.store import Call, Code, Lease, Store
 from tests.conftest import wait_until
 from tests.lua.helpers import (
     check_invariants,
@@ -606,3 +606,53 @@ async def test_purge_deletes_old_terminal_tasks_with_exact_counts(
     counts = await store.counts()
     assert counts.get("CANCELED", 0) == 0 and counts["PENDING_SUBMIT"] == 1
     await check_invariants(redis_client, keys)
+
+
+# --- pause and resume ---------------------------------------------------------------------
+
+
+async def test_pause_holds_a_tenant_back_without_blocking_others(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    held = [await create(store, tenant="t1") for _ in range(5)]
+    other = await create(store, tenant="t2")
+    assert await store.pause("tenant:t1", "vendor asked us to slow down")
+    assert not await store.pause("tenant:t1")
+    batch = await store.claim(0, "submit", 10, 10_000, "w")
+    # the paused tenant's older tasks did not stand in the way of the other tenant's
+    assert [c.lease.task_id for c in batch.claimed] == [other.task_id]
+    for c in held:
+        assert await redis_client.zscore(f"{keys.tag(0)}:held:tenant:t1", c.task_id) is not None
+    assert list(await store.paused()) == ["tenant:t1"]
+    await check_invariants(redis_client, keys)
+    # a held task can still be canceled, and it leaves the held set
+    assert (await store.cancel(held[0].task_id)).code is Code.OK
+    await check_invariants(redis_client, keys)
+    assert await store.resume("tenant:t1") == 4
+    again = await store.claim(0, "submit", 10, 10_000, "w")
+    assert [c.lease.task_id for c in again.claimed] == [c.task_id for c in held[1:]]
+    assert await store.paused() == {}
+    await check_invariants(redis_client, keys)
+
+
+async def test_paused_tasks_still_time_out(store: Store, redis_client: redis.asyncio.Redis,
+                                           keys: Keys) -> None:
+    created = await create(store, handler="slow", timeout_ms=150)
+    await store.pause("handler:slow")
+    assert (await store.claim(0, "submit", 10, 10_000, "w")).claimed == []
+
+    async def swept() -> list[str]:
+        return await store.time_out(0, 100)
+
+    assert await wait_until(swept, "the deadline sweep") == [created.task_id]
+    assert await status_of(redis_client, keys, created.task_id) is Status.TRACKING_TIMED_OUT
+    await check_invariants(redis_client, keys)
+
+
+async def test_pause_refuses_a_malformed_dimension(store: Store) -> None:
+    with pytest.raises(ValueError, match="cannot pause"):
+        await store.pause("galaxy:far-away")
+    # the script checks too, for producers in other languages
+    raw = Call("pause", [store.keys.tag(0) + ":"], ["bad", ""], lambda reply: reply)
+    with pytest.raises(ScriptError, match="dimension"):
+        await store.run(raw)

@@ -1,0 +1,31 @@
+-- resume: lift a pause on one shard and put the tasks it held back into the ready set.
+--
+-- KEYS[1] prefix   string  <ns>:{s<N>}:  shard prefix (paused, held:<dim>, ready:submit)
+-- ARGV[1] dimension        'handler:<k>', 'provider:<p>', 'tenant:<t>' or 'account:<a>'
+-- ARGV[2] limit            how many held tasks to move back at most, integer 1..10000
+--
+-- Returns {moved, remaining}: call again while remaining > 0.
+-- Invariants: the pause flag is gone after the first call, so no new task is held under
+-- it; a moved task keeps its ready score (priority, then FIFO), and its `held` field is
+-- cleared. A task also paused by another dimension is held again by the next claim.
+
+local dim = ARGV[1]
+if not string.find(dim, '^[a-z]+:') then
+  error('asynctaskd: ARGV dimension must look like tenant:<name>, got ' .. tostring(dim))
+end
+local limit = int_arg(ARGV[2], 'limit', 1, 10000)
+redis.call('HDEL', P .. 'paused', dim)
+local held = P .. 'held:' .. dim
+local popped = redis.call('ZPOPMIN', held, limit)
+local moved = 0
+for i = 1, #popped, 2 do
+  local id = popped[i]
+  local tk = task_key(id)
+  if redis.call('HGET', tk, 'held') == dim then
+    redis.call('HDEL', tk, 'held')
+    redis.call('ZADD', P .. 'ready:submit', popped[i + 1], id)
+    moved = moved + 1
+  end
+end
+if moved > 0 then wake() end
+return {moved, redis.call('ZCARD', held)}
