@@ -635,8 +635,9 @@ async def test_pause_holds_a_tenant_back_without_blocking_others(
     await check_invariants(redis_client, keys)
 
 
-async def test_paused_tasks_still_time_out(store: Store, redis_client: redis.asyncio.Redis,
-                                           keys: Keys) -> None:
+async def test_paused_tasks_still_time_out(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
     created = await create(store, handler="slow", timeout_ms=150)
     await store.pause("handler:slow")
     assert (await store.claim(0, "submit", 10, 10_000, "w")).claimed == []
