@@ -154,6 +154,13 @@ class Metrics:
             "Daemons whose heartbeat is under 30 s old; cluster-wide.",
             registry=r,
         )
+        self.paused = Gauge(
+            "asynctaskd_paused_dimensions",
+            "Paused dimensions (new submits held back), by kind: handler, provider, "
+            "tenant, account.",
+            ["kind"],
+            registry=r,
+        )
         self._redis_children: dict[str, Histogram] = {}
 
     def observe_redis_call(self, script: str, seconds: float) -> None:

@@ -14,7 +14,7 @@ from .config import Config
 from .errors import ScriptError, StoreUnavailable
 from .metrics import Metrics
 from .model import Phase, Status
-from .store import Store
+from .store import PAUSE_KINDS, Store
 
 __all__ = ["Backlog", "observe", "read_backlog", "run_reaper"]
 
@@ -165,6 +165,9 @@ async def observe(store: Store, metrics: Metrics) -> None:
         metrics.oldest_pending_age.labels(phase).set(backlog.oldest_age[phase])
         metrics.ready_tasks.labels(phase).set(backlog.ready[phase])
     metrics.live_daemons.set(backlog.live_daemons)
+    paused = await store.paused()
+    for kind in PAUSE_KINDS:
+        metrics.paused.labels(kind).set(sum(1 for d in paused if d.startswith(kind + ":")))
 
 
 async def run_reaper(store: Store, config: Config, metrics: Metrics) -> None:
