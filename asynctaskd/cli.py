@@ -19,6 +19,7 @@ import msgspec
 from .config import load_config
 from .errors import AsyncTaskdError, ConfigError, IllegalTransition, InvalidTask, TaskNotFound
 from .model import Status, Task
+from .routing import POLICIES, Group, MemberSpec
 
 __all__ = ["main"]
 
@@ -32,6 +33,8 @@ examples:
   asynctaskd list --status SUBMIT_UNKNOWN
   asynctaskd resolve 01J... --as SUBMITTED --external-id job_42
   asynctaskd stats
+  asynctaskd group set ocr --policy weighted --member ocr:a=3 --member ocr:b
+  asynctaskd submit ocr '{"text": "hi"}'          a group: one member is picked, once
 
 Reads use --url/--namespace, or [redis] from --config, or $ASYNCTASKD_URL.
 """
@@ -81,6 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--dedup-key")
     sp.add_argument("--delay", default=None, help="start no earlier than this from now, e.g. 5m")
     sp.add_argument("--no-strict", action="store_true", help="skip the live-handler check")
+    sp.add_argument("--route-key", help="business key for a consistent_hash handler group")
 
     for name, helptext in (("get", "show a task"), ("cancel", "cancel a task")):
         sp = sub.add_parser(name, help=helptext)
@@ -134,6 +138,28 @@ def _parser() -> argparse.ArgumentParser:
     conn(sp)
     js(sp)
     sp.add_argument("task_id")
+
+    sp = sub.add_parser("group", help="define, list or delete handler groups (routing)")
+    gsub = sp.add_subparsers(dest="group_command", metavar="ACTION", required=True)
+    gp = gsub.add_parser("set", help="define or replace a group")
+    conn(gp)
+    js(gp)
+    gp.add_argument("name")
+    gp.add_argument("--policy", required=True, choices=list(POLICIES))
+    gp.add_argument(
+        "--member",
+        action="append",
+        required=True,
+        metavar="HANDLER[=WEIGHT]",
+        help="a member handler key, with an optional positive integer weight; repeat",
+    )
+    gp = gsub.add_parser("list", help="show every group")
+    conn(gp)
+    js(gp)
+    gp = gsub.add_parser("delete", help="remove a group")
+    conn(gp)
+    js(gp)
+    gp.add_argument("name")
 
     sp = sub.add_parser("purge", help="delete terminal tasks older than a duration")
     conn(sp)
@@ -215,6 +241,7 @@ def _client_command(args: argparse.Namespace) -> int:
                 dedup_key=args.dedup_key,
                 delay=_duration(args.delay, "--delay") if args.delay else None,
                 strict=not args.no_strict,
+                route_key=args.route_key,
             )
             if args.json:
                 _print_task(task, True)
@@ -275,6 +302,8 @@ def _client_command(args: argparse.Namespace) -> int:
                 task = client.requeue(args.task_id)
             _print_task(task, args.json)
             return 0
+        if cmd == "group":
+            return _group(client, args)
         if cmd == "purge":
             n = client.purge(
                 _duration(args.older_than, "--older-than"), archive=args.archive, limit=args.limit
@@ -282,6 +311,51 @@ def _client_command(args: argparse.Namespace) -> int:
             _out(f"purged {n} task(s)")
             return 0
     raise AssertionError(f"unhandled command {args.command}")
+
+
+def _member(text: str) -> MemberSpec:
+    handler, eq, weight = text.partition("=")
+    if not eq:
+        return handler
+    try:
+        return handler, int(weight)
+    except ValueError:
+        raise InvalidTask(f"--member {text!r}: the weight after '=' must be an integer") from None
+
+
+def _group_dict(group: Group) -> dict[str, Any]:
+    data: dict[str, Any] = msgspec.to_builtins(group)
+    return data
+
+
+def _group_line(name: str, group: Group) -> str:
+    members = " ".join(f"{m.handler}={m.weight}" for m in group.members)
+    return f"{name:<20} {group.policy:<16} {members}"
+
+
+def _group(client: Any, args: argparse.Namespace) -> int:
+    action = args.group_command
+    if action == "set":
+        group = client.set_group(args.name, args.policy, [_member(m) for m in args.member])
+        _out(json.dumps({args.name: _group_dict(group)}) if args.json
+             else _group_line(args.name, group))  # fmt: skip
+        return 0
+    if action == "list":
+        groups: dict[str, Group] = client.groups()
+        if args.json:
+            _out(json.dumps({name: _group_dict(g) for name, g in groups.items()}))
+        else:
+            for name, g in groups.items():
+                _out(_group_line(name, g))
+        return 0
+    if action == "delete":
+        deleted = client.delete_group(args.name)
+        if args.json:
+            _out(json.dumps({"name": args.name, "deleted": deleted}))
+        else:
+            _out(f"deleted group {args.name}" if deleted else f"no group {args.name}")
+        return 0 if deleted else 1
+    raise AssertionError(f"unhandled group action {action}")
 
 
 def _stats(client: Any, args: argparse.Namespace) -> int:

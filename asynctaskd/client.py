@@ -17,7 +17,7 @@ import random
 import re
 import time
 import zlib
-from collections.abc import AsyncIterator, Generator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
 from typing import IO, Any, Final, Self, TypeAlias, TypeVar, cast
 
 import msgspec
@@ -37,6 +37,17 @@ from .errors import (
 )
 from .keys import HANDLER_KEY_RE, Keys, new_task_id
 from .model import Status, Task
+from .routing import (
+    MAX_ROUTE_KEY,
+    Group,
+    MemberSpec,
+    active_fields,
+    choose,
+    decode_group,
+    encode_group,
+    loads,
+    make_group,
+)
 from .store import (
     Call,
     Code,
@@ -57,6 +68,7 @@ __all__ = ["AsyncClient", "Client", "Stats", "TaskEvent", "TaskPage"]
 T = TypeVar("T")
 
 HANDLER_CACHE_S: Final = 5.0  # how long a client trusts its copy of the live handler keys
+GROUP_CACHE_S: Final = 5.0  # how long a client trusts its copy of the handler groups
 BLOCK_S: Final = 5.0  # longest XREAD BLOCK; below the 10 s socket timeout of from_url
 REPLY_MARGIN_S: Final = 5.0  # client-side bound on a blocking read: BLOCK plus this
 RECONNECT_BUDGET_S: Final = 30.0  # watch() gives up after this long without Redis
@@ -103,7 +115,12 @@ class Stats(msgspec.Struct, frozen=True):
 
 
 class Reads:
-    """Read commands for one pipeline; `bound` caps the wait for the reply (seconds)."""
+    """Read commands for one pipeline; `bound` caps the wait for the reply (seconds).
+
+    Also carries the few plain writes that are not task state: group definitions (HSET,
+    HDEL) and a group's round-robin counter (INCR, DEL). Task state is only written by
+    the scripts.
+    """
 
     __slots__ = ("bound", "cmds")
 
@@ -138,6 +155,8 @@ class _Context:
         self.max_payload = max_payload
         self.live_until_ms: dict[str, int] = {}
         self.live_read_at = -math.inf  # monotonic seconds of the last HGETALL handlers
+        self.groups: dict[str, bytes] = {}  # group name -> its JSON definition, decoded on use
+        self.groups_read_at = -math.inf  # monotonic seconds of the last HGETALL groups
 
     def remember_handlers(self, raw: dict[bytes, bytes]) -> dict[str, int]:
         out = {}
@@ -149,6 +168,11 @@ class _Context:
         self.live_until_ms = out
         self.live_read_at = time.monotonic()
         return out
+
+    def remember_groups(self, raw: dict[bytes, bytes]) -> dict[str, bytes]:
+        self.groups = {k.decode(): v for k, v in raw.items()}
+        self.groups_read_at = time.monotonic()
+        return self.groups
 
 
 # Validation and argument building.
@@ -240,9 +264,11 @@ def _prepare_submit(
     metadata: Any,
     not_before: dt.datetime | float | None,
     delay: float | dt.timedelta | None,
-) -> tuple[Call[Created], Task, int]:
-    """Validate a submit; return the create call, the task it writes, and timeout_ms."""
-    handler = _name(handler, "handler")
+    route_key: str | None,
+) -> tuple[Callable[[str], tuple[Call[Created], Task]], int]:
+    """Validate a submit; return a builder of the create call and the task it writes for a
+    given handler key (the one named, or the member a group routes to), and timeout_ms."""
+    _name(handler, "handler")
     tenant_s, account_s = _name(tenant, "tenant"), _name(account, "account")
     provider_s = _name(provider, "provider")
     timeout_ms = max(1, round(_seconds(tracking_timeout, "tracking_timeout", positive=True) * 1000))
@@ -255,6 +281,11 @@ def _prepare_submit(
     if dedup_key is not None and not (isinstance(dedup_key, str) and 0 < len(dedup_key) <= 200):
         raise InvalidTask(f"dedup_key must be a non-empty str of at most 200 characters, "
                           f"got {dedup_key!r:.60}")  # fmt: skip
+    if route_key is not None and not (
+        isinstance(route_key, str) and 0 < len(route_key) <= MAX_ROUTE_KEY
+    ):
+        raise InvalidTask(f"route_key must be a non-empty str of at most {MAX_ROUTE_KEY} "
+                          f"characters, got {route_key!r:.60}")  # fmt: skip
     params_json = encode_payload(params, "params", ctx.max_payload)
     metadata_json = (
         b"" if metadata is None else encode_payload(metadata, "metadata", ctx.max_payload)
@@ -264,20 +295,24 @@ def _prepare_submit(
         shard = zlib.crc32(f"{tenant_s}\0{dedup_key}".encode()) % shards
     else:
         shard = random.randrange(shards) if shards > 1 else 0
-    task_id = new_task_id(shard)
-    call = ctx.ops.create(
-        task_id, handler, params_json, timeout_ms=timeout_ms, provider=provider_s,
-        tenant=tenant_s, account=account_s, priority=priority, delay_ms=delay_ms,
-        not_before_ms=not_before_ms, metadata_json=metadata_json, dedup_key=dedup_key or "",
-    )  # fmt: skip
-    task = Task(
-        id=task_id, handler=handler, status=Status.PENDING_SUBMIT,
-        params=msgspec.json.decode(params_json),
-        metadata=msgspec.json.decode(metadata_json) if metadata_json else None,
-        tenant=tenant_s, account=account_s, provider=provider_s or handler,
-        priority=priority, dedup_key=dedup_key,
-    )  # fmt: skip
-    return call, task, timeout_ms
+
+    def build(handler: str) -> tuple[Call[Created], Task]:
+        task_id = new_task_id(shard)
+        call = ctx.ops.create(
+            task_id, handler, params_json, timeout_ms=timeout_ms, provider=provider_s,
+            tenant=tenant_s, account=account_s, priority=priority, delay_ms=delay_ms,
+            not_before_ms=not_before_ms, metadata_json=metadata_json, dedup_key=dedup_key or "",
+        )  # fmt: skip
+        task = Task(
+            id=task_id, handler=handler, status=Status.PENDING_SUBMIT,
+            params=msgspec.json.decode(params_json),
+            metadata=msgspec.json.decode(metadata_json) if metadata_json else None,
+            tenant=tenant_s, account=account_s, provider=provider_s or handler,
+            priority=priority, dedup_key=dedup_key,
+        )  # fmt: skip
+        return call, task
+
+    return build, timeout_ms
 
 
 # Decoding.
@@ -378,8 +413,104 @@ def _check_handler(ctx: _Context, handler: str) -> Plan[None]:
     )
 
 
+def _group_name(value: object) -> str:
+    return _name("" if value is None else value, "group name")
+
+
+def _find_group(ctx: _Context, name: str) -> Plan[Group | None]:
+    """The group called `name`, or None if it is a plain handler key."""
+    now = time.monotonic()
+    if now - ctx.groups_read_at < GROUP_CACHE_S:
+        if name in ctx.groups:
+            return decode_group(name, ctx.groups[name])
+        if (now - ctx.live_read_at < HANDLER_CACHE_S
+                and ctx.live_until_ms.get(name, 0) > time.time() * 1000):  # fmt: skip
+            return None  # a live handler, and no group had that name a moment ago
+    # A miss: the group may have just been defined. Refresh the handlers too, in the same
+    # round trip, so the strict check that follows usually needs none.
+    groups, handlers = yield Reads(
+        _read("hgetall", ctx.keys.groups()), _read("hgetall", ctx.keys.handlers())
+    )
+    ctx.remember_handlers(handlers)
+    raw = ctx.remember_groups(groups).get(name)
+    return None if raw is None else decode_group(name, raw)
+
+
+def _route(ctx: _Context, name: str, route_key: str | None) -> Plan[str]:
+    """The handler key a submit to `name` creates its task with: `name` itself, or the one
+    member its group's policy picks (workers never re-route)."""
+    group = yield from _find_group(ctx, name)
+    if group is None:
+        return name
+    if group.policy == "consistent_hash":
+        if route_key is None:
+            raise InvalidTask(
+                f"handler group {name!r} routes by consistent_hash: submit with a route_key "
+                "(the business key, e.g. a customer id)"
+            )
+        return choose(group, route_key=route_key)
+    if group.policy == "least_active":
+        fields = active_fields(group.members)
+        replies = yield Reads(
+            *(_read("hmget", ctx.keys.counts(s), fields) for s in range(ctx.keys.shards))
+        )
+        return choose(group, active=loads(group.members, replies))
+    (counter,) = yield Reads(_read("incr", ctx.keys.group_counter(name)))
+    return choose(group, counter=int(counter))
+
+
+def _set_group(ctx: _Context, name: str, policy: str, members: Sequence[MemberSpec]) -> Plan[Group]:
+    group = make_group(name, policy, members)
+    raw_groups, raw_handlers = yield Reads(
+        _read("hgetall", ctx.keys.groups()), _read("hgetall", ctx.keys.handlers())
+    )
+    live, known = ctx.remember_handlers(raw_handlers), ctx.remember_groups(raw_groups)
+    if live.get(name, 0) > time.time() * 1000:
+        raise InvalidTask(
+            f"{name!r} is the key of a live handler: a group cannot have the same name, or "
+            "submits to it would be ambiguous"
+        )
+    for m in group.members:
+        if m.handler == name or m.handler in known:
+            raise InvalidTask(
+                f"group {name!r}: member {m.handler!r} is a group; members are handler keys"
+            )
+    for other, raw in known.items():
+        try:
+            used = other != name and any(
+                m.handler == name for m in decode_group(other, raw).members
+            )
+        except InvalidTask:
+            continue  # a corrupt group is reported when it is used, not here
+        if used:
+            raise InvalidTask(
+                f"{name!r} is a member of group {other!r}: a group cannot have a handler's name"
+            )
+    encoded = encode_group(group)
+    yield Reads(_read("hset", ctx.keys.groups(), name, encoded))
+    ctx.groups[name] = encoded
+    return group
+
+
+def _groups(ctx: _Context) -> Plan[dict[str, Group]]:
+    (raw,) = yield Reads(_read("hgetall", ctx.keys.groups()))
+    known = ctx.remember_groups(raw)
+    return {name: decode_group(name, known[name]) for name in sorted(known)}
+
+
+def _delete_group(ctx: _Context, name: str) -> Plan[bool]:
+    name = _group_name(name)
+    removed, _ = yield Reads(
+        _read("hdel", ctx.keys.groups(), name), _read("delete", ctx.keys.group_counter(name))
+    )
+    ctx.groups.pop(name, None)
+    return bool(removed)
+
+
 def _submit(ctx: _Context, strict: bool, args: tuple[Any, ...]) -> Plan[Task]:
-    call, task, timeout_ms = _prepare_submit(ctx, *args)
+    build, timeout_ms = _prepare_submit(ctx, *args)  # everything is checked before routing,
+    handler = yield from _route(ctx, args[0], args[-1])  # which may write (INCR)
+    call, task = build(handler)
     if strict:
         yield from _check_handler(ctx, task.handler)
     for _ in range(3):
@@ -741,6 +872,7 @@ class AsyncClient:
         not_before: dt.datetime | float | None = None,
         delay: float | dt.timedelta | None = None,
         strict: bool = True,
+        route_key: str | None = None,
     ) -> Task:
         """Store a new task as PENDING_SUBMIT and return its snapshot; no vendor is called.
 
@@ -749,9 +881,15 @@ class AsyncClient:
         `not_before` (aware datetime or epoch seconds) or after `delay` seconds. With a
         `dedup_key`, a live task of the same tenant and key is returned instead. With
         `strict`, the handler must be served by a live daemon.
+
+        `handler` may name a handler group (`set_group`): one member is picked now, by the
+        group's policy, and the task is created with that member as its `handler` (and
+        provider, unless given), so workers never re-route; `metadata` is left as given.
+        `route_key` is the business key a `consistent_hash` group needs (other policies
+        and plain handlers ignore it). With `strict`, the picked member must be live.
         """
         args = (handler, params, tracking_timeout, tenant, account, provider, priority,
-                dedup_key, metadata, not_before, delay)  # fmt: skip
+                dedup_key, metadata, not_before, delay, route_key)  # fmt: skip
         return await self._run(_submit(self._ctx, strict, args))
 
     async def get(
@@ -812,6 +950,25 @@ class AsyncClient:
     async def handlers(self) -> dict[str, float]:
         """Handler keys some live daemon serves, with their expiry (epoch seconds)."""
         return await self._run(_handlers(self._ctx))
+
+    async def set_group(self, name: str, policy: str, members: Sequence[MemberSpec]) -> Group:
+        """Operator: define (or replace) the handler group `name`, persisted in Redis.
+
+        `policy` is round_robin, weighted, consistent_hash or least_active; `members` are
+        handler keys or (handler key, weight) tuples (weights: positive integers, used by
+        weighted and consistent_hash). Group names share the handler keys' namespace: a
+        live handler's key, a group as a member, or a member's name as a group is refused
+        (InvalidTask). Clients see a change within 5 seconds.
+        """
+        return await self._run(_set_group(self._ctx, name, policy, members))
+
+    async def groups(self) -> dict[str, Group]:
+        """Every handler group by name; InvalidTask names a corrupt one."""
+        return await self._run(_groups(self._ctx))
+
+    async def delete_group(self, name: str) -> bool:
+        """Operator: remove a handler group (and its counter); False if there was none."""
+        return await self._run(_delete_group(self._ctx, name))
 
     async def resolve(
         self,
@@ -946,10 +1103,11 @@ class Client:
         not_before: dt.datetime | float | None = None,
         delay: float | dt.timedelta | None = None,
         strict: bool = True,
+        route_key: str | None = None,
     ) -> Task:
-        """Store a new task; see `AsyncClient.submit`."""
+        """Store a new task (or route it through a handler group); see `AsyncClient.submit`."""
         args = (handler, params, tracking_timeout, tenant, account, provider, priority,
-                dedup_key, metadata, not_before, delay)  # fmt: skip
+                dedup_key, metadata, not_before, delay, route_key)  # fmt: skip
         return self._run(_submit(self._ctx, strict, args))
 
     def get(
@@ -998,6 +1156,18 @@ class Client:
     def handlers(self) -> dict[str, float]:
         """Live handler keys and their expiry; see `AsyncClient.handlers`."""
         return self._run(_handlers(self._ctx))
+
+    def set_group(self, name: str, policy: str, members: Sequence[MemberSpec]) -> Group:
+        """Operator: define or replace a handler group; see `AsyncClient.set_group`."""
+        return self._run(_set_group(self._ctx, name, policy, members))
+
+    def groups(self) -> dict[str, Group]:
+        """Every handler group by name; see `AsyncClient.groups`."""
+        return self._run(_groups(self._ctx))
+
+    def delete_group(self, name: str) -> bool:
+        """Operator: remove a handler group; see `AsyncClient.delete_group`."""
+        return self._run(_delete_group(self._ctx, name))
 
     def resolve(
         self,
