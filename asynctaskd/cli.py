@@ -33,6 +33,7 @@ examples:
   asynctaskd list --status SUBMIT_UNKNOWN
   asynctaskd resolve 01J... --as SUBMITTED --external-id job_42
   asynctaskd stats
+  asynctaskd pause --tenant t1 --note "over budget"   hold back new submits; resume to undo
   asynctaskd group set ocr --policy weighted --member ocr:a=3 --member ocr:b
   asynctaskd submit ocr '{"text": "hi"}'          a group: one member is picked, once
 
@@ -133,6 +134,19 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--external-id")
     sp.add_argument("--query", help="JSON object the handler's query needs besides the id")
     sp.add_argument("--message", default="")
+
+    for name, helptext in (
+        ("pause", "hold back new vendor submits for a handler, provider, tenant or account"),
+        ("resume", "lift a pause; held tasks go back in their original order"),
+    ):
+        sp = sub.add_parser(name, help=helptext)
+        conn(sp)
+        js(sp)
+        who = sp.add_mutually_exclusive_group(required=True)
+        for kind in ("handler", "provider", "tenant", "account"):
+            who.add_argument(f"--{kind}", metavar="NAME")
+        if name == "pause":
+            sp.add_argument("--note", default="", help="who and why, shown in stats")
 
     sp = sub.add_parser("requeue", help="run a FAILED or TRACKING_TIMED_OUT task again")
     conn(sp)
@@ -288,6 +302,16 @@ def _client_command(args: argparse.Namespace) -> int:
             return 0
         if cmd in ("stats", "top"):
             return _stats(client, args)
+        if cmd in ("pause", "resume"):
+            who = {k: getattr(args, k) for k in ("handler", "provider", "tenant", "account")}
+            if cmd == "pause":
+                changed: bool | int = client.pause(**who, note=args.note)
+                text = "paused" if changed else "already paused"
+            else:
+                changed = client.resume(**who)
+                text = f"resumed; {changed} held task(s) back in line"
+            _out(json.dumps({"command": cmd, "result": changed}) if args.json else text)
+            return 0
         if cmd in ("resolve", "requeue"):
             if cmd == "resolve":
                 query = json.loads(args.query) if args.query else None
@@ -362,7 +386,7 @@ def _stats(client: Any, args: argparse.Namespace) -> int:
     def render() -> str:
         s = client.stats()
         if args.json:
-            return json.dumps(msgspec.to_builtins(s))
+            return json.dumps({**msgspec.to_builtins(s), "paused": client.paused()})
         lines = ["status               count"]
         lines += [f"{st.value:<20} {s.by_status.get(st, 0):>6}" for st in Status]
         if s.by_handler:
@@ -370,6 +394,11 @@ def _stats(client: Any, args: argparse.Namespace) -> int:
             lines.append("handler              " + " ".join(f"{st.value[:9]:>9}" for st in Status))
             for h, counts in sorted(s.by_handler.items()):
                 lines.append(f"{h:<20} " + " ".join(f"{counts.get(st, 0):>9}" for st in Status))
+        paused = client.paused()
+        if paused:
+            lines.append("")
+            lines.append("paused (new submits held back):")
+            lines += [f"  {d}  {info.get('note', '')}" for d, info in sorted(paused.items())]
         lines.append("")
         lines.append(f"live daemons: {len(s.daemons)}")
         lines += [

@@ -57,6 +57,7 @@ from .store import (
     Result,
     Store,
     SyncStore,
+    check_dimension,
     open_redis,
     read_many,
     read_many_sync,
@@ -715,6 +716,52 @@ def _handlers(ctx: _Context) -> Plan[dict[str, float]]:
     return {k: ms / 1000 for k, ms in sorted(ctx.remember_handlers(raw).items()) if ms > now_ms}
 
 
+def _dimension(
+    handler: str | None, provider: str | None, tenant: str | None, account: str | None
+) -> str:
+    named = (("handler", handler), ("provider", provider), ("tenant", tenant), ("account", account))
+    given = [(k, v) for k, v in named if v is not None]
+    if len(given) != 1:
+        raise InvalidTask("name exactly one of handler=, provider=, tenant= or account=")
+    dimension = f"{given[0][0]}:{given[0][1]}"
+    try:
+        check_dimension(dimension)
+    except ValueError as exc:
+        raise InvalidTask(str(exc)) from None
+    return dimension
+
+
+def _pause(ctx: _Context, dimension: str, note: str) -> Plan[bool]:
+    if not isinstance(note, str) or len(note) > 200:
+        raise InvalidTask("note must be text of at most 200 characters")
+    newly = False
+    for shard in range(ctx.keys.shards):
+        newly = bool((yield ctx.ops.pause(shard, dimension, note))) or newly
+    return newly
+
+
+def _resume(ctx: _Context, dimension: str) -> Plan[int]:
+    moved = 0
+    for shard in range(ctx.keys.shards):
+        while True:
+            n, left = yield ctx.ops.resume(shard, dimension)
+            moved += n
+            if not left:
+                break
+    return moved
+
+
+def _paused(ctx: _Context) -> Plan[dict[str, dict[str, Any]]]:
+    (raw,) = yield Reads(_read("hgetall", ctx.keys.tag(0) + ":paused"))
+    out: dict[str, dict[str, Any]] = {}
+    for k, v in raw.items():
+        try:
+            out[k.decode()] = msgspec.json.decode(v)
+        except msgspec.DecodeError:
+            out[k.decode()] = {"note": "(unreadable)"}
+    return out
+
+
 def _resolve(
     ctx: _Context, task_id: str, target: Status | str, external_id: str | None,
     query: dict[str, Any] | None, message: str, only_from: tuple[Status, ...] = (),
@@ -947,6 +994,27 @@ class AsyncClient:
         """Exact task counts by status and by handler, and the live daemons."""
         return await self._run(_stats(self._ctx))
 
+    async def pause(
+        self, *, handler: str | None = None, provider: str | None = None,
+        tenant: str | None = None, account: str | None = None, note: str = "",
+    ) -> bool:  # fmt: skip
+        """Hold back new vendor submits for one handler, provider, tenant or account, on
+        every daemon within a second. Queries of submitted jobs go on; held tasks still time
+        out and can be canceled. True if it was not paused before."""
+        return await self._run(_pause(self._ctx, _dimension(handler, provider, tenant, account),
+                                      note))  # fmt: skip
+
+    async def resume(
+        self, *, handler: str | None = None, provider: str | None = None,
+        tenant: str | None = None, account: str | None = None,
+    ) -> int:  # fmt: skip
+        """Lift a pause; returns how many held tasks went back, in their original order."""
+        return await self._run(_resume(self._ctx, _dimension(handler, provider, tenant, account)))
+
+    async def paused(self) -> dict[str, dict[str, Any]]:
+        """Paused dimensions ('tenant:t1', ...) with when (`at`, epoch ms) and `note`."""
+        return await self._run(_paused(self._ctx))
+
     async def handlers(self) -> dict[str, float]:
         """Handler keys some live daemon serves, with their expiry (epoch seconds)."""
         return await self._run(_handlers(self._ctx))
@@ -1152,6 +1220,24 @@ class Client:
     def stats(self) -> Stats:
         """Exact counts and live daemons; see `AsyncClient.stats`."""
         return self._run(_stats(self._ctx))
+
+    def pause(
+        self, *, handler: str | None = None, provider: str | None = None,
+        tenant: str | None = None, account: str | None = None, note: str = "",
+    ) -> bool:  # fmt: skip
+        """Hold back new submits for one dimension; see `AsyncClient.pause`."""
+        return self._run(_pause(self._ctx, _dimension(handler, provider, tenant, account), note))
+
+    def resume(
+        self, *, handler: str | None = None, provider: str | None = None,
+        tenant: str | None = None, account: str | None = None,
+    ) -> int:  # fmt: skip
+        """Lift a pause; see `AsyncClient.resume`."""
+        return self._run(_resume(self._ctx, _dimension(handler, provider, tenant, account)))
+
+    def paused(self) -> dict[str, dict[str, Any]]:
+        """Paused dimensions; see `AsyncClient.paused`."""
+        return self._run(_paused(self._ctx))
 
     def handlers(self) -> dict[str, float]:
         """Live handler keys and their expiry; see `AsyncClient.handlers`."""
