@@ -102,3 +102,29 @@ def test_ambiguous_submits_park_and_idempotent_handler_recovers(
 
 def slow_vendor_has_work(vendor: FakeVendorProcess) -> bool:
     return len(vendor.submit_log()) > 0
+
+
+def test_ambiguous_submits_with_an_idempotent_handler_all_succeed_once(
+    tmp_path: Path, aof_server: ServerProcess
+) -> None:
+    # The vendor honours Idempotency-Key: an ambiguous submit is resent with the same key
+    # and the vendor answers with the job it already made.
+    behaviour = Behaviour(ambiguous_rate=0.2, ambiguous_delay=3.0, polls_to_done=2, seed=5)
+    with FakeVendorProcess.start(behaviour) as vendor:
+        ids = create_tasks(aof_server.url, 200)
+        daemons = Daemons(daemon_config(tmp_path, aof_server.url, vendor.url, idempotent=True), 1)
+        daemons.start_all()
+        try:
+            wait_until_sync(lambda: settled(aof_server.url, ids), "settled", timeout=90)
+        finally:
+            daemons.stop_all()
+        log = vendor.submit_log()
+        statuses = check_history(aof_server.url, ids, log, idempotent=True)
+        assert statuses == {Status.SUCCEEDED: 200}, statuses
+        assert any(e["outcome"] == "ambiguous" for e in log)
+        assert any(e["outcome"] == "deduped" for e in log)
+        jobs = {e["ref"]: set() for e in log}
+        for e in log:
+            if e["outcome"] in ("created", "ambiguous", "deduped"):
+                jobs[e["ref"]].add(e["job_id"])
+        assert all(len(j) == 1 for j in jobs.values()), "one vendor job per task"
