@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-fast lint typecheck demo bench clean
+.PHONY: venv test test-fast lint typecheck demo bench chaos clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,12 @@ demo: $(STAMP)
 ## Quick benchmarks (FULL=1 for the long ones).
 bench: $(STAMP)
 	$(BIN)/python -m bench $(if $(FULL),--full,)
+
+## A long chaos run by hand: make chaos DURATION=600 [SERVER=valkey-server]
+DURATION ?= 600
+SERVER ?= redis-server
+chaos: $(STAMP)
+	$(BIN)/python -m tests.chaos.runner --duration $(DURATION) --server $(SERVER)
 
 clean:
 	rm -rf $(VENV) .asynctaskd .pytest_cache .mypy_cache .ruff_cache

@@ -25,7 +25,7 @@ import redis
 import redis.asyncio
 import redis.exceptions
 
-from .codec import DEFAULT_MAX_PAYLOAD, decode_task, encode_payload
+from .codec import DEFAULT_MAX_PAYLOAD, check_json_like, decode_task, encode_payload
 from .errors import (
     CorruptTask,
     IllegalTransition,
@@ -194,7 +194,10 @@ def _seconds(value: object, what: str, *, positive: bool) -> float:
     if isinstance(value, dt.timedelta):
         seconds = value.total_seconds()
     elif isinstance(value, int | float) and not isinstance(value, bool):
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:
+            seconds = math.inf  # an int too large for a float: refused just below
     else:
         raise InvalidTask(
             f"{what} must be a number of seconds or a datetime.timedelta, "
@@ -215,7 +218,10 @@ def _epoch_ms(value: object) -> int:
             )
         seconds = value.timestamp()
     elif isinstance(value, int | float) and not isinstance(value, bool):
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:
+            seconds = math.inf  # refused just below
     else:
         raise InvalidTask(
             f"not_before must be an aware datetime or epoch seconds, got {type(value).__name__}"
@@ -282,6 +288,8 @@ def _prepare_submit(
     if dedup_key is not None and not (isinstance(dedup_key, str) and 0 < len(dedup_key) <= 200):
         raise InvalidTask(f"dedup_key must be a non-empty str of at most 200 characters, "
                           f"got {dedup_key!r:.60}")  # fmt: skip
+    if dedup_key is not None:
+        check_json_like(dedup_key, "dedup_key")  # refuses text that cannot be UTF-8
     if route_key is not None and not (
         isinstance(route_key, str) and 0 < len(route_key) <= MAX_ROUTE_KEY
     ):

@@ -26,7 +26,13 @@ def check_json_like(value: Any, what: str, path: str = "", depth: int = 0) -> No
     where = f"{what}{path}" if path else what
     if depth > _MAX_DEPTH:
         raise InvalidTask(f"{where} is nested more than {_MAX_DEPTH} levels deep")
-    if value is None or isinstance(value, (str, bool, int)):
+    if isinstance(value, str):
+        if not _is_utf8(value):
+            raise InvalidTask(
+                f"{where} contains a lone surrogate (text that cannot be UTF-8): fix the string"
+            )
+        return
+    if value is None or isinstance(value, (bool, int)):
         return
     if isinstance(value, float):
         if not math.isfinite(value):
@@ -37,6 +43,10 @@ def check_json_like(value: Any, what: str, path: str = "", depth: int = 0) -> No
             if not isinstance(k, str):
                 raise InvalidTask(
                     f"{where} has a key {k!r} of type {type(k).__name__}: keys must be strings"
+                )
+            if not _is_utf8(k):
+                raise InvalidTask(
+                    f"{where} has a key {k!r} with a lone surrogate (not UTF-8): fix the key"
                 )
             check_json_like(v, what, f"{path}.{k}", depth + 1)
         return
@@ -52,6 +62,14 @@ def check_json_like(value: Any, what: str, path: str = "", depth: int = 0) -> No
         "frozenset": "use a list",
     }.get(kind, "pass plain JSON data: dict, list, str, int, float, bool or None")
     raise InvalidTask(f"{where} is a {kind}, which is not JSON data: {hint}")
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def encode_payload(value: Any, what: str, max_bytes: int = DEFAULT_MAX_PAYLOAD) -> bytes:

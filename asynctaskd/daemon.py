@@ -132,7 +132,15 @@ class Daemon:
         config = self.config
         if config.metrics.enabled:
             store.on_call = self.metrics.observe_redis_call
-        await store.prepare()
+        delay = 0.2
+        while True:  # Redis may start after us (boot order, failover): wait, do not exit
+            try:
+                await store.prepare()
+                break
+            except StoreUnavailable as exc:
+                logger.warning("Redis is not reachable yet, retrying in %.1fs: %s", delay, exc)
+                await anyio.sleep(delay)
+                delay = min(5.0, delay * 2)
         self.redis_ok = True
         await _check_server(store)
         gate = await store.detect_gate(

@@ -370,6 +370,17 @@ def _mapped(what: str) -> Iterator[None]:
         raise StoreUnavailable(f"{what}: connection failed ({type(exc).__name__}: {exc})") from exc
 
 
+@contextmanager
+def _reading_task(task_id: str) -> Iterator[None]:
+    """A task key that is not a hash is corrupt data, not a store failure."""
+    try:
+        yield
+    except rex.ResponseError as exc:
+        if "WRONGTYPE" in str(exc):
+            raise CorruptTask(task_id, "the task key holds another Redis type") from None
+        raise
+
+
 def _task_reply(raw: Any, task_id: str) -> Task | None:
     if not raw:
         return None
@@ -488,7 +499,7 @@ class Store(_Base):
         """The task's snapshot, or None. Raises CorruptTask if it cannot be read."""
         _, task_key = self.ops._task(task_id)
         self._count("get")
-        with _mapped("get"):
+        with _mapped("get"), _reading_task(task_id):
             raw = await self.redis.hgetall(task_key)
         return _task_reply(raw, task_id)
 
@@ -828,7 +839,7 @@ class SyncStore(_Base):
 
     def get(self, task_id: str) -> Task | None:
         _, task_key = self.ops._task(task_id)
-        with _mapped("get"):
+        with _mapped("get"), _reading_task(task_id):
             raw = self.redis.hgetall(task_key)
         return _task_reply(raw, task_id)
 

@@ -23,7 +23,7 @@ import httpx
 
 from .codec import check_json_like, encode_json
 from .config import Config
-from .errors import HandlerError, InvalidTask, PermanentError, StoreUnavailable
+from .errors import HandlerError, InvalidTask, PermanentError, ScriptError, StoreUnavailable
 from .handlers import (
     Failed,
     HandlerContext,
@@ -200,7 +200,9 @@ class Worker:
                         result = await self.store.claim(
                             shard, phase, min(batch, share), self.lease_ms, self.id
                         )
-                    except StoreUnavailable as exc:
+                    except (StoreUnavailable, ScriptError) as exc:
+                        # ScriptError: data the script could not handle; keep the daemon
+                        # up (other shards and phases still work) and say so loudly.
                         self.metrics.store_errors.labels("claim").inc()
                         logger.warning("claim failed, retrying: %s", exc)
                         await anyio.sleep(0.5)

@@ -35,6 +35,13 @@ local function int_arg(v, name, lo, hi)
   return n
 end
 
+-- A stored counter HINCRBY can use: absent (false) or the text of an integer.
+local function int_field(v)
+  if not v then return true end
+  local n = tonumber(v)
+  return n ~= nil and n == math.floor(n) and string.find(v, '^%-?%d+$') ~= nil
+end
+
 local function unschedule(id)
   local held = redis.call('HGET', P .. 'task:' .. id, 'held')
   if held then

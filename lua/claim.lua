@@ -16,7 +16,8 @@
 --   {task_id, fence, version, {field, value, ...}}  (the whole hash after the claim)
 -- next_due_ms is the earliest due time still waiting in this phase (0 if none), ready_left
 -- how many due tasks are still ready, dropped how many entries were not claimable
--- (gone, timed out, canceled, held back by a pause, or quarantined because unreadable).
+-- (gone, timed out, canceled, held back by a pause, or quarantined because unreadable:
+-- not a hash, unknown status, missing deadline or handler, non-integer version or fence).
 -- Invariants: a task is claimed only if its status belongs to the phase, it is not
 -- leased, and its deadline has not passed; a past deadline times the task out here
 -- instead (no vendor call after the deadline); a canceled PENDING_SUBMIT task becomes
@@ -41,8 +42,9 @@ if promote_limit > 0 then
                          promote_limit)
   for i = 1, #due, 2 do
     local id = due[i]
-    local pr = tonumber(redis.call('HGET', task_key(id), 'priority') or '0') or 0
-    if pr < -100 or pr > 100 then pr = 0 end
+    local pr = redis.pcall('HGET', task_key(id), 'priority')
+    pr = type(pr) == 'string' and tonumber(pr) or 0
+    if pr ~= pr or pr < -100 or pr > 100 then pr = 0 end  -- pr ~= pr: NaN
     redis.call('ZADD', ready_key, (100 - pr) * PRIO_SPAN + tonumber(due[i + 1]), id)
     redis.call('ZREM', due_key, id)
   end
@@ -83,9 +85,20 @@ while got < n do
                                      'account'))
   end
   local tk = task_key(id)
-  local t = redis.call('HMGET', tk, 'status', 'deadline_ms', 'cancel_requested', 'handler')
+  -- pcall: a key of another type (WRONGTYPE) must not abort the whole claim
+  local t = redis.pcall('HMGET', tk, 'status', 'deadline_ms', 'cancel_requested', 'handler',
+                        'version', 'fence')
+  local corrupt = type(t) ~= 'table' or t.err ~= nil
+  if corrupt then t = {} end
   local status, deadline_ms, handler = t[1], tonumber(t[2]), t[4]
-  if not status then
+  -- counters the script increments must be integers, or HINCRBY would fail half-way
+  if not corrupt and status and (not int_field(t[5]) or not int_field(t[6])) then
+    corrupt = true
+  end
+  if corrupt then
+    redis.call('ZADD', quarantine, NOW, id)     -- unreadable: park it for an operator
+    dropped = dropped + 1
+  elseif not status then
     dropped = dropped + 1                       -- hash gone: nothing to do
   elseif not KNOWN[status] or not deadline_ms or not handler then
     redis.call('ZADD', quarantine, NOW, id)     -- unreadable: park it for an operator

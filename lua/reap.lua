@@ -15,6 +15,7 @@
 --       error_code RECLAIM_LIMIT once reclaims exceed max_reclaims
 --   deadline passed (and no started submit) -> TRACKING_TIMED_OUT
 --   anything else (hash gone, terminal, parked) -> the stray lease entry is removed
+--   counters that are not integers -> the task is quarantined (never a half-done write)
 -- Invariant: after the script, no task in the lease index has an expired lease among
 -- those it looked at.
 
@@ -27,11 +28,15 @@ local any_due = false
 for _, id in ipairs(expired) do
   redis.call('ZREM', leases, id)
   local tk = task_key(id)
-  local t = redis.call('HMGET', tk, 'status', 'fence', 'started_fence', 'idempotent',
-                       'reclaims', 'handler', 'priority', 'deadline_ms', 'cancel_requested')
+  local t = redis.pcall('HMGET', tk, 'status', 'fence', 'started_fence', 'idempotent',
+                        'reclaims', 'handler', 'priority', 'deadline_ms', 'cancel_requested',
+                        'version')
+  if type(t) ~= 'table' or t.err ~= nil then t = {} end
   local status, handler = t[1], t[6]
   local new = nil
-  if status and PHASE[status] and handler then
+  if status and not (int_field(t[10]) and int_field(t[5])) then
+    redis.call('ZADD', P .. 'quarantine', NOW, id)  -- unreadable: park it for an operator
+  elseif status and PHASE[status] and handler then
     redis.call('HDEL', tk, 'owner')
     local started = status == 'SUBMITTING' and t[3] and t[3] == t[2]
     local late = (tonumber(t[8]) or 0) <= NOW

@@ -7,7 +7,8 @@
 -- Covers tasks that were never claimed (paused, throttled, no worker running). A task
 -- whose lease is live is left to its holder (its save clamps to the deadline) and is
 -- looked at again when that lease expires, so leased tasks never block the sweep.
--- Parked (SUBMIT_UNKNOWN), terminal and vanished tasks leave the deadline index.
+-- Parked (SUBMIT_UNKNOWN), terminal and vanished tasks leave the deadline index; a task
+-- whose version is not an integer is quarantined instead of breaking the sweep.
 
 local limit = int_arg(ARGV[1], 'limit', 1, 10000)
 local deadlines = P .. 'deadlines'
@@ -16,9 +17,13 @@ local due = redis.call('ZRANGEBYSCORE', deadlines, '-inf', NOW, 'LIMIT', 0, limi
 local out = {0}
 for _, id in ipairs(due) do
   local tk = task_key(id)
-  local t = redis.call('HMGET', tk, 'status', 'deadline_ms', 'handler')
+  local t = redis.pcall('HMGET', tk, 'status', 'deadline_ms', 'handler', 'version')
+  if type(t) ~= 'table' or t.err ~= nil then t = {} end
   local status, deadline_ms = t[1], tonumber(t[2])
-  if not status or not PHASE[status] or not deadline_ms or not t[3] then
+  if status and not int_field(t[4]) then
+    redis.call('ZREM', deadlines, id)           -- unreadable: park it for an operator
+    redis.call('ZADD', P .. 'quarantine', NOW, id)
+  elseif not status or not PHASE[status] or not deadline_ms or not t[3] then
     redis.call('ZREM', deadlines, id)
   elseif deadline_ms > NOW then
     redis.call('ZADD', deadlines, deadline_ms, id)

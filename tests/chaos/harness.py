@@ -180,3 +180,47 @@ def check_history(
     for status in Status:
         assert counts.get(status.value, 0) == statuses[status], f"counter {status} drifted"
     return statuses
+
+
+# --- Added for the chaos runner (tests/chaos/runner.py) -----------------------------------
+
+
+def chaos_daemon_config(
+    tmp: Path,
+    url: str,
+    vendor_url: str,
+    *,
+    lease: str = "1s",
+    idempotent_key: str | None = "demo-idem",
+    max_inflight: int = 300,
+    max_reclaims: int = 20,
+) -> Path:
+    """daemon_config plus a second, idempotent handler on the same fake vendor.
+
+    `max_reclaims` is raised above the default because every Redis restart or pause
+    expires the leases of the query calls in flight, and a task that never finishes is
+    polled through all of them; the reclaim limit is a poison-task guard, not a chaos one.
+    """
+    path = daemon_config(tmp, url, vendor_url, lease=lease)
+    text = path.read_text()
+    text = text.replace("max_inflight = 300", f"max_inflight = {max_inflight}")
+    text = text.replace("[worker]\n", f"[worker]\nmax_reclaims = {max_reclaims}\n", 1)
+    if idempotent_key is not None:
+        text += f"""
+[[handlers]]
+key = "{idempotent_key}"
+type = "python"
+factory = "asynctaskd.demo:make_handler"
+options = {{ base_url = "{vendor_url}", key = "{idempotent_key}", idempotent = true }}
+"""
+    path.write_text(text)
+    return path
+
+
+def pause_redis(url: str, ms: int) -> None:
+    """`CLIENT PAUSE <ms> ALL` from a side connection: every client's commands wait."""
+    client = Redis.from_url(url, socket_timeout=5)
+    try:
+        client.execute_command("CLIENT", "PAUSE", ms, "ALL")
+    finally:
+        client.close()

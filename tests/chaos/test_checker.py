@@ -1,0 +1,298 @@
+"""The history checker itself: it passes a clean history and catches each planted fault.
+
+Synthetic histories need no Redis; the last tests read a real one written by the real
+scripts (fast: no daemons), then tamper with it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import redis.asyncio
+from redis import Redis
+
+from asynctaskd.codec import encode_json
+from asynctaskd.keys import Keys, new_task_id
+from asynctaskd.model import Status
+from asynctaskd.store import Lease, Store
+from tests.chaos.checker import Event, History, Submission, check, read_history
+
+T0 = 1_700_000_000_000  # ms
+
+
+def ok_task(tid: str, *, handler: str = "demo", n: int = 1) -> dict[str, str]:
+    params = {"n": n}
+    return {
+        "id": tid,
+        "handler": handler,
+        "status": "SUCCEEDED",
+        "params": json.dumps(params),
+        "result": json.dumps({"output": params, "ref": tid}),
+        "external_id": f"job_{n}",
+        "created_ms": str(T0),
+        "deadline_ms": str(T0 + 30_000),
+        "finished_ms": str(T0 + 900),
+        "version": "8",
+        "fence": "2",
+        "submit_attempts": "1",
+    }
+
+
+def ok_events(tid: str, start_pos: int = 0) -> list[Event]:
+    steps = [
+        ("PENDING_SUBMIT", 1),
+        ("SUBMITTING", 2),
+        ("SUBMITTED", 4),
+        ("RUNNING", 6),
+        ("SUCCEEDED", 8),
+    ]
+    return [
+        Event(start_pos + i, T0 + 100 * i, status, version, {"task": tid})
+        for i, (status, version) in enumerate(steps)
+    ]
+
+
+def vendor_entry(tid: str, n: int, outcome: str = "created", at_ms: int = T0 + 150) -> Any:
+    return {"job_id": f"job_{n}", "ref": tid, "idempotency_key": None, "outcome": outcome,
+            "at": at_ms / 1000}  # fmt: skip
+
+
+def clean(n_tasks: int = 2) -> History:
+    tasks: dict[str, dict[str, str]] = {}
+    events: dict[str, list[Event]] = {}
+    log = []
+    for n in range(1, n_tasks + 1):
+        tid = new_task_id()
+        tasks[tid] = ok_task(tid, n=n)
+        events[tid] = ok_events(tid, start_pos=10 * n)
+        log.append(vendor_entry(tid, n))
+    return History(
+        tasks=tasks,
+        events=events,
+        counts={"SUCCEEDED": n_tasks, "SUCCEEDED@demo": n_tasks},
+        indexes={"idx:SUCCEEDED": {t: float(T0) for t in tasks}},
+        stream_complete=True,
+        vendor_log=log,
+        submissions=[Submission(t) for t in tasks],
+    )
+
+
+def kinds(history: History) -> set[str]:
+    return set(check(history).kinds())
+
+
+def first(history: History) -> str:
+    return next(iter(history.tasks))
+
+
+def test_a_clean_history_passes() -> None:
+    report = check(clean())
+    assert report.ok, report.format()
+    assert report.checked["tasks"] == 2 and report.checked["transitions"] == 10
+    assert "OK" in report.format()
+
+
+def test_catches_a_duplicate_vendor_job() -> None:
+    h = clean()
+    tid = first(h)
+    h.vendor_log.append(vendor_entry(tid, 99, "ambiguous"))
+    report = check(h)
+    assert {"duplicate_vendor_job", "vendor_call_without_start_mark"} <= set(report.kinds())
+    text = report.format()
+    assert tid in text and "job_99" in text and "event @" in text, "the whole history is printed"
+
+
+def test_a_second_job_is_no_duplicate_for_an_idempotent_handler() -> None:
+    h = clean()
+    tid = first(h)
+    h.tasks[tid]["submit_attempts"] = "2"
+    h.vendor_log.append(vendor_entry(tid, 99, "created"))
+    h.idempotent_handlers = frozenset({"demo"})
+    assert kinds(h) == set()
+
+
+def test_catches_a_vendor_call_without_a_start_mark() -> None:
+    h = clean()
+    h.tasks[first(h)]["submit_attempts"] = "0"
+    assert kinds(h) == {"vendor_call_without_start_mark"}
+
+
+def test_catches_an_illegal_transition() -> None:
+    h = clean()
+    tid = first(h)
+    evs = h.events[tid]
+    # PENDING_SUBMIT straight to SUBMITTED: the claim (SUBMITTING) never happened.
+    h.events[tid] = [evs[0], *evs[2:]]
+    assert "illegal_transition" in kinds(h)
+    h = clean()
+    tid = first(h)
+    h.events[tid].append(Event(99, T0 + 999, "RUNNING", 9, {"task": tid}))
+    assert "illegal_transition" in kinds(h)  # SUCCEEDED -> RUNNING
+
+
+def test_catches_a_version_going_backwards() -> None:
+    h = clean()
+    tid = first(h)
+    evs = h.events[tid]
+    evs[3] = Event(evs[3].pos, evs[3].ms, "RUNNING", 3, evs[3].fields)
+    assert kinds(h) == {"version_not_increasing"}
+
+
+def test_catches_a_repeated_version() -> None:
+    h = clean()
+    tid = first(h)
+    evs = h.events[tid]
+    evs.insert(4, Event(evs[3].pos, evs[3].ms, "RUNNING", 6, evs[3].fields))
+    assert kinds(h) == {"version_not_increasing"}
+
+
+def test_catches_counter_drift_and_index_disagreement() -> None:
+    h = clean()
+    h.counts["SUCCEEDED"] = 3
+    h.counts["FAILED"] = -1
+    h.indexes["idx:SUCCEEDED"].pop(first(h))
+    assert kinds(h) == {"counter_drift", "index_disagrees"}
+
+
+def test_catches_a_lease_left_behind_and_an_unsettled_task() -> None:
+    h = clean()
+    tid = first(h)
+    h.indexes["leases"] = {tid: float(T0)}
+    assert kinds(h) == {"lease_left"}
+    h = clean()
+    tid = first(h)
+    h.tasks[tid]["status"] = "RUNNING"
+    h.events[tid].pop()
+    h.counts = {"SUCCEEDED": 1, "SUCCEEDED@demo": 1, "RUNNING": 1, "RUNNING@demo": 1}
+    h.indexes["idx:SUCCEEDED"].pop(tid)
+    h.indexes["idx:RUNNING"] = {tid: float(T0)}
+    h.tasks[tid].pop("result")
+    assert kinds(h) == {"unsettled"}
+
+
+def test_catches_a_lost_task() -> None:
+    h = clean()
+    h.submissions.append(Submission(new_task_id()))
+    assert kinds(h) == {"lost_task"}
+
+
+def test_catches_a_late_settle() -> None:
+    h = clean()
+    tid = first(h)
+    h.tasks[tid]["deadline_ms"] = str(T0 + 100)
+    assert check(h, slack_s=10).ok
+    h.events[tid][-1] = Event(14, T0 + 20_000, "SUCCEEDED", 8, {"task": tid})
+    assert set(check(h, slack_s=10).kinds()) == {"settled_late"}
+
+
+def test_submit_unknown_needs_a_started_submit() -> None:
+    h = clean()
+    tid = first(h)
+    h.tasks[tid].update(status="SUBMIT_UNKNOWN", submit_attempts="0", version="4")
+    del h.tasks[tid]["result"]
+    h.events[tid] = [*h.events[tid][:2], Event(12, T0 + 300, "SUBMIT_UNKNOWN", 4, {"task": tid})]
+    h.vendor_log = [e for e in h.vendor_log if e["ref"] != tid]
+    h.counts = {"SUCCEEDED": 1, "SUCCEEDED@demo": 1, "SUBMIT_UNKNOWN": 1, "SUBMIT_UNKNOWN@demo": 1}
+    h.indexes["idx:SUCCEEDED"].pop(tid)
+    h.indexes["idx:SUBMIT_UNKNOWN"] = {tid: float(T0)}
+    h.tasks[tid].pop("external_id")
+    assert kinds(h) == {"parked_without_start"}
+    h.tasks[tid]["submit_attempts"] = "1"
+    report = check(h)
+    assert report.ok, report.format()
+    assert report.figures["SUBMIT_UNKNOWN breakdown"] == {"no request reached the vendor (-)": 1}
+
+
+def test_catches_a_vendor_job_created_after_a_plain_cancel() -> None:
+    h = clean(1)
+    tid = first(h)
+    h.tasks[tid].update(status="CANCELED", version="2", submit_attempts="1")
+    for field in ("result", "external_id"):
+        h.tasks[tid].pop(field)
+    h.events[tid] = [h.events[tid][0], Event(11, T0 + 100, "CANCELED", 2, {"task": tid})]
+    h.counts = {"CANCELED": 1, "CANCELED@demo": 1}
+    h.indexes = {"idx:CANCELED": {tid: float(T0)}}
+    h.vendor_log = [vendor_entry(tid, 1, at_ms=T0 + 50)]  # before the cancel: fine
+    assert check(h).ok
+    h.vendor_log = [vendor_entry(tid, 1, at_ms=T0 + 400)]
+    assert kinds(h) == {"job_after_cancel"}
+
+
+def test_catches_a_stale_result_and_a_foreign_handle() -> None:
+    h = clean()
+    a, b = list(h.tasks)
+    h.tasks[a]["result"] = h.tasks[b]["result"]
+    assert kinds(h) == {"wrong_result"}
+    h = clean()
+    a, b = list(h.tasks)
+    h.tasks[a]["external_id"] = h.tasks[b]["external_id"]
+    assert kinds(h) == {"wrong_external_id"}
+
+
+def test_catches_two_live_tasks_with_one_dedup_key() -> None:
+    h = clean()
+    a, b = list(h.tasks)
+    h.tasks[a]["dedup"] = h.tasks[b]["dedup"] = "2:t1:order-1"
+    assert check(h).ok  # a finished before b was created
+    h.events[b] = ok_events(b, start_pos=12)  # b created while a was live
+    assert kinds(h) == {"dedup_overlap"}
+
+
+# --- Against a real Redis, written by the real scripts --------------------------------------
+
+
+async def drive(store: Store, outcome: Status) -> str:
+    tid = new_task_id()
+    await store.run(store.ops.create(tid, "demo", encode_json({"n": 1}), timeout_ms=60_000))
+    [c] = (await store.claim(0, "submit", 1, 10_000, "w")).claimed
+    r = await store.start(c.lease, False)
+    lease = Lease(tid, c.lease.fence, r.version)
+    handle = encode_json({"external_id": "job_1", "query": {}})
+    fields: dict[str, str | bytes | int | float] = {"external_id": "job_1", "handle": handle}
+    r = await store.save(lease, Status.SUBMITTED, fields=fields)
+    [c] = (await store.claim(0, "query", 1, 10_000, "w")).claimed
+    await store.save(c.lease, outcome, fields={"result": encode_json({"output": {"n": 1}})})
+    return tid
+
+
+@pytest.mark.anyio
+async def test_reads_a_real_history_and_catches_tampering(
+    store: Store, redis_client: redis.asyncio.Redis, redis_url: str, keys: Keys
+) -> None:
+    ids = [await drive(store, Status.SUCCEEDED), await drive(store, Status.FAILED)]
+    sync = Redis.from_url(redis_url)
+    try:
+        history = read_history(sync)
+        report = check(history, check_results=False)
+        assert report.ok, report.format()
+        assert set(history.tasks) == set(ids) and history.stream_complete
+        assert [e.status for e in history.events[ids[0]]] == [
+            "PENDING_SUBMIT",
+            "SUBMITTING",
+            "SUBMITTED",
+            "SUCCEEDED",
+        ]
+        await redis_client.hincrby(keys.counts(0), "SUCCEEDED", 1)
+        await redis_client.xadd(keys.events(0), {"task": ids[0], "status": "RUNNING", "version": 2})
+        await redis_client.zadd(keys.leases(0), {ids[1]: 1})
+        found = set(check(read_history(sync), check_results=False).kinds())
+        assert {"counter_drift", "version_not_increasing", "illegal_transition"} <= found
+        assert {"stream_disagrees", "lease_left"} <= found
+    finally:
+        sync.close()
+
+
+def test_catches_a_claim_of_a_paused_tenant_and_a_held_task_left_behind() -> None:
+    h = clean()
+    a, b = list(h.tasks)
+    h.tasks[a]["tenant"] = "t3"
+    h.pause_windows = [("tenant:t3", T0 + 50, T0 + 5_000)]  # a's claim is at T0 + 100
+    report = check(h)
+    assert set(report.kinds()) == {"claimed_while_paused"}
+    assert report.figures["submit claims of other tenants during pauses"] == 1  # b's
+    h.pause_windows = [("tenant:t3", T0 + 150, T0 + 5_000)]
+    assert check(h).ok
+    h.indexes["held:tenant:t3"] = {b: 1.0}
+    assert kinds(h) == {"index_left"}
