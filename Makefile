@@ -17,7 +17,7 @@ venv: $(STAMP)
 
 ## The whole suite, slow and chaos tests included (CI runs this).
 test: $(STAMP)
-	$(BIN)/python -m pytest --run-slow --run-chaos $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --run-slow --run-chaos --durations=25 $(PYTEST_ARGS)
 
 ## The fast suite only (a few seconds).
 test-fast: $(STAMP)
