@@ -1,0 +1,209 @@
+"""`python -m bench` runs every benchmark quickly (< 3 minutes); `--full` the long versions.
+
+W1 bench/lifecycle.py (child process), W2 bench/w2_poll.py (asynctaskd vs arq and SAQ from
+the bench-only venv, bench/peers/setup.sh), W3 bench/w3_due_lag.py, W4 bench/w4_wakeup.py,
+W5 bench/w5_memory.py. The Redis ceiling (redis-benchmark EVALSHA of a claim-shaped
+script) is measured first, on a fresh redis-server, and handed to every bench. Each bench
+prints its table and its JSON line; all JSON lines also go to bench/results/<time>.jsonl.
+
+                quick (default)                   --full
+    W1          5,000 tasks, 1 run                20,000 tasks, 3 runs
+    W2          1,000 tasks, 1 run, arq + SAQ     2,000 tasks, 3 runs, arq, arq-50ms, SAQ
+    W3          10,000 tasks, 15 s window         10,000 tasks, 60 s window
+    W4          200 submits, 1 run                200 submits, 3 runs
+    W5          100,000 stored                    1,000,000 stored
+
+    python -m bench [--full] [--only w2,w5] [--profile DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import (
+    ROOT,
+    child_env,
+    emit,
+    loadavg,
+    machine,
+    machine_line,
+    redis_ceiling,
+    redis_server,
+    say,
+    spread,
+    table,
+)
+
+ALL = ("w1", "w2", "w3", "w4", "w5")
+
+
+def run_w1(full: bool, ceiling: dict[str, Any]) -> dict[str, Any]:
+    tasks, runs = (20_000, 3) if full else (5_000, 1)
+    results = []
+    for i in range(runs):
+        proc = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "bench" / "lifecycle.py"),
+                "--tasks",
+                str(tasks),
+                "--no-ceiling",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=child_env(),
+            cwd=str(ROOT),
+        )
+        line = next((x for x in proc.stdout.splitlines() if x.startswith('{"bench"')), None)
+        if line is None:
+            say(proc.stdout + proc.stderr)
+            raise RuntimeError("bench/lifecycle.py printed no JSON line")
+        r = json.loads(line)
+        r["loadavg_1m"] = loadavg()[0]
+        say(
+            f"  run {i + 1}: {r['tasks_per_s']:,.0f} tasks/s, {r['redis_commands_per_task']:.1f}"
+            f" cmds/task, {r['cpu_ms_per_task']:.3f} ms CPU/task, ok={r['all_succeeded_once']}"
+            f", load {r['loadavg_1m']:.2f}"
+        )
+        results.append(r)
+    keys = (
+        "tasks_per_s",
+        "redis_commands_per_task",
+        "round_trips_per_task",
+        "cpu_ms_per_task",
+        "redis_cpu_ms_per_task",
+        "peak_rss_mb",
+    )
+    out: dict[str, Any] = {
+        "tasks": tasks,
+        "runs": runs,
+        "summary": {k: spread([r[k] for r in results]) for k in keys},
+        "results": results,
+        "ok": all(r["all_succeeded_once"] for r in results),
+    }
+    if ceiling.get("evalsha_per_s"):
+        out["lifecycles_vs_evalsha_ceiling"] = (
+            out["summary"]["tasks_per_s"]["median"] / ceiling["evalsha_per_s"]
+        )
+    rows = [[k, v["median"], v["min"], v["max"]] for k, v in out["summary"].items()]
+    say(
+        table(
+            f"W1 lifecycle: {tasks:,} tasks, instant in-process vendor, {runs} run(s)",
+            ["figure", "median", "min", "max"],
+            rows,
+        )
+    )
+    if "lifecycles_vs_evalsha_ceiling" in out:
+        say(
+            f"  lifecycles/s vs EVALSHA ceiling: {out['lifecycles_vs_evalsha_ceiling']:.3f} "
+            "(target >= 5,000 tasks/s)"
+        )
+    say(f"  all SUCCEEDED, each submitted once: {out['ok']}")
+    emit("w1_lifecycle", out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--full", action="store_true", help="the long versions (~10 minutes)")
+    parser.add_argument("--only", default=",".join(ALL), help="comma list of w1..w5")
+    parser.add_argument("--profile", type=Path, help="directory for py-spy profiles (W2, W3)")
+    args = parser.parse_args(argv)
+    only = [x.strip().lower() for x in args.only.split(",") if x.strip()]
+    full = args.full
+    results_dir = ROOT / "bench" / "results"
+    results_dir.mkdir(exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    log_path = results_dir / f"{stamp}{'-full' if full else ''}.jsonl"
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
+
+    started = time.monotonic()
+    with redis_server() as server:
+        m = machine(server.port)
+        say(f"machine: {machine_line(m)}")
+        ceiling = redis_ceiling(server.port, requests=100_000 if full else 50_000)
+    say(
+        f"Redis ceiling (redis-benchmark, claim-shaped EVALSHA, 50 clients): "
+        f"{ceiling['evalsha_per_s'] or float('nan'):,.0f}/s, pipelined -P 16: "
+        f"{ceiling['evalsha_pipelined_per_s'] or float('nan'):,.0f}/s"
+    )
+    collected: dict[str, Any] = {"machine": m, "ceiling": ceiling, "full": full}
+    ok = True
+
+    section = [time.monotonic()]
+
+    def record(name: str, result: dict[str, Any]) -> None:
+        nonlocal ok
+        result["elapsed_s"] = round(time.monotonic() - section[0], 1)
+        section[0] = time.monotonic()
+        say(f"  ({name}: {result['elapsed_s']:.0f} s, load {loadavg()[0]:.2f})")
+        collected[name] = result
+        ok = ok and bool(result.get("ok", True))
+        with log_path.open("a") as f:
+            f.write(json.dumps({"bench": name, **result}, default=str) + "\n")
+
+    if "w1" in only:
+        say("\n== W1 lifecycle throughput")
+        record("w1_lifecycle", run_w1(full, ceiling))
+    if "w2" in only:
+        from bench import w2_poll
+
+        say("\n== W2 poll-shaped, asynctaskd vs arq and SAQ")
+        prof = args.profile / "w2-daemon.txt" if args.profile else None
+        peers = list(w2_poll.PEERS) if full else ["arq", "saq"]
+        out = w2_poll.run(
+            2000 if full else 1000,
+            3 if full else 1,
+            peers,
+            prof,
+            ceiling,
+            account_tasks=500 if full else 100,
+        )
+        w2_poll.report(out)
+        emit("w2_poll", out)
+        record("w2_poll", out)
+    if "w3" in only:
+        from bench import w3_due_lag
+
+        say("\n== W3 due lag")
+        prof = args.profile / "w3-daemon.txt" if args.profile else None
+        r = w3_due_lag.run(10_000, 60.0 if full else 15.0, profile=prof, ceiling=ceiling)
+        w3_due_lag.report(r)
+        emit("w3_due_lag", r)
+        record("w3_due_lag", r)
+    if "w4" in only:
+        from bench import w4_wakeup
+
+        say("\n== W4 wake-up latency")
+        out = w4_wakeup.run(200, 0.05, 3 if full else 1)
+        w4_wakeup.report(out)
+        emit("w4_wakeup", out)
+        record("w4_wakeup", out)
+    if "w5" in only:
+        from bench import w5_memory
+
+        say("\n== W5 stored tasks")
+        r = w5_memory.run(1_000_000 if full else 100_000, 300 if full else 150, ceiling)
+        w5_memory.report(r)
+        emit("w5_memory", r)
+        record("w5_memory", r)
+
+    elapsed = time.monotonic() - started
+    say(
+        f"\nall benches done in {elapsed:.0f} s; load average now "
+        f"{' '.join(f'{x:.2f}' for x in loadavg())}; all checks passed: {ok}"
+    )
+    say(f"JSON lines: {log_path.relative_to(ROOT)}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

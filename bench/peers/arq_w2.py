@@ -1,0 +1,108 @@
+"""W2 on arq, written the idiomatic arq way: one job submits, then re-enqueues a poll job
+with `_defer_by=poll` until the vendor says the job ended.
+
+    python arq_w2.py worker  --redis URL --vendor URL --ready FILE [--max-jobs N] [--poll-delay S]
+    python arq_w2.py enqueue --redis URL --tasks N     (prints {"t0": epoch} when it starts)
+
+The final poll stores the vendor's result as the job result (arq keeps it) and INCRs
+`bench:done`, the counter the harness watches (asynctaskd keeps an exact status counter
+in its save script: one command each side).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from arq import Worker, create_pool
+from arq.connections import RedisSettings
+
+POLL = 0.2  # seconds between polls (W2)
+VENDOR = ""
+
+
+async def startup(ctx: dict[str, Any]) -> None:
+    ctx["http"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1000))
+    Path(ctx["ready_file"]).write_text("ready")  # noqa: ASYNC240
+
+
+async def shutdown(ctx: dict[str, Any]) -> None:
+    await ctx["http"].close()
+
+
+async def submit(ctx: dict[str, Any], task_id: str, params: Any) -> None:
+    async with ctx["http"].post(
+        f"{VENDOR}/v1/jobs", json={"input": params, "ref": task_id}
+    ) as response:
+        response.raise_for_status()
+        job = await response.json()
+    await ctx["redis"].enqueue_job("poll", task_id, job["id"], _defer_by=POLL)
+
+
+async def poll(ctx: dict[str, Any], task_id: str, job_id: str) -> Any:
+    async with ctx["http"].get(f"{VENDOR}/v1/jobs/{job_id}") as response:
+        response.raise_for_status()
+        job = await response.json()
+    if job["status"] in ("succeeded", "failed", "canceled"):
+        await ctx["redis"].incr("bench:done")
+        return job
+    await ctx["redis"].enqueue_job("poll", task_id, job_id, _defer_by=POLL)
+    return None
+
+
+def worker(args: argparse.Namespace) -> None:
+    global VENDOR
+    VENDOR = args.vendor.rstrip("/")
+    import uvloop
+
+    uvloop.install()
+    asyncio.set_event_loop(asyncio.new_event_loop())
+    w = Worker(
+        functions=[submit, poll],
+        redis_settings=RedisSettings.from_dsn(args.redis),
+        on_startup=startup,
+        on_shutdown=shutdown,
+        max_jobs=args.max_jobs,
+        poll_delay=args.poll_delay,
+        ctx={"ready_file": args.ready},
+    )
+    w.run()
+
+
+async def enqueue(args: argparse.Namespace) -> None:
+    pool = await create_pool(RedisSettings.from_dsn(args.redis))
+    await pool.ping()
+    print(json.dumps({"t0": time.time()}), flush=True)  # noqa: T201
+    ids = [f"t{i}" for i in range(args.tasks)]
+    await asyncio.gather(*(pool.enqueue_job("submit", tid, {"i": i}) for i, tid in enumerate(ids)))
+    print(json.dumps({"enqueued": len(ids), "t1": time.time()}), flush=True)  # noqa: T201
+    await pool.aclose()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["worker", "enqueue"])
+    parser.add_argument("--redis", required=True)
+    parser.add_argument("--vendor", default="")
+    parser.add_argument("--ready", default="/dev/null")
+    parser.add_argument("--tasks", type=int, default=2000)
+    parser.add_argument("--max-jobs", type=int, default=2000)
+    parser.add_argument("--poll-delay", type=float, default=0.5)
+    args = parser.parse_args()
+    if args.mode == "worker":
+        worker(args)
+    else:
+        import uvloop
+
+        uvloop.run(enqueue(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
