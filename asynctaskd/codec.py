@@ -138,6 +138,18 @@ def decode_task(hash_: Mapping[bytes, bytes], task_id: str | None = None) -> Tas
     Raises CorruptTask, naming the field, when anything cannot be read.
     """
     try:
+        return _decode_task(hash_, task_id)
+    except CorruptTask:
+        raise
+    except (ValueError, TypeError, OverflowError, msgspec.ValidationError) as exc:
+        # Anything else a hostile hash can provoke is corrupt data too, never a crash.
+        raise CorruptTask(
+            task_id or "?", f"unreadable ({type(exc).__name__}: {exc})"[:300]
+        ) from None
+
+
+def _decode_task(hash_: Mapping[bytes, bytes], task_id: str | None) -> Task:
+    try:
         raw = {k.decode(): v for k, v in hash_.items()}
     except UnicodeDecodeError:
         raise CorruptTask(task_id or "?", "a field name is not UTF-8") from None
@@ -202,7 +214,7 @@ def _dedup_key(stored: str | None) -> str | None:
     if stored is None:
         return None
     n, _, rest = stored.partition(":")
-    if not n.isdigit():
+    if not n.isdigit() or len(n) > 6:
         return stored
     return rest[int(n) + 1 :]
 
