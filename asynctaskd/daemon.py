@@ -215,7 +215,7 @@ class Daemon:
                     worker.id, list(worker.handlers), record, HEARTBEAT_TTL_MS
                 )
                 self.redis_ok = True
-            except StoreUnavailable as exc:
+            except Exception as exc:  # the heartbeat must outlive any failure
                 self.redis_ok = False
                 logger.warning("heartbeat failed: %s", exc)
             await anyio.sleep(HEARTBEAT_INTERVAL)

@@ -259,7 +259,7 @@ class Worker:
                     try:
                         with anyio.move_on_after(timeout + 1.0):
                             await self.store.wait_wake(timeout)
-                    except StoreUnavailable as exc:
+                    except Exception as exc:  # an idle wait must never end the daemon
                         logger.warning("waiting for work failed: %s", exc)
                         await anyio.sleep(min(timeout, 0.5))
                     tg.cancel_scope.cancel()
@@ -304,7 +304,7 @@ class Worker:
             held = [a for a in self._active.values() if not a.saved]
             try:
                 codes = await self.store.renew(self.lease_ms, [a.lease for a in held])
-            except StoreUnavailable as exc:
+            except Exception as exc:  # the renewal loop must outlive any one failure
                 self.metrics.store_errors.labels("renew").inc()
                 logger.warning("lease renewal failed: %s", exc)
                 continue
