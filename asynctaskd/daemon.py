@@ -171,10 +171,22 @@ class Daemon:
             tg.start_soon(self._heartbeat, store, worker, handlers)
             tg.start_soon(self._signals, worker, handlers)
             tg.start_soon(self._watchdog, worker)
+            stopped = anyio.Event()
+
+            async def run_worker() -> None:
+                try:
+                    await worker.run()
+                finally:
+                    stopped.set()
+
+            tg.start_soon(run_worker)
+            # READY once the first claim round ran: the daemon is really taking work.
+            with anyio.move_on_after(10):
+                await worker.first_pass.wait()
             systemd.notify(f"READY=1\nSTATUS=claiming for {len(handlers)} handler(s)")
             logger.info("daemon %s ready, handlers: %s", worker.id, ", ".join(sorted(handlers)))
             task_status.started(worker.id)
-            await worker.run()
+            await stopped.wait()
             systemd.notify("STOPPING=1")
             tg.cancel_scope.cancel()
         with anyio.move_on_after(2, shield=True), contextlib.suppress(StoreUnavailable):

@@ -115,6 +115,7 @@ class Worker:
         self._slot_freed = anyio.Event()
         self._nudge = anyio.Event()
         self._intake = anyio.CancelScope()
+        self.first_pass = anyio.Event()  # set after the first claim round (READY=1)
         self._landing: anyio.abc.TaskGroup | None = None
         self._everything = anyio.CancelScope()
         self._stopping = False
@@ -217,6 +218,8 @@ class Worker:
                         more = True
                     if result.next_due_ms:
                         next_due = min(next_due, result.next_due_ms / 1000)
+            if not self.first_pass.is_set():
+                self.first_pass.set()
             if got:
                 self.last_claim_at = time.monotonic()
             self._watch(got, more, next_due)
