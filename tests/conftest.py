@@ -16,6 +16,9 @@ from asynctaskd.embedded import ServerProcess, find_binary
 from asynctaskd.keys import Keys
 from asynctaskd.store import Store, SyncStore, open_redis
 
+# Fixtures shared by the client and routing tests (both clients, one test body).
+from tests.clients import api, make_api  # noqa: F401 - registered as fixtures here
+
 SERVER_BINARIES = ("redis-server", "valkey-server")
 
 # CI must judge the change, not the luck of the draw: there hypothesis explores the same

@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -32,7 +32,7 @@ from asynctaskd.routing import (
     weighted,
 )
 
-from .test_client import Api
+from .clients import Api
 
 pytestmark = pytest.mark.anyio
 
@@ -160,30 +160,6 @@ def test_group_definitions_round_trip_and_corrupt_ones_name_the_group() -> None:
 
 
 # Through Redis, with both clients.
-
-
-@pytest.fixture(params=["async", "sync"])
-async def make_api(
-    request: pytest.FixtureRequest,
-    redis_url: str,
-    redis_client: redis.asyncio.Redis,
-    sync_redis: Any,
-) -> AsyncIterator[Callable[..., Api]]:
-    made: list[Api] = []
-
-    def make(**kwargs: Any) -> Api:
-        cls = AsyncClient if request.param == "async" else Client
-        made.append(Api(cls.from_url(redis_url, **kwargs)))
-        return made[-1]
-
-    yield make
-    for api in made:
-        await api.close()
-
-
-@pytest.fixture
-def api(make_api: Callable[..., Api]) -> Api:
-    return make_api()
 
 
 async def live(r: redis.asyncio.Redis, *handlers: str) -> None:
