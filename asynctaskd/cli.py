@@ -187,7 +187,11 @@ def _duration(text: str, what: str) -> float:
     from .config import Duration
 
     try:
-        return float(Duration.parse(text if not text.replace(".", "").isdigit() else float(text)))
+        try:
+            value: object = float(text)  # plain seconds, e.g. "90"
+        except ValueError:
+            value = text  # a duration with a unit, e.g. "5m"
+        return float(Duration.parse(value))
     except ValueError as exc:
         raise InvalidTask(f"{what}: {exc}") from None
 

@@ -37,24 +37,16 @@ from .keys import Keys
 from .metrics import Metrics
 from .reaper import run_reaper
 from .store import Store, open_redis
+from .transport import make_http_client
 from .worker import Worker
 
-__all__ = ["make_http_client", "redis_url", "serve"]
+__all__ = ["Daemon", "redis_url", "serve"]
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL = 5.0
 HEARTBEAT_TTL_MS = 30_000
 LOOP_LAG_INTERVAL = 0.25  # the event-loop lag probe sleeps this long and measures oversleep
-
-
-def make_http_client() -> httpx.AsyncClient:
-    """The shared client handed to handlers: httpx API, aiohttp transport underneath."""
-    try:
-        from .transport import make_http_client as make
-    except ImportError:  # pragma: no cover - the transport ships with the package
-        return httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0))
-    return make()
 
 
 @contextlib.asynccontextmanager

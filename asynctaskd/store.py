@@ -554,22 +554,22 @@ class Store(_Base):
 
     async def renew(self, lease_ms: int, leases: Sequence[Lease]) -> dict[str, Code]:
         """Renew many leases, one call per shard; returns each task's code."""
-        by_shard: dict[int, list[Lease]] = {}
-        for lease in leases:
-            by_shard.setdefault(lease.shard, []).append(lease)
-        out: dict[str, Code] = {}
-        for shard, group in by_shard.items():
-            codes = await self.run(self.ops.renew(shard, lease_ms, group))
-            out.update(zip((lease.task_id for lease in group), codes, strict=True))
-        return out
+        return await self._per_shard(leases, lambda shard, group: self.ops.renew(
+            shard, lease_ms, group))  # fmt: skip
 
     async def release(self, leases: Sequence[Lease]) -> dict[str, Code]:
+        """Give leases back without an outcome, one call per shard; each task's code."""
+        return await self._per_shard(leases, self.ops.release)
+
+    async def _per_shard(
+        self, leases: Sequence[Lease], build: Callable[[int, list[Lease]], Call[list[Code]]]
+    ) -> dict[str, Code]:
         by_shard: dict[int, list[Lease]] = {}
         for lease in leases:
             by_shard.setdefault(lease.shard, []).append(lease)
         out: dict[str, Code] = {}
         for shard, group in by_shard.items():
-            codes = await self.run(self.ops.release(shard, group))
+            codes = await self.run(build(shard, group))
             out.update(zip((lease.task_id for lease in group), codes, strict=True))
         return out
 
@@ -627,41 +627,6 @@ class Store(_Base):
 
     # Durability, wake-ups and the daemon registry.
 
-    async def start_durable(
-        self, lease: Lease, idempotent: bool, gate: Gate | None
-    ) -> tuple[Result, bool, float]:
-        """Mark the submit started and make that durable before the vendor is called.
-
-        The gate (WAITAOF or WAIT) runs on the same connection right after the mark,
-        in one pipeline, so it waits for exactly that write. Returns (result, durable,
-        gate seconds); without a gate, durable is True.
-        """
-        call = self.ops.start(lease, idempotent)
-        if gate is None:
-            return await self.run(call), True, 0.0
-        script = self.scripts["start"]
-        self._count("start")
-        t0 = time.perf_counter()
-        with _mapped("start"):
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
-                pipe.execute_command(*gate.command())
-                replies = await pipe.execute(raise_on_error=False)
-        if isinstance(replies[0], rex.NoScriptError):
-            # The server lost its script cache (restart): the mark was not written.
-            with _mapped("start"):
-                await self.redis.script_load(script.source)
-            return await self.start_durable(lease, idempotent, gate)
-        if isinstance(replies[0], Exception):
-            with _mapped("start"):
-                raise replies[0]
-        result = call.decode(replies[0])
-        elapsed = time.perf_counter() - t0
-        if isinstance(replies[1], Exception):
-            logger.warning("durability gate failed: %s", replies[1])
-            return result, False, elapsed
-        return result, gate.satisfied(replies[1]), elapsed
-
     async def detect_gate(self, mode: str, timeout_ms: int, replicas: int) -> Gate | None:
         """Choose the durability gate for `mode` (auto, waitaof, wait, off)."""
         if mode == "off":
@@ -706,13 +671,6 @@ class Store(_Base):
     async def remove_daemon(self, daemon_id: str) -> None:
         with _mapped("heartbeat"):
             await self.redis.hdel(self.keys.daemons(), daemon_id)
-
-    async def settings_write(self) -> None:
-        if not self.settings:
-            return
-        with _mapped("settings"):
-            for shard in range(self.keys.shards):
-                await self.redis.hset(self.keys.tag(shard) + ":settings", mapping=self.settings)
 
 
 class _Pending:
@@ -889,14 +847,6 @@ def open_redis(
         **redis_credentials(),
     )
     return redis.asyncio.Redis(connection_pool=pool)
-
-
-def now_ms() -> int:
-    """Local wall clock in ms, for figures only; scripts use the server's TIME."""
-    return int(time.time() * 1000)
-
-
-DEFAULT_PROMOTE_LIMIT: Final = 1000
 
 
 # ---------------------------------------------------------------------------------------

@@ -634,16 +634,7 @@ class Worker:
                 active, Status.SUBMIT_UNKNOWN, fields={"error_code": code, "error_message": message}
             )
         elif kind is SubmitFailure.THROTTLED:
-            delay = max(
-                retry_after(exc) or 0.0,
-                backoff(
-                    1,
-                    float(retry.first_error_delay),
-                    float(retry.max_error_delay),
-                    retry.jitter,
-                    self.rng,
-                ),
-            )
+            delay = self._retry_delay(exc, 1)
             await self._save_started(
                 active,
                 Status.PENDING_SUBMIT,
@@ -662,16 +653,7 @@ class Worker:
                 },
             )
         else:
-            delay = max(
-                retry_after(exc) or 0.0,
-                backoff(
-                    attempts,
-                    float(retry.first_error_delay),
-                    float(retry.max_error_delay),
-                    retry.jitter,
-                    self.rng,
-                ),
-            )
+            delay = self._retry_delay(exc, attempts)
             await self._save_started(
                 active,
                 Status.PENDING_SUBMIT,
@@ -682,14 +664,12 @@ class Worker:
     # --- query phase ------------------------------------------------------------------------
 
     async def _query(self, entry: HandlerEntry, task: Task, active: _Active) -> None:
-        handle = task.handle or {}
         ctx = self._ctx(entry, task, active.lease)
+        query_handle = _query_handle(task)
         if task.cancel_requested:
-            await self._cancel_remote(entry, task, handle, ctx)
+            await self._cancel_remote(entry, task, query_handle, ctx)
             await self._save(active, Status.CANCELED)
             return
-        query_handle = dict(handle.get("query") or {})
-        query_handle.setdefault("external_id", handle.get("external_id") or task.external_id)
         t0 = time.perf_counter()
         outcome = "ok"
         budget = max(0.0, task.deadline_at - time.time()) + 0.05
@@ -819,16 +799,7 @@ class Worker:
                 },
             )
             return
-        delay = max(
-            retry_after(exc) or 0.0,
-            backoff(
-                errors,
-                float(retry.first_error_delay),
-                float(retry.max_error_delay),
-                retry.jitter,
-                self.rng,
-            ),
-        )
+        delay = self._retry_delay(exc, errors)
         await self._save(
             active,
             task.status,
@@ -836,14 +807,20 @@ class Worker:
             fields={"consecutive_errors": errors, "error_code": code, "error_message": message},
         )
 
+    def _retry_delay(self, exc: BaseException, failures: int) -> float:
+        """Backoff for the n-th failure in a row, but never sooner than a Retry-After."""
+        r = self.config.retry
+        wait = backoff(
+            failures, float(r.first_error_delay), float(r.max_error_delay), r.jitter, self.rng
+        )
+        return max(retry_after(exc) or 0.0, wait)
+
     async def _cancel_remote(
-        self, entry: HandlerEntry, task: Task, handle: dict[str, Any], ctx: HandlerContext
+        self, entry: HandlerEntry, task: Task, query_handle: dict[str, Any], ctx: HandlerContext
     ) -> None:
         cancel = entry.hook("cancel")
         if cancel is None:
             return
-        query_handle = dict(handle.get("query") or {})
-        query_handle.setdefault("external_id", handle.get("external_id") or task.external_id)
         with anyio.move_on_after(max(1.0, self.lease_ms / 2000)):
             try:
                 await cancel(query_handle, ctx)
@@ -863,6 +840,14 @@ class Worker:
             )
         else:
             await self._query_failed(task, active, HandlerError(message, code="UNKNOWN_HANDLER"))
+
+
+def _query_handle(task: Task) -> dict[str, Any]:
+    """What query() and cancel() receive: the stored query fields plus the external id."""
+    handle = task.handle or {}
+    query = dict(handle.get("query") or {})
+    query.setdefault("external_id", handle.get("external_id") or task.external_id)
+    return query
 
 
 def _describe(exc: BaseException) -> tuple[str, str]:
