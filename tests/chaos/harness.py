@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from redis import Redis
+from redis.exceptions import RedisError
 
 from asynctaskd.codec import encode_json
+from asynctaskd.config import load_config
 from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.model import Status
 from asynctaskd.store import SyncStore
@@ -60,7 +62,7 @@ class Daemons:
     def __init__(self, config: Path, n: int) -> None:
         self.config = config
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * n
-        self.started_at = [0.0] * n
+        self.started_at = [0.0] * n  # the runner tells young crashes from old ones
         self.kills = 0
         self.log_dir = config.parent
 
@@ -73,6 +75,24 @@ class Daemons:
             stderr=log,
             env=dict(os.environ),
         )
+
+    def wait_heartbeats(self, timeout: float) -> None:
+        config = load_config(self.config)
+        client = Redis.from_url(config.redis.url)
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                live = {p.pid for p in self.procs if p is not None and p.poll() is None}
+                try:
+                    records = client.hvals(Keys(config.redis.namespace).daemons())
+                except RedisError:
+                    records = []
+                beating = {json.loads(r).get("pid") for r in records}
+                if live <= beating:
+                    return
+                time.sleep(0.05)
+        finally:
+            client.close()
 
     def start_all(self) -> None:
         for i in range(len(self.procs)):
@@ -93,9 +113,9 @@ class Daemons:
 
     def stop_all(self) -> list[int]:
         codes = []
-        # A process still importing has no signal handler yet; give it a moment.
-        youngest = max(self.started_at)
-        time.sleep(max(0.0, youngest + 1.5 - time.monotonic()))
+        # A process still starting up may have no signal handler yet: wait until every
+        # live one has sent a heartbeat (its handlers are up by then), within bounds.
+        self.wait_heartbeats(timeout=15)
         for proc in self.procs:
             if proc is not None and proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

@@ -69,8 +69,10 @@ def test_redis_restarted_twice_loses_nothing(
     daemons.start_all()
     try:
         for _ in range(2):
-            wait_until_sync(lambda: slow_vendor_has_work(slow_vendor), "vendor traffic", 20)
-            time.sleep(1.0)
+            # restart in the middle of the traffic: once 150 more submits reached the vendor
+            seen = len(slow_vendor.submit_log())
+            wait_until_sync(lambda n=seen: len(slow_vendor.submit_log()) >= n + 150,
+                            "vendor traffic", 30)  # fmt: skip
             aof_server.restart()
         wait_until_sync(lambda: settled(aof_server.url, ids), "every task settled", timeout=120)
     finally:
@@ -98,10 +100,6 @@ def test_ambiguous_submits_park_and_idempotent_handler_recovers(
         statuses = check_history(aof_server.url, ids, vendor.submit_log())
         ambiguous = sum(1 for e in vendor.submit_log() if e["outcome"] == "ambiguous")
         assert ambiguous > 0 and statuses[Status.SUBMIT_UNKNOWN] >= 1
-
-
-def slow_vendor_has_work(vendor: FakeVendorProcess) -> bool:
-    return len(vendor.submit_log()) > 0
 
 
 def test_ambiguous_submits_with_an_idempotent_handler_all_succeed_once(

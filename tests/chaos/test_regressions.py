@@ -48,27 +48,36 @@ class Gated:
 
 async def park_started_submit(store: Store, r: redis.asyncio.Redis, keys: Keys, tid: str) -> None:
     """Expire the holder's lease and reap at once: SUBMIT_UNKNOWN, started fence kept."""
-    for _ in range(50):
+
+    async def parked() -> bool:
+        # the holder's renewal may extend the lease again between our two calls: retry
         await r.zadd(keys.leases(0), {tid: 1}, xx=True)
         await store.reap(0, 100, 5)
-        if (await r.hget(keys.task(0, tid), "status")) == b"SUBMIT_UNKNOWN":
-            return
-        await anyio.sleep(0.01)
-    raise AssertionError("could not park the task")
+        return (await r.hget(keys.task(0, tid), "status")) == b"SUBMIT_UNKNOWN"
+
+    await wait_until(parked, "the task to be parked", 2)
 
 
-def saves_fail_until(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    """Make the worker's saves fail (Redis away) until the time put in the returned box."""
-    box = [0.0]
+class Outage:
+    """The worker's saves fail (Redis away) until `until` (monotonic seconds)."""
+
+    def __init__(self) -> None:
+        self.until = 0.0
+        self.refused = anyio.Event()  # set at the first save refused
+
+
+def saves_fail_until(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> Outage:
+    outage = Outage()
     real_call = worker.batcher.call
 
     async def flaky(call: Any, *, gated: bool = False) -> Any:
-        if call.script == "save" and time.monotonic() < box[0]:
+        if call.script == "save" and time.monotonic() < outage.until:
+            outage.refused.set()
             raise StoreUnavailable("save: Redis is unavailable (injected)")
         return await real_call(call, gated=gated)
 
     monkeypatch.setattr(worker.batcher, "call", flaky)
-    return box
+    return outage
 
 
 async def test_a_vendor_handle_is_saved_even_when_the_daemon_drains(
@@ -86,9 +95,10 @@ async def test_a_vendor_handle_is_saved_even_when_the_daemon_drains(
             tg.start_soon(worker.run)
             with anyio.fail_after(5):
                 await handler.inside.wait()
-            away[0] = time.monotonic() + 1.5  # Redis is away for 1.5 s from now
+            away.until = time.monotonic() + 1.5  # Redis is away for 1.5 s from now
             handler.gate.set()  # the vendor returns the job id
-            await anyio.sleep(0.05)
+            with anyio.fail_after(5):
+                await away.refused.wait()  # the handle's save is retrying now
             worker.stop()  # SIGTERM: grace 0.3 s, while the handle's save retries
             tg.cancel_scope.deadline = anyio.current_time() + 10
     task = await store.get(tid)
@@ -127,7 +137,8 @@ async def test_drain_is_not_held_by_a_late_save_that_can_never_land(
             await park_started_submit(store, redis_client, keys, tid)
             assert (await store.cancel(tid)).ok
             handler.gate.set()  # the vendor answers: the late save can never land now
-            await anyio.sleep(0.3)
+            refused = worker.metrics.rejected_writes.labels("save", "no_lease")
+            await wait_until(_true(lambda: refused._value.get() >= 1), "the refused save", 5)
             started = time.monotonic()
             worker.stop()
             with anyio.fail_after(20):
@@ -136,6 +147,13 @@ async def test_drain_is_not_held_by_a_late_save_that_can_never_land(
     task = await store.get(tid)
     assert task is not None and task.status is Status.CANCELED
     assert drained_in < 3.0, f"SIGTERM took {drained_in:.1f}s to drain one call"
+
+
+def _true(check: Any) -> Any:
+    async def predicate() -> bool:
+        return bool(check())
+
+    return predicate
 
 
 async def _idle(worker: Worker) -> bool:
@@ -159,13 +177,18 @@ async def test_a_refused_submit_is_not_parked_when_redis_blinks(
         entries = {"demo": HandlerEntry(key="demo", handler=Throttled(), provider="demo")}
         worker = Worker(store, entries, config, http=http)
         away = saves_fail_until(worker, monkeypatch)
-        away[0] = time.monotonic() + 60  # Redis is away when the outcome is saved...
+        away.until = time.monotonic() + 60  # Redis is away when the outcome is saved...
         async with anyio.create_task_group() as tg:
             tg.start_soon(worker.run)
             await wait_until(lambda: _attempted(redis_client, keys, tid), "a submit", 5)
-            away[0] = time.monotonic() + 3  # ... for 3 s
-            await anyio.sleep(3.5)  # the save was given up after one lease (1 s)
-            await store.reap(0, 100, 5)  # the reaper of any daemon
+            away.until = time.monotonic() + 3  # ... for 3 s, longer than the 1 s lease
+
+            async def settled() -> bool:
+                await store.reap(0, 100, 5)  # the reaper of any daemon
+                status = await redis_client.hget(keys.task(0, tid), "status")
+                return status != b"SUBMITTING"  # the outcome landed, or the task was parked
+
+            await wait_until(settled, "the refusal saved or the task parked", 10)
             worker.stop(now=True)
             tg.cancel_scope.deadline = anyio.current_time() + 5
     task = await store.get(tid)

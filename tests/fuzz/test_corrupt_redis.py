@@ -35,6 +35,7 @@ from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.model import Phase, Status, Task
 from asynctaskd.store import Code, Lease, Store
 from asynctaskd.worker import Worker
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -337,7 +338,12 @@ async def test_corrupt_version_does_not_block_the_deadline_sweep(
         await store.run(store.ops.create(tid, "demo", encode_json({"i": i}), timeout_ms=1))
         ids.append(tid)
     await redis_client.hset(KEYS.task(0, ids[0]), "version", "x")
-    await anyio.sleep(0.01)
+
+    async def past_deadlines() -> bool:
+        deadline_ms = int(await redis_client.hget(KEYS.task(0, ids[-1]), "deadline_ms") or 0)
+        return await store.server_time() * 1000 > deadline_ms
+
+    await wait_until(past_deadlines, "the 1 ms deadlines to pass")
     try:
         timed_out = await store.time_out(0, 100)
     except Exception as exc:  # the bug: ScriptError, and the other two never time out
