@@ -71,7 +71,7 @@ async def test_create_refuses_malformed_argv_and_writes_nothing(
     call = store.ops.create(new_task_id(), "h", b"{}", **kw)  # type: ignore[arg-type]
     with pytest.raises(ScriptError, match=field):
         await store.run(call)
-    assert await redis_client.dbsize() == 4 - 4  # nothing but what prepare() wrote (nothing)
+    assert await redis_client.dbsize() == 0  # prepare() wrote nothing either (no settings)
 
 
 # --- claim --------------------------------------------------------------------------------
