@@ -1142,12 +1142,10 @@ class Client:
         max_payload: int = DEFAULT_MAX_PAYLOAD,
     ) -> Client:
         """Connect to `url`, as `AsyncClient.from_url`."""
-        conn = redis.Redis.from_url(
-            url,
-            socket_timeout=BLOCK_S + REPLY_MARGIN_S,
-            socket_connect_timeout=5.0,
-            health_check_interval=30,
-            **redis_credentials(),
+        from .connection import open_sync
+
+        conn = open_sync(
+            url, credentials=redis_credentials(), socket_timeout=BLOCK_S + REPLY_MARGIN_S
         )
         client = cls(conn, namespace, shards=shards, max_payload=max_payload)
         client._owned = True

@@ -13,6 +13,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import msgspec
 import msgspec.toml
 
+from .connection import TlsOptions, connection_problems
 from .errors import ConfigError
 from .keys import HANDLER_KEY_RE
 
@@ -37,7 +38,8 @@ _NAMESPACE: Final = re.compile(r"[A-Za-z0-9_.\-]{1,32}")
 _FACTORY: Final = re.compile(r"[\w.]+:[\w.]+")
 _SECRET_NAME: Final = re.compile(r"token|secret|password|key|authorization", re.IGNORECASE)
 _MASK: Final = "***"
-_REDIS_SCHEMES: Final = frozenset({"redis", "rediss", "unix"})
+_USERINFO_PASSWORD: Final = re.compile(r"(://[^:/@]*:)[^/]*@")
+_REDIS_SCHEMES: Final = frozenset({"redis", "rediss", "unix", "redis+sentinel", "rediss+sentinel"})
 
 _KeyPath = tuple[str | int, ...]  # ("handlers", 1, "factory") for $.handlers[1].factory
 
@@ -94,6 +96,20 @@ class RedisConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     durability_timeout: Duration = Duration(1)
     wait_replicas: Annotated[int, msgspec.Meta(ge=0)] = 0
 
+    # TLS for rediss:// and rediss+sentinel:// URLs: PEM files, read when the daemon starts.
+    # The URL options ssl_ca_certs, ssl_certfile, ssl_keyfile, ssl_cert_reqs do the same;
+    # a setting given both ways is an error.
+    tls_ca: str | None = None  # CA certificates the server's must chain to; unset: system CAs
+    tls_cert: str | None = None  # client certificate, for servers that require one
+    tls_key: str | None = None  # the client certificate's private key, unencrypted
+    tls_verify: Literal["full", "ca", "none"] | None = None  # unset: "full"
+
+    @property
+    def tls(self) -> TlsOptions:
+        """The TLS keys as `connection.TlsOptions`."""
+        return TlsOptions(
+            ca=self.tls_ca, cert=self.tls_cert, key=self.tls_key, verify=self.tls_verify
+        )
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The `[worker]` table: claiming, leases, concurrency and shutdown."""
@@ -214,7 +230,20 @@ def parse_config(text: str, source: str = "<string>") -> Config:
 def _check(config: Config, text: str) -> Iterator[tuple[list[str], str]]:
     """Rules msgspec cannot express: each problem with the key paths that locate it."""
     if config.redis.url != "embedded" and _scheme(config.redis.url) not in _REDIS_SCHEMES:
-        yield ["$.redis.url"], "expected a redis://, rediss:// or unix:// URL, or 'embedded'"
+        yield (
+            ["$.redis.url"],
+            "expected a redis://, rediss://, unix://, redis+sentinel:// or rediss+sentinel:// "
+            "URL, or 'embedded'",
+        )
+    elif config.redis.url != "embedded":
+        for field, message in connection_problems(config.redis.url, config.redis.tls):
+            key = f"tls_{field}" if field in ("ca", "cert", "key", "verify") else "url"
+            yield [f"$.redis.{key}"], message
+    else:
+        for key in ("tls_ca", "tls_cert", "tls_key", "tls_verify"):
+            if getattr(config.redis, key) is not None:
+                yield [f"$.redis.{key}"], "the embedded server speaks plain TCP: remove tls_*"
+                break
     if not _NAMESPACE.fullmatch(config.redis.namespace):
         yield ["$.redis.namespace"], "expected 1-32 characters of A-Z a-z 0-9 _ . -"
     if config.worker.lease < 1:
@@ -462,12 +491,17 @@ def _skip_value(text: str, depth: int, delimiter: str) -> tuple[int, str]:
 
 
 def _mask_url(url: str) -> str:
-    """Mask the password and secret-looking query parameters in a URL."""
+    """Mask the password and secret-looking query parameters in a URL.
+
+    Sentinel URLs (`redis+sentinel://user:pw@host1:26379,host2:26379/service`) have one
+    user info for all their hosts, masked like any other; a URL too malformed to split
+    still loses whatever sits between `user:` and `@`.
+    """
     try:
         parts = urlsplit(url)
         has_password = parts.password is not None
     except ValueError:
-        return url
+        return _USERINFO_PASSWORD.sub(rf"\g<1>{_MASK}@", url)
     if has_password:
         userinfo, _, host = parts.netloc.rpartition("@")
         parts = parts._replace(netloc=f"{userinfo.partition(':')[0]}:{_MASK}@{host}")

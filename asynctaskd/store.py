@@ -836,17 +836,16 @@ def open_redis(
 
     Redis runs commands one at a time, so a few dozen connections serve thousands of
     concurrent handler calls; callers queue for a connection rather than erroring.
+    Any URL `connection.open_async` takes (TLS options in the URL, redis+sentinel://).
     """
-    pool = redis.asyncio.BlockingConnectionPool.from_url(
+    from .connection import open_async
+
+    return open_async(
         url,
+        credentials=redis_credentials(),
         max_connections=max_connections,
-        timeout=None,
         socket_timeout=socket_timeout,
-        socket_connect_timeout=5.0,
-        health_check_interval=30,
-        **redis_credentials(),
     )
-    return redis.asyncio.Redis(connection_pool=pool)
 
 
 # ---------------------------------------------------------------------------------------

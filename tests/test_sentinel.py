@@ -1,0 +1,261 @@
+"""Sentinel: producers and daemons find the master through redis+sentinel:// URLs, and keep
+working when Sentinel promotes a replica after the master is killed."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+from redis import Redis as SyncRedis
+
+from asynctaskd import AsyncClient, Client, Status
+from asynctaskd.config import parse_config
+from asynctaskd.daemon import Daemon
+from asynctaskd.embedded import find_binary, free_port
+from asynctaskd.errors import StoreUnavailable
+from asynctaskd.fakevendor import Behaviour, FakeVendorProcess, run_server
+from tests.conftest import SERVER_BINARIES, wait_until_sync
+from tests.servers import SERVICE, Pki, PrivateServer, SentinelProcess, make_pki, start_server
+from tests.test_daemon import start_daemon
+
+# Replicas and masters-to-be: AOF on, and a full sync that starts at once.
+NODE_ARGS = ("--appendonly", "yes", "--repl-diskless-sync-delay", "0")
+
+
+@pytest.fixture(params=SERVER_BINARIES)
+def binary(request: pytest.FixtureRequest) -> Path:
+    found = find_binary(request.param)
+    if found is None:
+        pytest.skip(f"{request.param} is not installed")
+    return found
+
+
+def info(port: int, section: str) -> dict[str, object]:
+    with SyncRedis(host="127.0.0.1", port=port, socket_timeout=5) as r:
+        return dict(r.info(section))
+
+
+def sentinel_view(sentinel: SentinelProcess) -> tuple[int, int, int]:
+    """(master port, replicas up, other sentinels) as one sentinel sees them."""
+    with sentinel.client() as r:
+        master = r.sentinel_master(SERVICE)
+        replicas = r.sentinel_slaves(SERVICE)
+    up = sum(1 for x in replicas if not (x["is_sdown"] or x["is_disconnected"]))
+    return master["port"], up, master["num-other-sentinels"]
+
+
+def statuses(client: Client, ids: list[str]) -> dict[Status, int]:
+    out: dict[Status, int] = {}
+    for task_id in ids:
+        task = client.get(task_id)
+        assert task is not None, task_id
+        out[task.status] = out.get(task.status, 0) + 1
+    return out
+
+
+def ready(metrics_port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/readyz", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def gate_count(metrics_port: int, outcome: str) -> float:
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    name = f'asynctaskd_durability_gate_seconds_count{{outcome="{outcome}"}}'
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+@contextlib.contextmanager
+def stopping(*servers: PrivateServer) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@pytest.mark.slow
+def test_daemon_and_client_carry_on_through_a_failover(binary: Path, tmp_path: Path) -> None:
+    master = PrivateServer(binary, extra_args=NODE_ARGS).start()
+    with contextlib.ExitStack() as stack:
+        stack.callback(master.stop)
+        replicas = []
+        for _ in range(2):
+            replica = PrivateServer(
+                binary, extra_args=(*NODE_ARGS, "--replicaof", "127.0.0.1", str(master.port))
+            )
+            stack.callback(replica.stop)
+            replicas.append(replica.start())
+        wait_until_sync(
+            lambda: info(master.port, "replication").get("connected_slaves") == 2,
+            "two replicas in sync",
+        )
+        sentinels = []
+        for _ in range(3):
+            sentinel = SentinelProcess(binary, master.port, quorum=2)
+            stack.callback(sentinel.stop)
+            sentinels.append(sentinel.start())
+        wait_until_sync(
+            lambda: all(sentinel_view(s) == (master.port, 2, 2) for s in sentinels),
+            "every sentinel to see the master, two replicas and the other sentinels",
+            timeout=15,
+        )
+        # The first sentinel address is dead: discovery moves on to the next one.
+        addresses = ",".join(f"127.0.0.1:{p}" for p in [free_port(), *(s.port for s in sentinels)])
+        url = f"redis+sentinel://{addresses}/{SERVICE}/0"
+
+        vendor = stack.enter_context(FakeVendorProcess.start(Behaviour(polls_to_done=20)))
+        metrics_port = free_port()
+        config = tmp_path / "config.toml"
+        config.write_text(f"""
+[redis]
+url = "{url}"
+wait_replicas = 1
+[worker]
+lease = "2s"
+shutdown_grace = "5s"
+[retry]
+poll_interval = "100ms"
+first_error_delay = "50ms"
+max_error_delay = "500ms"
+[reaper]
+interval = "200ms"
+[metrics]
+listen = "127.0.0.1:{metrics_port}"
+[[handlers]]
+key = "demo"
+factory = "asynctaskd.demo:make_handler"
+options = {{ base_url = "{vendor.url}", key = "demo" }}
+""")
+        daemon = start_daemon(config)
+        stack.callback(lambda: daemon.poll() is None and daemon.kill())
+        wait_until_sync(lambda: ready(metrics_port), "the daemon to be ready", timeout=20)
+        client = stack.enter_context(Client.from_url(url))
+
+        before = [client.submit("demo", {"i": i}, tracking_timeout=120).id for i in range(20)]
+        # Kill only once every vendor job exists and both replicas have every write: a
+        # task in its submit phase could otherwise lose its handle with the master and
+        # park in SUBMIT_UNKNOWN, as it should (at most one vendor submit).
+        past_submit = {Status.SUBMITTED, Status.RUNNING, Status.SUCCEEDED}
+        wait_until_sync(
+            lambda: set(statuses(client, before)) <= past_submit,
+            "every task past its vendor submit",
+            timeout=20,
+        )
+        with SyncRedis(host="127.0.0.1", port=master.port, socket_timeout=5) as r:
+            assert r.execute_command("WAIT", 2, 5000) == 2
+        # tracked across the kill: the vendor jobs run on
+        assert statuses(client, before).get(Status.SUCCEEDED, 0) < 20
+        master.kill()
+
+        def promoted() -> int | None:
+            ports = {sentinel_view(s)[0] for s in sentinels}
+            if len(ports) != 1 or master.port in ports:
+                return None
+            port = ports.pop()
+            return port if info(port, "replication").get("role") == "master" else None
+
+        new_port = wait_until_sync(promoted, "a replica promoted by Sentinel", timeout=30)
+        assert new_port in {r.port for r in replicas}
+
+        # The same client, without any retry of ours, now writes to the new master.
+        after = [client.submit("demo", {"i": i}, tracking_timeout=120).id for i in range(20)]
+        try:
+            wait_until_sync(
+                lambda: statuses(client, before + after) == {Status.SUCCEEDED: 40},
+                "all 40 tasks to succeed",
+                timeout=60,
+            )
+        except AssertionError as exc:
+            logs = "".join(p.read_text()[-3000:] for p in tmp_path.glob("daemon-*.log"))
+            raise AssertionError(f"{exc}: {statuses(client, before + after)}\n{logs}") from None
+        created = [e for e in vendor.submit_log() if e["outcome"] == "created"]
+        assert len(created) == 40 and len({e["ref"] for e in created}) == 40
+        # Every vendor submit waited for a replica to acknowledge its "started" mark.
+        assert gate_count(metrics_port, "ok") >= 40
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=20) == 0
+
+
+async def test_sentinel_and_nodes_with_passwords(
+    binary: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The password comes from the environment, as for redis:// URLs; sentinel_auth=yes
+    # hands it to the sentinels too.
+    monkeypatch.setenv("REDIS_PASSWORD", "s3cret")
+    master = PrivateServer(binary, extra_args=("--requirepass", "s3cret")).start()
+    sentinel = SentinelProcess(
+        binary,
+        master.port,
+        conf=("requirepass s3cret", f"sentinel auth-pass {SERVICE} s3cret"),
+    )
+    with stopping(master, sentinel):
+        sentinel.start()
+        url = f"redis+sentinel://127.0.0.1:{sentinel.port}/{SERVICE}/3?sentinel_auth=yes"
+        async with AsyncClient.from_url(url) as client:
+            task = await client.submit("demo", {"x": 1}, tracking_timeout=60, strict=False)
+            with Client.from_url(url) as sync_client:
+                got = sync_client.get(task.id)
+                assert got is not None and got.status is Status.PENDING_SUBMIT
+        # the task went to database 3 of the master, behind its password
+        with SyncRedis(port=master.port, password="s3cret", db=3) as r:
+            assert r.dbsize() > 0
+        # without sentinel_auth the sentinel refuses, and says so
+        plain = url.removesuffix("?sentinel_auth=yes")
+        with Client.from_url(plain) as sync_client, pytest.raises(StoreUnavailable) as failure:
+            sync_client.stats()
+        message = str(failure.value)
+        assert "No master found for 'mymaster'" in message and "AuthenticationError" in message
+        assert "s3cret" not in message
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    # Sentinel hands out the master's IP address, so the certificate names it.
+    return make_pki(tmp_path_factory.mktemp("pki"), server_names="IP:127.0.0.1")
+
+
+async def test_tls_through_sentinel(pki: Pki) -> None:
+    """rediss+sentinel://: TLS to the sentinel and to the master it names; a daemon with the
+    [redis] TLS keys completes a task that a producer submitted with URL options."""
+    master = start_server("redis-server", pki)
+    sentinel = SentinelProcess(master.binary, master.tls_port, pki)
+    with stopping(master, sentinel):
+        sentinel.start()
+        url = f"rediss+sentinel://127.0.0.1:{sentinel.tls_port}/{SERVICE}/0"
+        async with run_server(Behaviour(polls_to_done=1)) as vendor_url:
+            config = parse_config(f"""
+[redis]
+url = "{url}"
+tls_ca = "{pki.ca}"
+tls_cert = "{pki.client_cert}"
+tls_key = "{pki.client_key}"
+[retry]
+poll_interval = "50ms"
+[metrics]
+enabled = false
+[[handlers]]
+key = "demo"
+factory = "asynctaskd.demo:make_handler"
+options = {{ base_url = "{vendor_url}", key = "demo" }}
+""")
+            daemon = Daemon(config)
+            async with anyio.create_task_group() as tg:
+                await tg.start(daemon.serve)
+                assert daemon.worker is not None
+                try:
+                    async with AsyncClient.from_url(f"{url}?{pki.client_query()}") as client:
+                        task = await client.submit("demo", {"tls": True}, tracking_timeout=60)
+                        done = await client.wait(task.id, timeout=20)
+                        assert done is not None and done.status is Status.SUCCEEDED, done
+                finally:
+                    daemon.worker.stop()
