@@ -36,8 +36,9 @@ inserted as is). Values from task params are data: they are never expanded again
 
 Credentials may appear only in headers and in `base_url`; they are read on first use and
 then kept, never stored in Redis, and replaced by `***` in every error message and log line
-this module produces. They are sent only to `base_url`'s origin (finalize downloads from
-other hosts get no vendor headers).
+this module produces (httpx's request lines included) and in every value read from a
+vendor's answer (a vendor may quote the request). They are sent only to `base_url`'s origin
+(finalize downloads from other hosts get no vendor headers).
 
 How HTTP outcomes map to the worker's classification (`retry.classify_submit_error`):
 connect errors, DNS, pool timeouts and unreadable credentials raise `NotSent` (provably
@@ -357,7 +358,11 @@ class _ValueMissing(Exception):
 
 
 class _UrlLogFilter(logging.Filter):
-    """Masks credentials that appear in URLs in the records of httpx's logger."""
+    """Masks credentials in the records of httpx's logger.
+
+    httpx logs every request at INFO: the URL (credentials in `base_url`) and the answer's
+    status line, whose reason phrase is the vendor's to write (one may quote the token).
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -397,6 +402,7 @@ class _Secrets:
             self._values[(kind, arg)] = value
             if len(value) >= _MIN_SECRET_CHARS:
                 self._known = tuple(sorted({*self._known, value}, key=len, reverse=True))
+            _URL_LOG_FILTER.protect(value)
         return value
 
     def redact(self, text: str) -> str:
@@ -404,6 +410,33 @@ class _Secrets:
             if secret in text:
                 text = text.replace(secret, _MASK)
         return text
+
+    def scrub(self, doc: Any, raw: bytes) -> Any:
+        """`doc`, decoded from `raw`, with every secret masked in its strings and keys.
+
+        A vendor that quotes the request (an echoed header, a "bad token ..." message) would
+        otherwise put the credential into handles, results and messages, and so into Redis.
+        Only a body holding a secret as is, or any JSON escape that could spell one, is walked.
+        """
+        if not self._known or (
+            b"\\" not in raw and not any(s.encode() in raw for s in self._known)
+        ):
+            return doc
+        root = [doc]
+        stack: list[tuple[Any, Any]] = [(root, 0)]
+        while stack:  # iterative: answers may be nested as deep as the decoder allows
+            parent, key = stack.pop()
+            value = parent[key]
+            if isinstance(value, str):
+                parent[key] = self.redact(value)
+            elif isinstance(value, list):
+                stack.extend((value, i) for i in range(len(value)))
+            elif isinstance(value, dict):
+                items = [(self.redact(k), v) for k, v in value.items()]
+                value.clear()
+                value.update(items)
+                stack.extend((value, k) for k in value)
+        return root[0]
 
 
 def _read_secret(kind: str, arg: str) -> str:
@@ -708,9 +741,6 @@ class HttpHandler:
         if self._base_url is None:
             self._base_url = self._render_text(self.plan.base_url, _Vars("", ""))
             self._base_origin = _origin(self._base_url)
-            for ref in self.plan.base_url.refs():
-                # httpx logs every request URL (at INFO): keep credentials out of those lines.
-                _URL_LOG_FILTER.protect(self._secrets.get(ref.kind, ref.arg))
         return self._base_url
 
     def _prepare(
@@ -879,14 +909,18 @@ class HttpHandler:
 
     def _decode(self, response: httpx.Response, what: str) -> Any:
         try:
-            return msgspec.json.decode(response.content)
-        except msgspec.DecodeError:
+            doc = msgspec.json.decode(response.content)
+        except (msgspec.DecodeError, RecursionError) as exc:
+            # msgspec raises RecursionError for arrays or objects nested deeper than the
+            # interpreter's recursion limit allows: vendor garbage like any other.
+            why = "nested too deeply" if isinstance(exc, RecursionError) else "not JSON"
             maybe = "; the job may exist" if what == "submit" else ""
             raise RetryableError(
-                f"{what}: the vendor's {response.status_code} answer is not JSON{maybe}; "
+                f"{what}: the vendor's {response.status_code} answer is {why}{maybe}; "
                 f"body: {self._excerpt(response.content)}",
                 code="VENDOR_GARBAGE",
             ) from None
+        return self._secrets.scrub(doc, response.content)
 
     # --- reading answers ---------------------------------------------------------------------
 
@@ -926,7 +960,14 @@ class HttpHandler:
                 await anyio.sleep(min(5.0, 0.2 * 2 ** (attempt - 1)))
             try:
                 return await self._copy(value, n, options, ctx)
-            except (httpx.HTTPError, OSError, _CopyError, _SecretMissing) as exc:
+            except (
+                httpx.HTTPError,
+                httpx.InvalidURL,  # the vendor's file URL is not one httpx can send to
+                ValueError,
+                OSError,
+                _CopyError,
+                _SecretMissing,
+            ) as exc:
                 last = self._explain(exc)
                 ctx.logger.warning(
                     "finalize: copy %d failed (attempt %d of %d): %s",

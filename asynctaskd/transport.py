@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import functools
+import http.cookiejar
 import ssl
 from collections.abc import AsyncIterable, AsyncIterator, Iterator, Mapping
 from contextlib import contextmanager
@@ -352,12 +353,21 @@ def make_http_client(
     timeout: httpx.Timeout = httpx.Timeout(30.0, connect=5.0),  # noqa: B008 - immutable
     headers: dict[str, str] | None = None,
 ) -> httpx.AsyncClient:
-    """The shared client handlers receive: httpx's API over an `AiohttpTransport`."""
+    """The shared client handlers receive: httpx's API over an `AiohttpTransport`.
+
+    It keeps no cookies: one client serves every handler and account, so a cookie one
+    vendor answer sets must not ride along on other requests (nor can a malformed one
+    make later requests unbuildable). A handler that needs a session sends it itself.
+    """
     limits = httpx.Limits(
         max_connections=max_connections,
         max_keepalive_connections=max_connections,
         keepalive_expiry=30,
     )
+    no_cookies = http.cookiejar.CookieJar(http.cookiejar.DefaultCookiePolicy(allowed_domains=[]))
     return httpx.AsyncClient(
-        transport=AiohttpTransport(limits=limits), timeout=timeout, headers=headers
+        transport=AiohttpTransport(limits=limits),
+        timeout=timeout,
+        headers=headers,
+        cookies=no_cookies,
     )

@@ -243,11 +243,20 @@ async def test_gzip_body_is_decoded_once_by_httpx(client: httpx.AsyncClient, ech
     assert decoded.json() == {"words": ["compressed"] * 200}
 
 
-async def test_cookies_are_kept_by_httpx_only(client: httpx.AsyncClient, echo_url: str) -> None:
+async def test_the_shared_client_keeps_no_cookies(client: httpx.AsyncClient, echo_url: str) -> None:
     first = await client.get(f"{echo_url}/cookie")
     second = await client.get(f"{echo_url}/cookie")
 
     assert first.json() == {"cookie": []}
+    assert second.json() == {"cookie": []}  # one client serves every handler and account
+    assert not client.cookies
+
+
+async def test_cookies_are_kept_by_httpx_only(echo_url: str) -> None:
+    async with httpx.AsyncClient(transport=AiohttpTransport()) as own:
+        await own.get(f"{echo_url}/cookie")
+        second = await own.get(f"{echo_url}/cookie")
+
     assert second.json() == {"cookie": ["session=s1"]}  # once: aiohttp keeps no jar
 
 

@@ -24,6 +24,14 @@ the producers were told, and checks the guarantees of SPEC section 10:
 
 `read_history` takes the snapshot, `check` judges it and returns a `Report` that prints
 the counts it checked and, for every violation, the task's whole history.
+
+Secrets (SPEC section 10: never stored in Redis or logs): a `SecretScan` looks for a
+secret the daemons were given, or either half of it (a message cut short), in every key
+name and value of every database of a Redis server (`scan_redis`, over SCAN: strings,
+hash fields and values, list, set and sorted-set members, stream entries), in files
+(`scan_files`: daemon logs, the server's append-only files) and in any text (the report
+itself). Each place it is found is a `secret_leak` violation naming the place, never the
+text around it.
 """
 
 from __future__ import annotations
@@ -31,8 +39,9 @@ from __future__ import annotations
 import itertools
 import json
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -514,3 +523,127 @@ def _result_problem(h: Mapping[str, str], tid: str) -> str | None:
     if result.get("output") != params:
         return "result output is not this task's params"
     return None
+
+
+# ---------------------------------------------------------------------------------------
+# Secrets
+
+
+@dataclass
+class SecretScan:
+    """Where a secret was looked for (`checked`) and the places it was found (`found`)."""
+
+    secret: str = field(repr=False)
+    checked: Counter[str] = field(default_factory=Counter)
+    found: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        whole = self.secret.encode()
+        if len(whole) < 16 or b"\0" in whole:
+            raise ValueError("use a secret of 16 characters or more (its halves are looked for)")
+        half = len(whole) // 2
+        # Either half: a value cut short (an excerpt, a truncated message) still shows one.
+        self._pieces = (whole, whole[:half], whole[half:])
+
+    def holds_secret(self, *data: bytes | str) -> bool:
+        # One search over all of them: a NUL between them, which no secret holds.
+        blob = b"\0".join(d.encode("utf-8", "replace") if isinstance(d, str) else d for d in data)
+        return any(piece in blob for piece in self._pieces)
+
+    def look(self, where: str, *data: bytes | str) -> None:
+        """Record `where` as a leak if any of `data` holds the secret or half of it."""
+        if self.holds_secret(*data):
+            self.found.append(self.masked(where))
+
+    def masked(self, text: str) -> str:
+        """`text` with the secret and its halves replaced, for printing."""
+        for piece in self._pieces:
+            text = text.replace(piece.decode("utf-8", "replace"), "<secret>")
+        return text
+
+    def violations(self) -> list[Violation]:
+        return [Violation("secret_leak", None, f"the secret is in {w}") for w in self.found]
+
+
+def _databases(client: redis.Redis) -> Iterator[tuple[int, Any]]:
+    """(number, client) for every database of the server that holds keys."""
+    r: Any = client
+    pool = client.connection_pool
+    for name in sorted(r.info("keyspace")):
+        n = int(name.removeprefix("db"))
+        kwargs = {**pool.connection_kwargs, "db": n}
+        other = redis.Redis(connection_pool=redis.ConnectionPool(pool.connection_class, **kwargs))
+        try:
+            yield n, other
+        finally:
+            other.close()
+
+
+def scan_redis(client: redis.Redis, scan: SecretScan, *, scan_count: int = 1000) -> None:
+    """Look at every key name and value in every database of `client`'s server."""
+    for n, r in _databases(client):
+        names = list(r.scan_iter(count=scan_count))
+        for start in range(0, len(names), 500):
+            chunk = names[start : start + 500]
+            pipe = r.pipeline(transaction=False)
+            for key in chunk:
+                pipe.type(key)
+            kinds = [_s(k) for k in pipe.execute()]
+            pipe = r.pipeline(transaction=False)
+            for key, kind in zip(chunk, kinds, strict=True):
+                if kind == "string":
+                    pipe.get(key)
+                elif kind == "hash":
+                    pipe.hgetall(key)
+                elif kind == "list":
+                    pipe.lrange(key, 0, -1)
+                elif kind == "set":
+                    pipe.smembers(key)
+                elif kind == "zset":
+                    pipe.zrange(key, 0, -1)
+                else:  # streams are read below; anything else as its serialized value
+                    pipe.dump(key)
+            for key, kind, value in zip(chunk, kinds, pipe.execute(), strict=True):
+                name = _s(key)
+                scan.checked["secret scan: Redis keys"] += 1
+                scan.look(f"Redis db{n}: the name of key {name!r}", key)
+                if kind == "stream":
+                    _scan_stream(r, n, key, scan)
+                elif isinstance(value, dict):
+                    scan.checked["secret scan: Redis values"] += len(value)
+                    for f, v in value.items():
+                        scan.look(f"Redis db{n}: hash {name!r} field {_s(f)!r}", f, v)
+                elif isinstance(value, list | set):
+                    scan.checked["secret scan: Redis values"] += len(value)
+                    scan.look(f"Redis db{n}: {kind} {name!r}", *value)
+                elif value is not None:  # None: the key expired meanwhile
+                    scan.checked["secret scan: Redis values"] += 1
+                    scan.look(f"Redis db{n}: {kind} {name!r}", value)
+
+
+def _scan_stream(r: Any, n: int, key: bytes, scan: SecretScan) -> None:
+    name = _s(key)
+    last = "-"
+    while True:
+        batch = r.xrange(key, min=last, max="+", count=10_000)
+        if last != "-":
+            batch = batch[1:]  # the first entry is the one we ended on
+        if not batch:
+            return
+        for entry_id, fields in batch:
+            scan.checked["secret scan: stream entries"] += 1
+            data = [b for kv in fields.items() for b in kv]
+            scan.look(f"Redis db{n}: stream {name!r} entry {_s(entry_id)}", *data)
+            last = _s(entry_id)
+
+
+def scan_files(paths: Iterable[tuple[str, Path]], scan: SecretScan) -> None:
+    """Look at each (label, path) file's bytes; a file that vanished is skipped."""
+    for label, path in paths:
+        try:
+            data = path.read_bytes()
+        except (FileNotFoundError, IsADirectoryError):
+            continue
+        scan.checked["secret scan: files"] += 1
+        scan.checked["secret scan: file bytes"] += len(data)
+        scan.look(label, data)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -57,10 +59,15 @@ options = {{ base_url = "{vendor_url}", key = "demo", idempotent = {json.dumps(i
 
 
 class Daemons:
-    """N `asynctaskd run` processes that can be killed and restarted."""
+    """N `asynctaskd run` processes that can be killed and restarted.
 
-    def __init__(self, config: Path, n: int) -> None:
+    `env` is added to the environment each one starts with (credentials, as systemd's
+    `Environment=` or `LoadCredential=` would give them: never in the config file).
+    """
+
+    def __init__(self, config: Path, n: int, env: Mapping[str, str] | None = None) -> None:
         self.config = config
+        self.env = dict(env or {})
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * n
         self.started_at = [0.0] * n  # the runner tells young crashes from old ones
         self.kills = 0
@@ -73,7 +80,7 @@ class Daemons:
             [sys.executable, "-m", "asynctaskd", "run", "--config", str(self.config)],
             stdout=subprocess.DEVNULL,
             stderr=log,
-            env=dict(os.environ),
+            env={**os.environ, **self.env},
         )
 
     def wait_heartbeats(self, timeout: float) -> None:
@@ -235,6 +242,27 @@ options = {{ base_url = "{vendor_url}", key = "{idempotent_key}", idempotent = t
 """
     path.write_text(text)
     return path
+
+
+def write_acl_file(path: Path, user: str, password: str) -> Path:
+    """An ACL file (`--aclfile`) with `user` and its password, kept only as its SHA-256.
+
+    The default user stays open, for the runner, the producers and the checker; `user`
+    may do everything, since the point is the password. It survives a restart of the server.
+    """
+    digest = hashlib.sha256(password.encode()).hexdigest()
+    path.write_text(f"user default on nopass ~* &* +@all\nuser {user} on #{digest} ~* &* +@all\n")
+    return path
+
+
+def connection_users(url: str) -> Counter[str]:
+    """The ACL user of every client connection to the server but the one asking."""
+    client: Any = Redis.from_url(url, socket_timeout=5)
+    try:
+        own = client.client_id()
+        return Counter(str(c["user"]) for c in client.client_list() if int(c["id"]) != own)
+    finally:
+        client.close()
 
 
 def pause_redis(url: str, ms: int) -> None:

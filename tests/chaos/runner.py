@@ -11,6 +11,10 @@ port and directory, pauses Redis (`CLIENT PAUSE ... ALL`), and makes the vendor 
 task is settled (or past its deadline plus the slack), stops the daemons with SIGTERM (exit
 0 expected) and reads the history for `tests.chaos.checker`.
 
+The daemons log in to Redis as an ACL user whose password (`ChaosConfig.secret`) they get
+from the environment, as in production; after the run every key and value in the server,
+its append-only files, every daemon log and the checker's report are searched for it.
+
 From pytest: `run_chaos(ChaosConfig.ci(tmp_path))`, then `checker.check(outcome.history)`.
 By hand, from the repository root:
 
@@ -28,6 +32,7 @@ import contextlib
 import heapq
 import json
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -47,8 +52,24 @@ from asynctaskd import Client
 from asynctaskd.embedded import ServerProcess, find_binary
 from asynctaskd.errors import AsyncTaskdError, StoreUnavailable, TaskNotFound
 from asynctaskd.fakevendor import Behaviour, FakeVendorProcess
-from tests.chaos.checker import History, Report, Submission, Violation, check, read_history
-from tests.chaos.harness import Daemons, chaos_daemon_config, pause_redis
+from tests.chaos.checker import (
+    History,
+    Report,
+    SecretScan,
+    Submission,
+    Violation,
+    check,
+    read_history,
+    scan_files,
+    scan_redis,
+)
+from tests.chaos.harness import (
+    Daemons,
+    chaos_daemon_config,
+    connection_users,
+    pause_redis,
+    write_acl_file,
+)
 
 NAMESPACE = "atd"
 LIVE = ("PENDING_SUBMIT", "SUBMITTING", "SUBMITTED", "RUNNING")
@@ -107,6 +128,10 @@ class ChaosConfig:
     tenants: int = 4
     slack: float = 15.0  # a task may settle this long after its deadline
     seed: int = 1
+    # The daemons' Redis ACL user and password (REDIS_USERNAME, REDIS_PASSWORD): the
+    # password is the secret looked for everywhere after the run. Never printed.
+    redis_user: str = "chaos-daemon"
+    secret: str = field(default_factory=lambda: f"chaos-secret-{secrets.token_hex(12)}", repr=False)
 
     @classmethod
     def ci(cls, workdir: Path, server: str = "redis-server", seed: int = 1) -> ChaosConfig:
@@ -148,6 +173,7 @@ class RunOutcome:
     log_lines: Counter[str] = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)  # runner-level violations
     timings: dict[str, float] = field(default_factory=dict)
+    secret_scan: SecretScan | None = None
 
     def figures(self) -> dict[str, Any]:
         t = self.timings
@@ -157,6 +183,7 @@ class RunOutcome:
             "load window s": round(t.get("load", 0.0), 1),
             "settle s": round(t.get("settle", 0.0), 1),
             "total s": round(t.get("total", 0.0), 1),
+            "secret scan s": round(t.get("secret scan", 0.0), 1),
             "faults": dict(sorted(self.faults.items())),
             "producers": dict(sorted(self.producers.items())),
             "daemon log lines": dict(self.log_lines.most_common(12)),
@@ -541,8 +568,15 @@ def run_chaos(cfg: ChaosConfig, *, log: Callable[[str], None] | None = None) -> 
     chaos = _Chaos(cfg)
     timings: dict[str, float] = {}
     t_begin = time.monotonic()
-    server = ServerProcess(binary, data_dir=cfg.workdir / "redis", aof=True).start()
+    acl = write_acl_file(cfg.workdir / "users.acl", cfg.redis_user, cfg.secret)
+    server = ServerProcess(
+        binary,
+        data_dir=cfg.workdir / "redis",
+        aof=True,
+        extra_args=("--aclfile", str(acl.resolve())),
+    ).start()
     chaos.server = server
+    scan = SecretScan(cfg.secret)
     try:
         base: dict[str, Any] = {
             "submit_latency": cfg.submit_latency,
@@ -570,12 +604,14 @@ def run_chaos(cfg: ChaosConfig, *, log: Callable[[str], None] | None = None) -> 
                 lease=f"{cfg.lease}s",
                 max_inflight=cfg.max_inflight,
             )
-            daemons = Daemons(config, cfg.daemons)
+            credentials = {"REDIS_USERNAME": cfg.redis_user, "REDIS_PASSWORD": cfg.secret}
+            daemons = Daemons(config, cfg.daemons, env=credentials)
             chaos.daemons = daemons
             exit_codes: list[int] = []
             try:
                 daemons.start_all()
                 _wait_for_handlers(server.url, time.monotonic() + 30)
+                chaos.problems.extend(_check_logins(server.url, cfg.redis_user, scan))
                 say(f"{cfg.server} {server.url}, vendor {vendor_proc.url}, {cfg.daemons} daemons")
                 _load_and_faults(chaos, timings, say)
                 _settle(chaos, timings, say)
@@ -593,8 +629,25 @@ def run_chaos(cfg: ChaosConfig, *, log: Callable[[str], None] | None = None) -> 
         again = _read(server.url)
         chaos.problems.extend(_differences(history, again))
         chaos.faults["redis_restart (final, compared)"] += 1
+        t_scan = time.monotonic()
+        side = Redis.from_url(server.url, socket_timeout=30)
+        try:
+            scan_redis(side, scan)
+        finally:
+            side.close()
+        timings["secret scan"] = time.monotonic() - t_scan
     finally:
         server.stop()
+    # After the stop: the append-only files and the server's log are complete.
+    files = [(f"daemon log {p.name}", p) for p in sorted(daemons.log_dir.glob("daemon-*.log"))]
+    files += [
+        (f"Redis file {p.relative_to(server.data_dir)}", p)
+        for p in sorted(server.data_dir.rglob("*"))
+        if p.is_file()
+    ]
+    t_scan = time.monotonic()
+    scan_files(files, scan)
+    timings["secret scan"] = timings.get("secret scan", 0.0) + time.monotonic() - t_scan
     history.vendor_log = vendor_log
     history.submissions = list(chaos.submissions)
     history.idempotent_handlers = frozenset({IDEMPOTENT_HANDLER})
@@ -611,6 +664,7 @@ def run_chaos(cfg: ChaosConfig, *, log: Callable[[str], None] | None = None) -> 
         log_lines=_log_stats(daemons),
         problems=chaos.problems,
         timings=timings,
+        secret_scan=scan,
     )
 
 
@@ -694,6 +748,27 @@ def _differences(before: History, after: History) -> list[str]:
     return out
 
 
+def _check_logins(url: str, user: str, scan: SecretScan) -> list[str]:
+    """The daemons use the password: each connection is `user`'s (else the scan is moot).
+
+    Right after start-up only daemons are connected; a client the runner just closed may
+    still be listed for a moment, so wait for the default user's connections to go.
+    """
+    deadline = time.monotonic() + 3
+    while True:
+        users = connection_users(url)
+        if set(users) <= {user} or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    scan.checked["secret scan: daemon connections logged in with it"] = users[user]
+    if not users[user]:
+        return [f"no connection logged in as {user!r}: the daemons did not use the password"]
+    others = {u: n for u, n in users.items() if u != user}
+    if others:
+        return [f"connections of other users while only daemons were connected: {others}"]
+    return []
+
+
 def _wait_for_handlers(url: str, deadline: float) -> None:
     client: Any = Redis.from_url(url)
     try:
@@ -715,6 +790,13 @@ def judge(outcome: RunOutcome) -> Report:
     for problem in outcome.problems:
         report.violations.append(Violation("runner", None, problem))
     report.figures = {**outcome.figures(), **report.figures}
+    scan = outcome.secret_scan
+    if scan is not None:
+        report.checked.update(scan.checked)
+        report.violations.extend(scan.violations())
+        # Last, the report as it will be printed: every other part is in it by now.
+        if scan.holds_secret(report.format()):
+            report.violations.append(Violation("secret_leak", None, "the secret is in this report"))
     return report
 
 

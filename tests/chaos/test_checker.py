@@ -1,12 +1,14 @@
 """The history checker itself: it passes a clean history and catches each planted fault.
 
 Synthetic histories need no Redis; the last tests read a real one written by the real
-scripts (fast: no daemons), then tamper with it.
+scripts (fast: no daemons), then tamper with it, and plant a secret in a real server,
+in log files and in a run's report for the secret scan to find.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +19,17 @@ from asynctaskd.codec import encode_json
 from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.model import Status
 from asynctaskd.store import Lease, Store
-from tests.chaos.checker import Event, History, Submission, check, read_history
+from tests.chaos.checker import (
+    Event,
+    History,
+    SecretScan,
+    Submission,
+    check,
+    read_history,
+    scan_files,
+    scan_redis,
+)
+from tests.chaos.runner import ChaosConfig, RunOutcome, judge
 
 T0 = 1_700_000_000_000  # ms
 
@@ -296,3 +308,88 @@ def test_catches_a_claim_of_a_paused_tenant_and_a_held_task_left_behind() -> Non
     assert check(h).ok
     h.indexes["held:tenant:t3"] = {b: 1.0}
     assert kinds(h) == {"index_left"}
+
+
+# --- Secrets: the scan finds what was planted, wherever it is --------------------------------
+
+SECRET = "chaos-secret-5e1f0c3a9b7d2e4f6a8c0b1d"
+
+
+def test_secret_scan_finds_a_secret_planted_anywhere_in_redis(sync_redis: Redis) -> None:
+    r: Any = sync_redis
+    task = "atd:{s0}:task:" + new_task_id()
+    r.hset(task, mapping={"status": "FAILED", "error_code": "HTTP_401", "version": 3})
+    r.xadd("atd:{s0}:events", {"task": "t0", "status": "PENDING_SUBMIT", "version": 1})
+    scan = SecretScan(SECRET)
+    scan_redis(sync_redis, scan)
+    assert scan.found == [] and scan.checked["secret scan: Redis keys"] >= 2
+
+    half = SECRET[: len(SECRET) // 2 + 3]  # an error message cut short
+    r.hset(task, "error_message", f"AUTH failed for {SECRET}")
+    r.hset("atd:{s0}:task:t2", mapping={SECRET: "x", "error_message": f"...{half}"})
+    r.set(f"atd:cache:{SECRET}", "1")
+    r.rpush("atd:list", "a", SECRET)
+    r.sadd("atd:set", "b", SECRET)
+    r.zadd("atd:zset", {SECRET: 1.0})
+    r.xadd("atd:{s0}:events", {"task": "t1", "status": "FAILED", "message": SECRET})
+    kwargs = sync_redis.connection_pool.connection_kwargs
+    other: Any = Redis(host=kwargs["host"], port=kwargs["port"], db=3)
+    try:
+        other.set("db3-key", SECRET.encode() + b"\xff")
+        scan = SecretScan(SECRET)
+        scan_redis(sync_redis, scan)
+    finally:
+        other.flushdb()
+        other.close()
+    found = " | ".join(scan.found)
+    assert len(scan.found) == 9, found
+    for place in (
+        f"hash {task!r} field 'error_message'",
+        "hash 'atd:{s0}:task:t2' field '<secret>'",
+        "hash 'atd:{s0}:task:t2' field 'error_message'",
+        "the name of key 'atd:cache:<secret>'",
+        "list 'atd:list'",
+        "set 'atd:set'",
+        "zset 'atd:zset'",
+        "stream 'atd:{s0}:events' entry",
+        "Redis db3: string 'db3-key'",
+    ):
+        assert place in found, place
+    assert scan.checked["secret scan: stream entries"] == 2
+    violations = scan.violations()
+    assert {v.kind for v in violations} == {"secret_leak"}
+    assert not any(scan.holds_secret(v.message) for v in violations), "places are masked"
+
+
+def test_secret_scan_reads_files_and_text(tmp_path: Path) -> None:
+    clean = tmp_path / "daemon-0-1.log"
+    clean.write_text('{"level": "warning", "msg": "save refused: STALE_FENCE"}\n')
+    leaky = tmp_path / "daemon-1-2.log"
+    leaky.write_bytes(b'{"msg": "cannot connect: WRONGPASS ' + SECRET.encode() + b'"}\n\xff')
+    scan = SecretScan(SECRET)
+    files = [("daemon log a", clean), ("daemon log b", leaky), ("gone", tmp_path / "no")]
+    scan_files(files, scan)
+    assert scan.found == ["daemon log b"]
+    assert scan.checked["secret scan: files"] == 2
+    assert scan.holds_secret("report text\n" + SECRET[-20:])
+    assert not scan.holds_secret("report text\nchaos-secret-")
+    with pytest.raises(ValueError, match="16 characters"):
+        SecretScan("short")
+
+
+def test_judge_reports_leaks_and_a_secret_in_the_report_itself(tmp_path: Path) -> None:
+    cfg = ChaosConfig(workdir=tmp_path, secret=SECRET)
+    assert SECRET not in repr(cfg)
+    outcome = RunOutcome(cfg, clean(), exit_codes=[0, 0, 0], secret_scan=SecretScan(SECRET))
+    report = judge(outcome)
+    assert report.ok, report.format()
+    outcome.secret_scan = scan = SecretScan(SECRET)
+    scan.look("daemon log daemon-2-9.log", f"password={SECRET}")
+    outcome.problems.append(f"daemon 2 exited on its own (1):\nREDIS_PASSWORD={SECRET}")
+    report = judge(outcome)
+    assert report.kinds() == {"runner": 1, "secret_leak": 2}, report.format()
+    messages = [v.message for v in report.violations if v.kind == "secret_leak"]
+    assert messages == [
+        "the secret is in daemon log daemon-2-9.log",
+        "the secret is in this report",
+    ]
