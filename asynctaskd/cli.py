@@ -34,6 +34,8 @@ examples:
   asynctaskd resolve 01J... --as SUBMITTED --external-id job_42
   asynctaskd stats
   asynctaskd pause --tenant t1 --note "over budget"   hold back new submits; resume to undo
+  asynctaskd limits set --provider openai --submit-rate 50 --max-in-flight 500
+  asynctaskd limits set --tenant '*' --quota 10000 --quota-period 1d
   asynctaskd group set ocr --policy weighted --member ocr:a=3 --member ocr:b
   asynctaskd submit ocr '{"text": "hi"}'          a group: one member is picked, once
 
@@ -174,6 +176,31 @@ def _parser() -> argparse.ArgumentParser:
     conn(gp)
     js(gp)
     gp.add_argument("name")
+
+    sp = sub.add_parser("limits", help="show, set or clear admission limits (runtime)")
+    lsub = sp.add_subparsers(dest="limits_command", metavar="ACTION")
+    lp = lsub.add_parser("show", help="every stored limit (the default action)")
+    for parser in (sp, lp):
+        conn(parser)
+        js(parser)
+    lp = lsub.add_parser("set", help="set one scope's limits; wins over the config file")
+    conn(lp)
+    js(lp)
+    lp.add_argument("--provider", help="a provider (all its handlers and accounts)")
+    lp.add_argument("--account", help="with --provider: one vendor account")
+    lp.add_argument("--tenant", help="a tenant, or '*' for every tenant without its own")
+    lp.add_argument("--submit-rate", type=float, help="vendor submits per second")
+    lp.add_argument("--submit-burst", type=int, help="submits allowed at once (default: rate)")
+    lp.add_argument("--query-rate", type=float, help="vendor status queries per second")
+    lp.add_argument("--query-burst", type=int)
+    lp.add_argument("--max-in-flight", type=int, help="tasks SUBMITTING..RUNNING at once")
+    lp.add_argument("--quota", type=int, help="tenant: submits accepted per --quota-period")
+    lp.add_argument("--quota-period", help="e.g. 1d (default), 1h")
+    lp.add_argument("--note", help="who and why, for other operators")
+    lp = lsub.add_parser("clear", help="delete one scope's limits")
+    conn(lp)
+    js(lp)
+    lp.add_argument("scope", help="provider:<p>, account:<p>/<a>, tenant:<t> or tenant:*")
 
     sp = sub.add_parser("purge", help="delete terminal tasks older than a duration")
     conn(sp)
@@ -332,6 +359,8 @@ def _client_command(args: argparse.Namespace) -> int:
             return 0
         if cmd == "group":
             return _group(client, args)
+        if cmd == "limits":
+            return _limits(client, args)
         if cmd == "purge":
             n = client.purge(
                 _duration(args.older_than, "--older-than"), archive=args.archive, limit=args.limit
@@ -384,6 +413,57 @@ def _group(client: Any, args: argparse.Namespace) -> int:
             _out(f"deleted group {args.name}" if deleted else f"no group {args.name}")
         return 0 if deleted else 1
     raise AssertionError(f"unhandled group action {action}")
+
+
+_LIMIT_OPTIONS = (
+    "provider", "account", "tenant", "submit_rate", "submit_burst", "query_rate",
+    "query_burst", "max_in_flight", "quota", "quota_period", "note",
+)  # fmt: skip
+
+
+def _plain(value: Any) -> Any:
+    return msgspec.to_builtins(value, enc_hook=float)  # Duration is a float
+
+
+def _limit_line(entry: Any) -> str:
+    limit = _plain(entry.limit)
+    shown = " ".join(
+        f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+        for k, v in limit.items()
+        if k not in ("provider", "account", "tenant", "note")
+        and v not in (None, "")
+        and not (k == "quota_period" and limit.get("quota") is None)
+    )
+    note = f"  # {entry.limit.note}" if entry.limit.note else ""
+    return f"{entry.scope:<28} {entry.source:<8} {shown}{note}"
+
+
+def _limits(client: Any, args: argparse.Namespace) -> int:
+    action = args.limits_command or "show"
+    if action == "show":
+        entries = client.limits()
+        if args.json:
+            _out(json.dumps({s: _plain(e) for s, e in entries.items()}))
+        elif not entries:
+            _out("no limits set")
+        else:
+            _out(f"{'scope':<28} {'source':<8} limits")
+            for entry in entries.values():
+                _out(_limit_line(entry))
+        return 0
+    if action == "set":
+        options = {k: getattr(args, k) for k in _LIMIT_OPTIONS if getattr(args, k) is not None}
+        entry = client.set_limit(**options)
+        _out(json.dumps(_plain(entry)) if args.json else _limit_line(entry))
+        return 0
+    if action == "clear":
+        cleared = client.clear_limit(args.scope)
+        if args.json:
+            _out(json.dumps({"scope": args.scope, "cleared": cleared}))
+        else:
+            _out(f"cleared {args.scope}" if cleared else f"no limits for {args.scope}")
+        return 0 if cleared else 1
+    raise AssertionError(f"unhandled limits action {action}")
 
 
 def _stats(client: Any, args: argparse.Namespace) -> int:

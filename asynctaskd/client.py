@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import datetime as dt
 import math
 import os
@@ -25,11 +26,15 @@ import redis
 import redis.asyncio
 import redis.exceptions
 
+from . import admission
+from .admission import Entry
 from .codec import DEFAULT_MAX_PAYLOAD, check_json_like, decode_task, encode_payload
+from .config import HandlerConfig, LimitConfig
 from .errors import (
     CorruptTask,
     IllegalTransition,
     InvalidTask,
+    QuotaExceeded,
     ScriptError,
     StoreUnavailable,
     TaskNotFound,
@@ -37,6 +42,9 @@ from .errors import (
 )
 from .keys import HANDLER_KEY_RE, Keys, new_task_id
 from .model import Status, Task
+from .plans import Pause, Reads
+from .plans import advance as _advance
+from .plans import read as _read
 from .routing import (
     MAX_ROUTE_KEY,
     Group,
@@ -53,7 +61,6 @@ from .store import (
     Code,
     Created,
     Ops,
-    Read,
     Result,
     Store,
     SyncStore,
@@ -70,6 +77,7 @@ T = TypeVar("T")
 
 HANDLER_CACHE_S: Final = 5.0  # how long a client trusts its copy of the live handler keys
 GROUP_CACHE_S: Final = 5.0  # how long a client trusts its copy of the handler groups
+QUOTA_CACHE_S: Final = 1.0  # how long a client trusts its list of tenants with a quota
 BLOCK_S: Final = 5.0  # longest XREAD BLOCK; below the 10 s socket timeout of from_url
 REPLY_MARGIN_S: Final = 5.0  # client-side bound on a blocking read: BLOCK plus this
 RECONNECT_BUDGET_S: Final = 30.0  # watch() gives up after this long without Redis
@@ -115,36 +123,8 @@ class Stats(msgspec.Struct, frozen=True):
     daemons: list[dict[str, Any]]
 
 
-class Reads:
-    """Read commands for one pipeline; `bound` caps the wait for the reply (seconds).
-
-    Also carries the few plain writes that are not task state: group definitions (HSET,
-    HDEL) and a group's round-robin counter (INCR, DEL). Task state is only written by
-    the scripts.
-    """
-
-    __slots__ = ("bound", "cmds")
-
-    def __init__(self, *cmds: Read, bound: float | None = None) -> None:
-        self.cmds = cmds
-        self.bound = bound
-
-
-class Pause:
-    """Sleep this long before the next step (reconnect backoff)."""
-
-    __slots__ = ("seconds",)
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-
-
 Step: TypeAlias = Call[Any] | Reads | Pause | TaskEvent
 Plan: TypeAlias = Generator[Step, Any, T]
-
-
-def _read(name: str, *args: Any, **kwargs: Any) -> Read:
-    return (name, args, kwargs)
 
 
 class _Context:
@@ -158,6 +138,8 @@ class _Context:
         self.live_read_at = -math.inf  # monotonic seconds of the last HGETALL handlers
         self.groups: dict[str, bytes] = {}  # group name -> its JSON definition, decoded on use
         self.groups_read_at = -math.inf  # monotonic seconds of the last HGETALL groups
+        self.quotas: set[str] = set()  # tenants with a submit quota ("*": every tenant)
+        self.quotas_read_at = -math.inf
 
     def remember_handlers(self, raw: dict[bytes, bytes]) -> dict[str, int]:
         out = {}
@@ -522,8 +504,23 @@ def _submit(ctx: _Context, strict: bool, args: tuple[Any, ...]) -> Plan[Task]:
     call, task = build(handler)
     if strict:
         yield from _check_handler(ctx, task.handler)
+    lane = (yield from _quota_lane(ctx, task.tenant)) if task.tenant else None
+    if lane is not None:
+        granted, wait_ms = (yield ctx.ops.take("take", {lane: 1}))[lane]
+        if not granted:
+            # Over quota, but a duplicate of a live task is no new submit: answer with it.
+            existing = yield from _deduplicated(ctx, task)
+            if existing is not None:
+                return existing
+            raise QuotaExceeded(task.tenant, wait_ms / 1000)
     for _ in range(3):
         created: Created = yield call
+        if created.deduped and lane is not None:
+            # A deduplicated submit does not count against the quota; if the refund is
+            # lost, the token comes back with the refill.
+            with contextlib.suppress(StoreUnavailable):
+                yield ctx.ops.take("refund", {lane: 1})
+            lane = None
         if not created.deduped:
             at = created.created_ms / 1000
             return msgspec.structs.replace(
@@ -536,6 +533,17 @@ def _submit(ctx: _Context, strict: bool, args: tuple[Any, ...]) -> Plan[Task]:
             return existing
         # The live duplicate vanished between the two calls: create again.
     raise ScriptError(f"create kept deduplicating {task.id} to tasks that do not exist")
+
+
+def _deduplicated(ctx: _Context, task: Task) -> Plan[Task | None]:
+    """The live task a submit with the same tenant and dedup key would return, if any."""
+    if not task.dedup_key:
+        return None
+    (existing,) = yield Reads(_read("get", ctx.keys.dedup(task.shard, task.tenant, task.dedup_key)))
+    if existing is None:
+        return None
+    found = yield from _get(ctx, existing.decode(), None, False)
+    return found if found is not None and not found.status.is_terminal else None
 
 
 def _get(ctx: _Context, task_id: str, tenant: str | None, internals: bool) -> Plan[Task | None]:
@@ -770,6 +778,39 @@ def _paused(ctx: _Context) -> Plan[dict[str, dict[str, Any]]]:
     return out
 
 
+def _limits(ctx: _Context) -> Plan[dict[str, Entry]]:
+    _, stored = yield from admission.read_limits(ctx.keys)
+    return {
+        scope: Entry(scope, entry.source, admission.limit_from_stored(scope, entry))
+        for scope, entry in sorted(stored.items())
+        if entry.source != "handler"
+    }
+
+
+def _set_limit(ctx: _Context, options: dict[str, Any]) -> Plan[Entry]:
+    limit = admission.limit_from_options(**options)
+    entry = admission.encode_limit(limit, "runtime")
+    yield from admission.write(ctx.ops, "set", [(limit.scope, entry)])
+    return Entry(limit.scope, "runtime", limit)
+
+
+def _clear_limit(ctx: _Context, scope: str) -> Plan[bool]:
+    admission.check_scope(scope)
+    _, changed, _ = yield from admission.write(ctx.ops, "set", [(scope, "")])
+    return changed > 0
+
+
+def _quota_lane(ctx: _Context, tenant: str) -> Plan[str | None]:
+    """The token lane of the tenant's submit quota, if one applies (cached for a second)."""
+    now = time.monotonic()
+    if now - ctx.quotas_read_at >= QUOTA_CACHE_S:
+        (names,) = yield Reads(_read("hkeys", ctx.keys.admission() + "rates"))
+        prefix = b"quota:tenant:"
+        ctx.quotas = {n[len(prefix) :].decode() for n in names if n.startswith(prefix)}
+        ctx.quotas_read_at = now
+    return f"quota|{tenant}" if tenant in ctx.quotas or "*" in ctx.quotas else None
+
+
 def _resolve(
     ctx: _Context, task_id: str, target: Status | str, external_id: str | None,
     query: dict[str, Any] | None, message: str, only_from: tuple[Status, ...] = (),
@@ -850,14 +891,6 @@ def _write_archive(archive: ArchiveTarget, lines: list[bytes]) -> None:
     else:
         archive.write(text)
         archive.flush()
-
-
-def _advance(plan: Plan[Any], reply: Any, error: Exception | None) -> tuple[bool, Any]:
-    """Hand a plan its last reply (or error); (True, next step) or (False, its result)."""
-    try:
-        return True, (plan.throw(error) if error is not None else plan.send(reply))
-    except StopIteration as stop:
-        return False, stop.value
 
 
 class AsyncClient:
@@ -1026,6 +1059,38 @@ class AsyncClient:
     async def handlers(self) -> dict[str, float]:
         """Handler keys some live daemon serves, with their expiry (epoch seconds)."""
         return await self._run(_handlers(self._ctx))
+
+    async def limits(self) -> dict[str, Entry]:
+        """Admission limits stored in Redis, by scope ('provider:openai', 'tenant:*', ...)."""
+        return await self._run(_limits(self._ctx))
+
+    async def set_limit(self, **options: Any) -> Entry:
+        """Operator: set the limits of one scope at runtime, for every daemon within a second.
+
+        Options are those of a `[[limits]]` table: provider (and account) or tenant, then
+        submit_rate, submit_burst, query_rate, query_burst, max_in_flight, quota,
+        quota_period (seconds or "1d"), note. It replaces the scope's entry and wins over
+        the config file until `clear_limit`. InvalidTask if the options are wrong.
+        """
+        return await self._run(_set_limit(self._ctx, options))
+
+    async def clear_limit(self, scope: str) -> bool:
+        """Operator: delete a scope's limits (a config file sets them again at its next
+        load); True if there were any."""
+        return await self._run(_clear_limit(self._ctx, scope))
+
+    async def sync_limits(self, *, force: bool = False) -> int:
+        """Bring every shard's copy of the limits up to date (daemons do this each second)."""
+        return await self._run(admission.sync(self._ctx.ops, force=force))
+
+    async def apply_config_limits(
+        self, limits: Sequence[LimitConfig], handlers: Sequence[HandlerConfig] = ()
+    ) -> tuple[str, ...]:
+        """Write a config file's [[limits]] (daemons do this at start and on SIGHUP);
+        returns the scopes whose runtime entry was kept."""
+        entries = admission.config_entries(limits, handlers)
+        _, _, kept = await self._run(admission.write(self._ctx.ops, "config", entries))
+        return tuple(kept)
 
     async def set_group(self, name: str, policy: str, members: Sequence[MemberSpec]) -> Group:
         """Operator: define (or replace) the handler group `name`, persisted in Redis.
@@ -1248,6 +1313,18 @@ class Client:
     def handlers(self) -> dict[str, float]:
         """Live handler keys and their expiry; see `AsyncClient.handlers`."""
         return self._run(_handlers(self._ctx))
+
+    def limits(self) -> dict[str, Entry]:
+        """Stored admission limits; see `AsyncClient.limits`."""
+        return self._run(_limits(self._ctx))
+
+    def set_limit(self, **options: Any) -> Entry:
+        """Set one scope's limits at runtime; see `AsyncClient.set_limit`."""
+        return self._run(_set_limit(self._ctx, options))
+
+    def clear_limit(self, scope: str) -> bool:
+        """Delete one scope's limits; see `AsyncClient.clear_limit`."""
+        return self._run(_clear_limit(self._ctx, scope))
 
     def set_group(self, name: str, policy: str, members: Sequence[MemberSpec]) -> Group:
         """Operator: define or replace a handler group; see `AsyncClient.set_group`."""

@@ -21,6 +21,7 @@ __all__ = [
     "Config",
     "Duration",
     "HandlerConfig",
+    "LimitConfig",
     "LogConfig",
     "MetricsConfig",
     "ReaperConfig",
@@ -95,7 +96,6 @@ class RedisConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     durability: Literal["auto", "waitaof", "wait", "off"] = "auto"
     durability_timeout: Duration = Duration(1)
     wait_replicas: Annotated[int, msgspec.Meta(ge=0)] = 0
-
     # TLS for rediss:// and rediss+sentinel:// URLs: PEM files, read when the daemon starts.
     # The URL options ssl_ca_certs, ssl_certfile, ssl_keyfile, ssl_cert_reqs do the same;
     # a setting given both ways is an error.
@@ -110,6 +110,7 @@ class RedisConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         return TlsOptions(
             ca=self.tls_ca, cert=self.tls_cert, key=self.tls_key, verify=self.tls_verify
         )
+
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The `[worker]` table: claiming, leases, concurrency and shutdown."""
@@ -171,6 +172,75 @@ class HandlerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     provider: str = ""  # admission provider; empty: the handler key
 
 
+_Rate = Annotated[float, msgspec.Meta(gt=0)]
+_Count = Annotated[int, msgspec.Meta(ge=1, le=1_000_000_000)]
+
+
+class LimitConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One `[[limits]]` table: whom it applies to, and its limits (SPEC section 7).
+
+    Whom: `provider` (all its handlers and accounts), `provider` with `account` (one vendor
+    account), or `tenant` ("*": every tenant that has no entry of its own). Limits:
+    vendor calls per second with a burst, in-flight caps, and a tenant's submit quota.
+    """
+
+    provider: str = ""
+    account: str = ""
+    tenant: str = ""
+    submit_rate: _Rate | None = None  # vendor submits per second, shared by every daemon
+    submit_burst: _Count | None = None  # default: the rate, rounded up
+    query_rate: _Rate | None = None  # vendor status queries per second
+    query_burst: _Count | None = None
+    max_in_flight: _Count | None = None  # tasks in SUBMITTING..RUNNING and SUBMIT_UNKNOWN
+    quota: _Count | None = None  # tenant: submits accepted per quota_period
+    quota_period: Duration = Duration(86400.0)
+    note: str = ""
+
+    @property
+    def scope(self) -> str:
+        """'provider:<p>', 'account:<p>/<a>' or 'tenant:<t>': the key limits are stored by."""
+        if self.tenant:
+            return f"tenant:{self.tenant}"
+        if self.account:
+            return f"account:{self.provider}/{self.account}"
+        return f"provider:{self.provider}"
+
+    def problems(self) -> Iterator[tuple[str, str]]:
+        """Each rule the entry breaks, as (key, message)."""
+        if bool(self.tenant) == bool(self.provider):
+            yield "provider", "name exactly one of provider (optionally with account) or tenant"
+            return
+        if self.account and not self.provider:
+            yield "account", "an account belongs to a provider: name the provider too"
+        for name in ("provider", "account", "tenant"):
+            value = getattr(self, name)
+            if (
+                value
+                and not HANDLER_KEY_RE.fullmatch(value)
+                and not (name == "tenant" and value == "*")
+            ):
+                yield name, "expected 1-64 characters of A-Z a-z 0-9 _ . : - (tenant: or '*')"
+        for rate in ("submit_rate", "query_rate"):
+            value = getattr(self, rate)
+            if value is not None and not math.isfinite(value):
+                yield rate, "expected a finite number of calls per second"
+        for burst, rate in (("submit_burst", "submit_rate"), ("query_burst", "query_rate")):
+            if getattr(self, burst) is not None and getattr(self, rate) is None:
+                yield burst, f"a burst needs {rate}"
+        if self.tenant:
+            for name in ("submit_rate", "query_rate"):
+                if getattr(self, name) is not None:
+                    yield name, "rates apply to a provider or account; tenants have quota"
+        elif self.quota is not None:
+            yield "quota", "quotas apply to tenants; providers and accounts have rates"
+        limits = (self.submit_rate, self.query_rate, self.max_in_flight, self.quota)
+        if all(v is None for v in limits):
+            yield (
+                "max_in_flight",
+                "set at least one of submit_rate, query_rate, max_in_flight, quota",
+            )
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The whole daemon config; every table is optional and defaults as documented."""
 
@@ -181,6 +251,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     metrics: MetricsConfig = MetricsConfig()
     log: LogConfig = LogConfig()
     handlers: list[HandlerConfig] = []
+    limits: list[LimitConfig] = []
 
     def redacted(self) -> dict[str, Any]:
         """The effective config as plain data, with URL passwords and secret options masked."""
@@ -285,6 +356,14 @@ def _check(config: Config, text: str) -> Iterator[tuple[list[str], str]]:
                 yield [f"{at}.factory"], "only python handlers take a factory"
             if not handler.options:
                 yield [f"{at}.options", at], "http handlers need an options table"
+    scopes: dict[str, int] = {}
+    for i, limit in enumerate(config.limits):
+        at = f"$.limits[{i}]"
+        for name, message in limit.problems():
+            yield [f"{at}.{name}", at], message
+        if limit.scope in scopes:
+            yield [at], f"a second entry for {limit.scope} (also limits[{scopes[limit.scope]}])"
+        scopes.setdefault(limit.scope, i)
 
 
 def _scheme(url: str) -> str:
@@ -376,8 +455,13 @@ def _literal_choices(segments: _KeyPath) -> tuple[object, ...]:
     if struct is None:
         return ()
     for field in msgspec.structs.fields(struct):
-        if field.name == segments[-1] and get_origin(field.type) is Literal:
+        if field.name != segments[-1]:
+            continue
+        if get_origin(field.type) is Literal:
             return get_args(field.type)
+        for member in get_args(field.type):  # Literal[...] | None
+            if get_origin(member) is Literal:
+                return get_args(member)
     return ()
 
 

@@ -27,16 +27,18 @@ import anyio
 import httpx
 import msgspec
 
-from . import __version__, http_handler, systemd
+from . import __version__, admission, http_handler, systemd
+from .client import AsyncClient
 from .config import Config, load_config, parse_listen
+from .connection import open_async
 from .embedded import ServerProcess, valkey_binary
-from .errors import ConfigError, StoreUnavailable
+from .errors import ConfigError, ScriptError, StoreUnavailable
 from .handlers import HandlerEntry, load_handlers
 from .health import serve_health
 from .keys import Keys
 from .metrics import Metrics
 from .reaper import run_reaper
-from .store import Store, open_redis
+from .store import Store, redis_credentials
 from .transport import make_http_client
 from .worker import Worker
 
@@ -108,7 +110,12 @@ class Daemon:
     async def serve(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         config = self.config
         async with redis_url(config) as url:
-            redis = open_redis(url, socket_timeout=float(config.redis.socket_timeout) + 5)
+            redis = open_async(
+                url,
+                config.redis.tls,
+                credentials=redis_credentials(),
+                socket_timeout=float(config.redis.socket_timeout) + 5,
+            )
             keys = Keys(config.redis.namespace, config.redis.shards)
             settings = {"retention_ms": round(float(config.reaper.retention) * 1000)}
             store = Store(redis, keys, settings)
@@ -152,6 +159,9 @@ class Daemon:
         self._loaded.extend(handlers.values())
         if not handlers:
             logger.warning("no handlers configured: this daemon will claim nothing useful")
+        # Admission limits are plans run through a client on the daemon's own connections.
+        client = AsyncClient(store.redis, config.redis.namespace, shards=config.redis.shards)
+        await self._apply_limits(client, config)
         worker = Worker(store, handlers, config, http=http, metrics=self.metrics, gate=gate)
         self.worker = worker
         async with anyio.create_task_group() as tg:
@@ -161,7 +171,8 @@ class Daemon:
                 tg.start_soon(self._loop_lag)
             tg.start_soon(run_reaper, store, config, self.metrics)
             tg.start_soon(self._heartbeat, store, worker, handlers)
-            tg.start_soon(self._signals, worker, handlers)
+            tg.start_soon(self._signals, worker, client)
+            tg.start_soon(admission.run_sync, client, store, self.metrics)
             tg.start_soon(self._watchdog, worker)
             stopped = anyio.Event()
 
@@ -244,11 +255,13 @@ class Daemon:
                 logger.error("watchdog: not pinging systemd: %s", why)
             await anyio.sleep(interval or healthy)
 
-    async def _signals(self, worker: Worker, handlers: dict[str, HandlerEntry]) -> None:
+    async def _signals(self, worker: Worker, client: AsyncClient) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async for signum in signals:
                 if signum == signal.SIGHUP:
-                    self._reload(worker)
+                    config = self._reload(worker)
+                    if config is not None:
+                        await self._apply_limits(client, config)
                     continue
                 logger.info("signal %s: %s", signal.Signals(signum).name,
                             "stopping now" if worker.draining else "draining")  # fmt: skip
@@ -256,10 +269,25 @@ class Daemon:
                     systemd.notify("STOPPING=1")  # step 1 of the drain order
                 worker.stop(now=worker.draining)
 
-    def _reload(self, worker: Worker) -> None:
+    async def _apply_limits(self, client: AsyncClient, config: Config) -> None:
+        """Write the config's [[limits]] to Redis (shared by every daemon) and sync shards."""
+        try:
+            kept = await client.apply_config_limits(config.limits, config.handlers)
+        except (StoreUnavailable, ScriptError) as exc:
+            logger.error("could not write [[limits]] to Redis (SIGHUP retries): %s", exc)
+            return
+        for scope in kept:
+            logger.warning(
+                "limits for %s were set at runtime and win over the config file "
+                "(asynctaskd limits clear %s hands them back to it)",
+                scope,
+                scope,
+            )
+
+    def _reload(self, worker: Worker) -> Config | None:
         if self.config_path is None:
             logger.warning("SIGHUP: no config file to reload")
-            return
+            return None
         try:
             config = load_config(self.config_path)
             handlers = load_handlers(
@@ -268,12 +296,13 @@ class Daemon:
             )
         except ConfigError as exc:
             logger.error("SIGHUP: reload failed, keeping the running config: %s", exc)
-            return
+            return None
         self._loaded.extend(handlers.values())
         worker.handlers = handlers
         logger.info(
             "SIGHUP: reloaded %d handler(s): %s", len(handlers), ", ".join(sorted(handlers))
         )
+        return config
 
 
 def install_uvloop() -> Callable[[], Any] | None:

@@ -25,9 +25,11 @@ __all__ = [
     "HandlerError",
     "IllegalTransition",
     "InvalidTask",
+    "NotPermitted",
     "NotSent",
     "PayloadTooLarge",
     "PermanentError",
+    "QuotaExceeded",
     "RetryableError",
     "ScriptError",
     "StoreUnavailable",
@@ -56,6 +58,21 @@ class UnknownHandler(InvalidTask):
     """No live daemon has registered the handler key (submit with strict=True)."""
 
 
+class QuotaExceeded(AsyncTaskdError):
+    """The tenant has used its submit quota for now; nothing was written.
+
+    `retry_after` is how many seconds until the quota allows the next submit.
+    """
+
+    def __init__(self, tenant: str, retry_after: float) -> None:
+        super().__init__(
+            f"tenant {tenant!r} has used its submit quota; the next submit is allowed in "
+            f"{retry_after:.1f}s (see `asynctaskd limits`)"
+        )
+        self.tenant = tenant
+        self.retry_after = retry_after
+
+
 class TaskNotFound(AsyncTaskdError, LookupError):
     """No such task, or it belongs to another tenant."""
 
@@ -66,6 +83,10 @@ class IllegalTransition(AsyncTaskdError):
 
 class StoreUnavailable(AsyncTaskdError):
     """Redis could not be reached or answered with a server-side error we cannot act on."""
+
+
+class NotPermitted(AsyncTaskdError):
+    """The Redis user may not run this command or touch these keys (ACL NOPERM)."""
 
 
 class ScriptError(AsyncTaskdError):

@@ -107,6 +107,10 @@ class Keys:
         """Placeholder passed where a script takes a dedup key but none applies."""
         return f"{self.tag(shard)}:dedup:-"
 
+    def admission(self) -> str:
+        """Prefix of the admission keys (limits, rates, version, bucket:<name>): one slot."""
+        return f"{self.namespace}:{{adm}}:"
+
     def handlers(self) -> str:
         """HASH of handler keys that live daemons serve: key -> expiry ms."""
         return f"{self.namespace}:handlers"

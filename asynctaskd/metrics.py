@@ -161,6 +161,33 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        self.admission_waiting = Gauge(
+            "asynctaskd_admission_waiting",
+            "Due tasks set aside by admission, by what holds them (pause, cap, rate) and "
+            "scope (tenant scopes are summed as 'tenant'); cluster-wide.",
+            ["kind", "scope"],
+            registry=r,
+        )
+        self.tokens = Counter(
+            "asynctaskd_tokens",
+            "Rate-limit tokens this daemon asked for, by lane (phase|provider|account) and "
+            "outcome: granted, denied (none left), refunded (taken but not used).",
+            ["lane", "outcome"],
+            registry=r,
+        )
+        self.in_flight_capped = Gauge(
+            "asynctaskd_cap_in_use",
+            "Tasks holding a slot of an in-flight cap, by scope (tenant scopes summed as "
+            "'tenant'); cluster-wide.",
+            ["scope"],
+            registry=r,
+        )
+        self.cap_limit = Gauge(
+            "asynctaskd_cap_limit",
+            "Configured in-flight caps, by scope (the default tenant cap as 'tenant:*').",
+            ["scope"],
+            registry=r,
+        )
         self._redis_children: dict[str, Histogram] = {}
 
     def observe_redis_call(self, script: str, seconds: float) -> None:

@@ -29,6 +29,9 @@ SCRIPT_NAMES: Final = (
     "quarantine",
     "pause",
     "resume",
+    "take",
+    "limits",
+    "sync_limits",
 )
 
 _KEY_LINE: Final = re.compile(r"^-- KEYS\[(\d+)\] (\w+)")

@@ -23,7 +23,7 @@ import redis.exceptions as rex
 from redis import Redis as SyncRedis
 
 from .codec import decode_task, pairs_to_dict
-from .errors import CorruptTask, ScriptError, StoreUnavailable
+from .errors import CorruptTask, NotPermitted, ScriptError, StoreUnavailable
 from .keys import HANDLER_KEY_RE, Keys
 from .model import Phase, Status, Task, shard_of
 from .scripts import Script, load_scripts
@@ -105,8 +105,9 @@ class ClaimBatch(msgspec.Struct, frozen=True):
     claimed: list[Claimed]
     next_due_ms: int | None  # earliest due time still waiting in the phase, None if none
     ready_left: int  # due tasks still waiting to be claimed
-    dropped: int  # entries found unclaimable (gone, timed out, canceled, quarantined)
+    dropped: int  # entries found unclaimable (gone, timed out, canceled, quarantined, held)
     corrupt: list[CorruptTask] = []
+    lanes: dict[str, tuple[int, int]] = {}  # rate lane -> (tokens used, tasks waiting)
 
 
 class Call(Generic[T]):
@@ -248,13 +249,24 @@ class Ops:
         return Call("create", [prefix, task_key, dedup], args, decode)
 
     def claim(
-        self, shard: int, phase: Phase, n: int, lease_ms: int, owner: str, promote_limit: int
+        self,
+        shard: int,
+        phase: Phase,
+        n: int,
+        lease_ms: int,
+        owner: str,
+        promote_limit: int,
+        grants: Mapping[str, int] | None = None,
     ) -> Call[ClaimBatch]:
         def decode(reply: Any) -> ClaimBatch:
             next_due = int(reply[0]) or None
             claimed: list[Claimed] = []
             corrupt: list[CorruptTask] = []
-            for item in reply[3:]:
+            info = reply[3]
+            lanes = {
+                _s(info[i]): (int(info[i + 1]), int(info[i + 2])) for i in range(0, len(info), 3)
+            }
+            for item in reply[4:]:
                 task_id = _s(item[0])
                 try:
                     task = decode_task(pairs_to_dict(item[3]), task_id)
@@ -262,9 +274,11 @@ class Ops:
                     corrupt.append(exc)
                     continue
                 claimed.append(Claimed(Lease(task_id, int(item[1]), int(item[2])), task))
-            return ClaimBatch(claimed, next_due, int(reply[1]), int(reply[2]), corrupt)
+            return ClaimBatch(claimed, next_due, int(reply[1]), int(reply[2]), corrupt, lanes)
 
-        args = [phase, n, lease_ms, owner, promote_limit]
+        args: list[Any] = [phase, n, lease_ms, owner, promote_limit]
+        for lane, tokens in (grants or {}).items():
+            args += (lane, tokens)
         return Call("claim", [self._prefix(shard)], args, decode)
 
     def start(self, lease: Lease, idempotent: bool) -> Call[Result]:
@@ -343,6 +357,50 @@ class Ops:
         prefix, task_key = self._task(task_id)
         return Call("quarantine", [prefix, task_key], [task_id, reason[:500]], _result)
 
+    # Admission (asynctaskd.admission): the {adm} slot, then each shard's copy.
+
+    def take(self, mode: str, lanes: Mapping[str, int]) -> Call[dict[str, tuple[int, int]]]:
+        """Take (or refund) tokens per rate lane; lane -> (granted, ms until the next)."""
+        names = list(lanes)
+
+        def decode(reply: Any) -> dict[str, tuple[int, int]]:
+            return {
+                lane: (int(reply[2 * i]), int(reply[2 * i + 1])) for i, lane in enumerate(names)
+            }
+
+        args: list[Any] = [mode]
+        for lane, count in lanes.items():
+            args += (lane, count)
+        return Call("take", [self.keys.admission()], args, decode)
+
+    def limits(
+        self, mode: str, entries: Sequence[tuple[str, bytes | str]]
+    ) -> Call[tuple[int, int, list[str]]]:
+        """Write limit entries (scope, JSON or '' to delete); returns the new version, how
+        many scopes changed, and the scopes a runtime entry kept (mode 'config')."""
+        args: list[Any] = [mode]
+        for scope, raw in entries:
+            args += (scope, raw)
+
+        def decode(reply: Any) -> tuple[int, int, list[str]]:
+            return int(reply[0]), int(reply[1]), [_s(x) for x in reply[2:]]
+
+        return Call("limits", [self.keys.admission()], args, decode)
+
+    def sync_limits(
+        self, shard: int, version: int, table: Mapping[str, str], limit: int = 1000
+    ) -> Call[tuple[bool, int, int]]:
+        """Give a shard its admission table; returns (applied, moved back, still to move)."""
+        args: list[Any] = [version, limit]
+        for field, value in sorted(table.items()):
+            args += (field, value)
+        return Call("sync_limits", [self._prefix(shard)], args,
+                    lambda reply: (int(reply[0]) == 1, int(reply[1]), int(reply[2])))  # fmt: skip
+
+
+# An ACL refusal: at the call, or inside a script (Redis and Valkey word it differently).
+_ACL_REFUSALS: Final = ("NOPERM", "The user executing the script can't", "ACL failure in script")
+
 
 @contextmanager
 def _mapped(what: str) -> Iterator[None]:
@@ -355,8 +413,19 @@ def _mapped(what: str) -> Iterator[None]:
         raise StoreUnavailable(
             f"{what}: Redis is unavailable ({type(exc).__name__}: {exc})"
         ) from exc
+    except rex.NoPermissionError as exc:
+        raise NotPermitted(
+            f"{what}: the Redis user may not do this ({exc}); the ACL users in "
+            "docs/deploy.md list what daemons, producers and operators need"
+        ) from exc
     except rex.ResponseError as exc:
         text = str(exc)
+        if any(m in text for m in _ACL_REFUSALS):
+            # inside a script, an ACL refusal arrives as a plain error reply
+            raise NotPermitted(
+                f"{what}: the Redis user may not do this ({text}); the ACL users in "
+                "docs/deploy.md list what daemons, producers and operators need"
+            ) from exc
         if "asynctaskd:" in text:
             raise ScriptError(f"{what}: {text}") from exc
         if any(m in text for m in ("MASTERDOWN", "LOADING", "READONLY", "CLUSTERDOWN", "TRYAGAIN")):
@@ -529,9 +598,11 @@ class Store(_Base):
         lease_ms: int,
         owner: str,
         promote_limit: int = 1000,
+        grants: Mapping[str, int] | None = None,
     ) -> ClaimBatch:
         """Claim up to n due tasks; corrupt ones are quarantined and reported, not returned."""
-        batch = await self.run(self.ops.claim(shard, phase, n, lease_ms, owner, promote_limit))
+        call = self.ops.claim(shard, phase, n, lease_ms, owner, promote_limit, grants)
+        batch = await self.run(call)
         for bad in batch.corrupt:
             logger.error(
                 "quarantining corrupt task: %s", bad.reason, extra={"task_id": bad.task_id}

@@ -116,6 +116,10 @@ class Worker:
         self._nudge = anyio.Event()
         self._intake = anyio.CancelScope()
         self.first_pass = anyio.Event()  # set after the first claim round (READY=1)
+        # Rate lanes (asynctaskd.admission): tasks waiting per (shard, phase) and lane, as
+        # the last claim reported, and when a lane's next token is expected.
+        self._waiting: dict[tuple[int, Phase], dict[str, int]] = {}
+        self._token_at: dict[str, float] = {}
         self._landing: anyio.abc.TaskGroup | None = None
         self._everything = anyio.CancelScope()
         self._stopping = False
@@ -197,9 +201,11 @@ class Worker:
                         break
                     # Query work is cheap and keeps vendor jobs moving; give it half first.
                     share = free if phase == "submit" else max(1, free // 2)
+                    n = min(batch, share)
                     try:
+                        grants = await self._take_tokens(shard, phase, n)
                         result = await self.store.claim(
-                            shard, phase, min(batch, share), self.lease_ms, self.id
+                            shard, phase, n, self.lease_ms, self.id, grants=grants
                         )
                     except (StoreUnavailable, ScriptError) as exc:
                         # ScriptError: data the script could not handle; keep the daemon
@@ -210,6 +216,9 @@ class Worker:
                         more = True
                         continue
                     now = time.time()
+                    lanes_next = await self._after_claim(shard, phase, grants, result.lanes)
+                    more = more or lanes_next <= now
+                    next_due = min(next_due, lanes_next)
                     for claimed in result.claimed:
                         self._launch(calls, claimed, phase, now)
                     got += len(result.claimed)
@@ -231,6 +240,63 @@ class Worker:
                 await self._wait_slot(0.05)
                 continue
             await self._idle(next_due)
+
+    async def _take_tokens(self, shard: int, phase: Phase, n: int) -> dict[str, int]:
+        """Tokens for the rate lanes whose tasks wait in this shard (asynctaskd.admission)."""
+        waiting = self._waiting.get((shard, phase))
+        if not waiting:
+            return {}
+        now = time.time()
+        want = {
+            lane: min(count, n)
+            for lane, count in waiting.items()
+            if count > 0 and self._token_at.get(lane, 0.0) <= now
+        }
+        if not want:
+            return {}
+        try:
+            got = await self.store.run(self.store.ops.take("take", want))
+        except StoreUnavailable as exc:
+            logger.warning("taking rate-limit tokens failed: %s", exc)
+            return {}
+        grants: dict[str, int] = {}
+        for lane, (granted, wait_ms) in got.items():
+            if granted:
+                grants[lane] = granted
+                self.metrics.tokens.labels(lane, "granted").inc(granted)
+            if granted < want[lane]:
+                self.metrics.tokens.labels(lane, "denied").inc(want[lane] - granted)
+                self._token_at[lane] = now + max(wait_ms, 1) / 1000
+        return grants
+
+    async def _after_claim(
+        self,
+        shard: int,
+        phase: Phase,
+        grants: dict[str, int],
+        lanes: dict[str, tuple[int, int]],
+    ) -> float:
+        """Refund unused tokens, note what waits; returns when a lane can go on (inf: none)."""
+        self._waiting[(shard, phase)] = {lane: w for lane, (_, w) in lanes.items() if w > 0}
+        unused = {}
+        for lane, granted in grants.items():
+            used = lanes.get(lane, (0, 0))[0]
+            if used < granted:
+                unused[lane] = granted - used
+                if used == 0:  # what waits there is not claimable now: don't spin on it
+                    self._token_at[lane] = time.time() + 0.05
+        if unused:
+            for lane, count in unused.items():
+                self.metrics.tokens.labels(lane, "refunded").inc(count)
+            try:
+                await self.store.run(self.store.ops.take("refund", unused))
+            except StoreUnavailable as exc:  # lost tokens come back with the next refill
+                logger.warning("refunding %d unused tokens failed: %s", sum(unused.values()), exc)
+        nxt = math.inf
+        for lane, waiting in self._waiting[(shard, phase)].items():
+            if waiting:
+                nxt = min(nxt, self._token_at.get(lane, 0.0))
+        return nxt
 
     def _watch(self, got: int, more: bool, next_due: float) -> None:
         """Track 'due work exists but nothing was claimed' for the watchdog."""

@@ -2,9 +2,10 @@
 
 W1 bench/lifecycle.py (child process), W2 bench/w2_poll.py (asynctaskd vs arq and SAQ from
 the bench-only venv, bench/peers/setup.sh), W3 bench/w3_due_lag.py, W4 bench/w4_wakeup.py,
-W5 bench/w5_memory.py. The Redis ceiling (redis-benchmark EVALSHA of a claim-shaped
-script) is measured first, on a fresh redis-server, and handed to every bench. Each bench
-prints its table and its JSON line; all JSON lines also go to bench/results/<time>.jsonl.
+W5 bench/w5_memory.py, admission on/off bench/admission.py. The Redis ceiling
+(redis-benchmark EVALSHA of a claim-shaped script) is measured first, on a fresh
+redis-server, and handed to every bench. Each bench prints its table and its JSON line;
+all JSON lines also go to bench/results/<time>.jsonl.
 
                 quick (default)                   --full
     W1          5,000 tasks, 1 run                20,000 tasks, 3 runs
@@ -12,6 +13,7 @@ prints its table and its JSON line; all JSON lines also go to bench/results/<tim
     W3          10,000 tasks, 15 s window         10,000 tasks, 60 s window
     W4          200 submits, 1 run                200 submits, 3 runs
     W5          100,000 stored                    1,000,000 stored
+    adm         5,000 tasks, 20,000 paused        20,000 tasks, 100,000 paused
 
     python -m bench [--full] [--only w2,w5] [--profile DIR]
 """
@@ -40,7 +42,7 @@ from bench import (
     table,
 )
 
-ALL = ("w1", "w2", "w3", "w4", "w5")
+ALL = ("w1", "w2", "w3", "w4", "w5", "adm")
 
 
 def run_w1(full: bool, ceiling: dict[str, Any]) -> dict[str, Any]:
@@ -195,6 +197,18 @@ def main(argv: list[str] | None = None) -> int:
         w5_memory.report(r)
         emit("w5_memory", r)
         record("w5_memory", r)
+
+    if "adm" in only:
+        say("\n== Admission: claim throughput with limits on and off")
+        args_adm = ["--tasks", "20000", "--backlog", "100000"] if full else [
+            "--tasks", "5000", "--backlog", "20000"]  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "bench" / "admission.py"), *args_adm],
+            capture_output=True, text=True, timeout=600, env=child_env(), cwd=str(ROOT),
+        )  # fmt: skip
+        say(proc.stdout.rsplit("\n", 2)[0] if proc.returncode == 0 else proc.stdout + proc.stderr)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith('{"bench"')), None)
+        record("admission", json.loads(line) if line else {"ok": False})
 
     elapsed = time.monotonic() - started
     say(

@@ -1,28 +1,37 @@
 -- claim: lease up to n due tasks of one phase to a worker, each with a new fence.
 --
 -- KEYS[1] prefix   string  <ns>:{s<N>}:  shard prefix; the script uses, under it:
---                          due:<phase> ready:<phase> leases deadlines counts idx:<status>
---                          events quarantine settings task:<id>
+--                          due:<phase> ready:<phase> held:<dim> lanes capholds inflight:<scope>
+--                          admission paused leases deadlines counts idx:<status> events
+--                          quarantine settings task:<id>
 -- ARGV[1] phase            'submit' or 'query'
 -- ARGV[2] n                how many tasks at most, integer 0..1000 (0: only report due times)
 -- ARGV[3] lease_ms         lease length, integer > 0
 -- ARGV[4] owner            worker id, recorded in the task
 -- ARGV[5] promote_limit    how many newly due tasks to move into the ready set at most
+-- ARGV[6..] lane, tokens   token grants the worker took with `take` for rate lanes of this
+--                          phase ('<phase>|<provider>|<account>'), integer 0..100000 each
 --
--- Also reads <prefix>paused (HASH of 'handler:<k>', 'provider:<p>', 'tenant:<t>',
--- 'account:<a>') and writes <prefix>held:<dim> (ZSET, ready score) for paused tasks.
---
--- Returns {next_due_ms, ready_left, dropped, task, task, ...} where each task is
---   {task_id, fence, version, {field, value, ...}}  (the whole hash after the claim)
+-- Returns {next_due_ms, ready_left, dropped, lanes, task, task, ...} where
+--   lanes is {lane, used, waiting, ...} for every rate lane of this phase that has tasks
+--   waiting in this shard or was granted tokens (used: tokens spent; give back the rest),
+--   and each task is {task_id, fence, version, {field, value, ...}} (the hash after the claim).
 -- next_due_ms is the earliest due time still waiting in this phase (0 if none), ready_left
 -- how many due tasks are still ready, dropped how many entries were not claimable
--- (gone, timed out, canceled, held back by a pause, or quarantined because unreadable:
+-- (gone, timed out, canceled, set aside by admission, or quarantined because unreadable:
 -- not a hash, unknown status, missing deadline or handler, non-integer version or fence).
+-- Admission (prelude): a task held back by a pause or a full cap moves to that held set;
+-- a task in a rate lane is claimed only against a grant, else it waits in its lane. Grants
+-- are served first, from the lanes' held sets in ready order. At most 1000 tasks are set
+-- aside per call, so the work is bounded and a blocked group never stalls the others.
 -- Invariants: a task is claimed only if its status belongs to the phase, it is not
 -- leased, and its deadline has not passed; a past deadline times the task out here
 -- instead (no vendor call after the deadline); a canceled PENDING_SUBMIT task becomes
--- CANCELED here; every claim increments the fence, so older holders become stale.
+-- CANCELED here; every claim increments the fence, so older holders become stale; a
+-- submit claim adds the task to the in-flight set of every cap it falls under (listed in
+-- its `slots` field), and a rate-lane claim spends exactly one granted token.
 
+workers_only()
 local phase = ARGV[1]
 if phase ~= 'submit' and phase ~= 'query' then
   error("asynctaskd: ARGV phase must be 'submit' or 'query', got " .. tostring(phase))
@@ -31,12 +40,23 @@ local n = int_arg(ARGV[2], 'n', 0, 1000)
 local lease_ms = int_arg(ARGV[3], 'lease_ms', 1)
 local owner = ARGV[4]
 local promote_limit = int_arg(ARGV[5], 'promote_limit', 0, 100000)
+if #ARGV % 2 ~= 1 then error('asynctaskd: claim takes lane, tokens pairs after ARGV[5]') end
+local grants, granted = {}, {}
+for i = 6, #ARGV, 2 do
+  local lane = ARGV[i]
+  if string.sub(lane, 1, #phase + 1) ~= phase .. '|' then
+    error('asynctaskd: ARGV lane must start with ' .. phase .. '|, got ' .. tostring(lane))
+  end
+  grants[lane] = (grants[lane] or 0) + int_arg(ARGV[i + 1], 'tokens', 0, 100000)
+  granted[#granted + 1] = lane
+end
+local used = {}
 local due_key = P .. 'due:' .. phase
 local ready_key = P .. 'ready:' .. phase
 local leases = P .. 'leases'
 local quarantine = P .. 'quarantine'
 
--- Promote newly due tasks, bounded, into the priority-ordered ready set.
+-- Promote newly due tasks, bounded, to where they wait (the ready set or a held set).
 if promote_limit > 0 then
   local due = redis.call('ZRANGEBYSCORE', due_key, '-inf', NOW, 'WITHSCORES', 'LIMIT', 0,
                          promote_limit)
@@ -45,55 +65,35 @@ if promote_limit > 0 then
     local pr = redis.pcall('HGET', task_key(id), 'priority')
     pr = type(pr) == 'string' and tonumber(pr) or 0
     if pr ~= pr or pr < -100 or pr > 100 then pr = 0 end  -- pr ~= pr: NaN
-    redis.call('ZADD', ready_key, (100 - pr) * PRIO_SPAN + tonumber(due[i + 1]), id)
     redis.call('ZREM', due_key, id)
+    place(id, phase, (100 - pr) * PRIO_SPAN + tonumber(due[i + 1]))
   end
 end
 
-local reply = {0, 0, 0}
+local reply = {0, 0, 0, {}}
 local dropped = 0
--- Pauses hold back new vendor submits only. A paused task is set aside in the held set
--- of the first paused dimension it matches, keeping its ready score, so it neither
--- blocks the tasks behind it nor loses its place; resume puts it back. At most
--- `hold_budget` tasks are set aside per call: the work stays bounded.
-local paused = nil
-if phase == 'submit' and redis.call('EXISTS', P .. 'paused') == 1 then
-  paused = redis.call('HGETALL', P .. 'paused')
-end
 local hold_budget = 1000
-local function paused_dim(t)
-  -- t: handler, provider, tenant, account
-  local dims = {'handler:' .. t[1], 'provider:' .. (t[2] or t[1])}
-  if t[3] then dims[#dims + 1] = 'tenant:' .. t[3] end
-  if t[4] then dims[#dims + 1] = 'account:' .. t[4] end
-  for _, d in ipairs(dims) do
-    for i = 1, #paused, 2 do
-      if paused[i] == d then return d end
-    end
-  end
-  return nil
-end
 local want = (phase == 'submit') and {PENDING_SUBMIT = true} or {SUBMITTED = true, RUNNING = true}
 local got = 0
-while got < n do
-  local popped = redis.call('ZPOPMIN', ready_key)
-  if #popped == 0 then break end
-  local id = popped[1]
-  local held_dim = nil
-  if paused and hold_budget > 0 then
-    held_dim = paused_dim(redis.call('HMGET', task_key(id), 'handler', 'provider', 'tenant',
-                                     'account'))
-  end
+
+-- Look at one popped entry: claim it, set it aside, or drop it. `from` is the held
+-- dimension it was popped from (nil: the ready set). Returns false when the hold budget
+-- is spent and the entry went back where it came from.
+local function consider(id, score, from)
   local tk = task_key(id)
   -- pcall: a key of another type (WRONGTYPE) must not abort the whole claim
   local t = redis.pcall('HMGET', tk, 'status', 'deadline_ms', 'cancel_requested', 'handler',
-                        'version', 'fence')
+                        'version', 'fence', 'provider', 'tenant', 'account', 'held')
   local corrupt = type(t) ~= 'table' or t.err ~= nil
   if corrupt then t = {} end
   local status, deadline_ms, handler = t[1], tonumber(t[2]), t[4]
   -- counters the script increments must be integers, or HINCRBY would fail half-way
   if not corrupt and status and (not int_field(t[5]) or not int_field(t[6])) then
     corrupt = true
+  end
+  if from and not corrupt and t[10] ~= from then
+    dropped = dropped + 1                       -- stale entry of a held set: ignore it
+    return true
   end
   if corrupt then
     redis.call('ZADD', quarantine, NOW, id)     -- unreadable: park it for an operator
@@ -115,27 +115,77 @@ while got < n do
     finish(tk, id, status, 'CANCELED', handler)
     emit(id, 'CANCELED', v)
     dropped = dropped + 1
-  elseif held_dim then
-    redis.call('ZADD', P .. 'held:' .. held_dim, popped[2], id)
-    redis.call('HSET', tk, 'held', held_dim)
-    hold_budget = hold_budget - 1
-    dropped = dropped + 1
-  elseif paused and hold_budget <= 0 then
-    redis.call('ZADD', ready_key, popped[2], id)  -- budget spent: leave it for the next call
-    break
   else
+    if t[10] then redis.call('HDEL', tk, 'held') end
+    local dim, g = blocker(phase, {handler, t[7], t[8], t[9]})
+    local lane = g and g.lane
+    if not dim and lane and (grants[lane] or 0) <= 0 then dim = 'rate:' .. lane end
+    if dim then
+      if hold_budget <= 0 then
+        -- budget spent: leave it where it was for the next call
+        if from then hold(id, from, score) else redis.call('ZADD', ready_key, score, id) end
+        return false
+      end
+      hold(id, dim, score)
+      hold_budget = hold_budget - 1
+      dropped = dropped + 1
+      return true
+    end
+    if lane then
+      grants[lane] = grants[lane] - 1
+      used[lane] = (used[lane] or 0) + 1
+    end
     local fence = redis.call('HINCRBY', tk, 'fence', 1)
     local v = bump(tk)
     redis.call('HSET', tk, 'owner', owner)
     if phase == 'submit' then
       move_status(tk, id, status, 'SUBMITTING', handler)
       redis.call('HDEL', tk, 'started_fence')
+      if g and #g.caps > 0 then
+        local slots = {}
+        for _, c in ipairs(g.caps) do
+          redis.call('SADD', P .. 'inflight:' .. c[1], id)
+          slots[#slots + 1] = c[1]
+        end
+        redis.call('HSET', tk, 'slots', table.concat(slots, ' '))
+      end
       emit(id, 'SUBMITTING', v)
     end
     redis.call('ZADD', leases, NOW + lease_ms, id)
     got = got + 1
     reply[#reply + 1] = {id, fence, v, redis.call('HGETALL', tk)}
   end
+  return true
+end
+
+-- Grants first: they were taken for tasks already waiting in their lanes.
+for _, lane in ipairs(granted) do
+  local dim = 'rate:' .. lane
+  while got < n and grants[lane] > 0 do
+    local popped = redis.call('ZPOPMIN', P .. 'held:' .. dim)
+    if #popped == 0 then break end
+    if not consider(popped[1], popped[2], dim) then break end
+  end
+end
+while got < n do
+  local popped = redis.call('ZPOPMIN', ready_key)
+  if #popped == 0 then break end
+  if not consider(popped[1], popped[2], nil) then break end
+end
+
+-- Report the rate lanes of this phase: tokens used, tasks waiting.
+local lanes = {}
+for _, lane in ipairs(granted) do lanes[lane] = true end
+for _, lane in ipairs(redis.call('SMEMBERS', P .. 'lanes')) do
+  if string.sub(lane, 1, #phase + 1) == phase .. '|' then lanes[lane] = true end
+end
+for lane in pairs(lanes) do
+  local waiting = redis.call('ZCARD', P .. 'held:rate:' .. lane)
+  if waiting == 0 then redis.call('SREM', P .. 'lanes', lane) end
+  local r = reply[4]
+  r[#r + 1] = lane
+  r[#r + 1] = used[lane] or 0
+  r[#r + 1] = waiting
 end
 
 local first = redis.call('ZRANGE', due_key, 0, 0, 'WITHSCORES')

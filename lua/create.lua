@@ -6,7 +6,8 @@
 --                          <ns>:{s<N>}:dedup:- when the task has no dedup key
 -- ARGV[1] task_id          ULID, with -<N> appended on shard N > 0
 -- ARGV[2] handler          handler key
--- ARGV[3] provider         admission provider ('' = the handler key)
+-- ARGV[3] provider         admission provider ('' = the provider the admission table
+--                          names for the handler, else the handler key)
 -- ARGV[4] tenant           '' for none
 -- ARGV[5] account          '' for none
 -- ARGV[6] priority         integer -100..100, higher first

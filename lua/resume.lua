@@ -6,26 +6,15 @@
 --
 -- Returns {moved, remaining}: call again while remaining > 0.
 -- Invariants: the pause flag is gone after the first call, so no new task is held under
--- it; a moved task keeps its ready score (priority, then FIFO), and its `held` field is
--- cleared. A task also paused by another dimension is held again by the next claim.
+-- it; a moved task keeps its ready score (priority, then FIFO) and goes where it waits
+-- now: the ready set, or the held set of another pause, a full cap or its rate lane.
 
+workers_only()
 local dim = ARGV[1]
 if not string.find(dim, '^[a-z]+:') then
   error('asynctaskd: ARGV dimension must look like tenant:<name>, got ' .. tostring(dim))
 end
 local limit = int_arg(ARGV[2], 'limit', 1, 10000)
 redis.call('HDEL', P .. 'paused', dim)
-local held = P .. 'held:' .. dim
-local popped = redis.call('ZPOPMIN', held, limit)
-local moved = 0
-for i = 1, #popped, 2 do
-  local id = popped[i]
-  local tk = task_key(id)
-  if redis.call('HGET', tk, 'held') == dim then
-    redis.call('HDEL', tk, 'held')
-    redis.call('ZADD', P .. 'ready:submit', popped[i + 1], id)
-    moved = moved + 1
-  end
-end
-if moved > 0 then wake() end
-return {moved, redis.call('ZCARD', held)}
+local moved = unhold(dim, 'submit', limit)
+return {moved, redis.call('ZCARD', P .. 'held:' .. dim)}

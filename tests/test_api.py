@@ -55,6 +55,9 @@ def test_import_direction() -> None:
         "handlers": {"store", "worker", "daemon", "client"},
         "http_handler": {"store", "worker", "daemon", "client"},
         "worker": {"daemon", "cli", "client"},
+        "plans": {"client", "admission", "worker", "daemon", "cli"},
+        "admission": {"worker", "daemon", "cli", "handlers", "http_handler"},
+        "connection": {"store", "client", "worker", "daemon", "cli", "handlers"},
     }
     for name, banned in forbidden.items():
         path = PACKAGE / f"{name}.py"

@@ -136,3 +136,22 @@ def test_dev_demo_runs_to_completion(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "20 demo tasks settled" in proc.stdout
     assert "SUCCEEDED" in proc.stdout
+
+
+def test_limits_set_show_clear_and_quota_refusal(redis_url: str, sync_redis: SyncRedis) -> None:
+    assert cli("limits", url=redis_url).stdout.strip() == "no limits set"
+    out = cli("limits", "set", "--provider", "openai", "--submit-rate", "50",
+              "--max-in-flight", "500", "--note", "org cap", url=redis_url).stdout  # fmt: skip
+    assert "provider:openai" in out and "submit_rate=50" in out and "max_in_flight=500" in out
+    cli("limits", "set", "--tenant", "t1", "--quota", "1", "--quota-period", "1h", url=redis_url)
+    shown = js("limits", url=redis_url)
+    assert shown["provider:openai"]["source"] == "runtime"
+    assert shown["tenant:t1"]["limit"]["quota_period"] == 3600
+    cli("submit", "h", "{}", "--tenant", "t1", "--no-strict", url=redis_url)
+    refused = cli("submit", "h", "{}", "--tenant", "t1", "--no-strict", url=redis_url, check=1)
+    assert "tenant 't1' has used its submit quota" in refused.stderr
+    bad = cli("limits", "set", "--tenant", "t1", "--submit-rate", "5", url=redis_url, check=2)
+    assert "rates apply to a provider or account" in bad.stderr
+    assert cli("limits", "clear", "tenant:t1", url=redis_url).stdout.strip() == "cleared tenant:t1"
+    cli("limits", "clear", "tenant:t1", url=redis_url, check=1)
+    cli("submit", "h", "{}", "--tenant", "t1", "--no-strict", url=redis_url)  # no quota now

@@ -12,6 +12,7 @@ from asynctaskd.config import (
     Config,
     Duration,
     HandlerConfig,
+    LimitConfig,
     WorkerConfig,
     line_of,
     load_config,
@@ -51,6 +52,10 @@ def test_example_documents_every_key() -> None:
     text = EXAMPLE.read_text(encoding="utf-8")
     sections = {f.name: f.type for f in msgspec.structs.fields(Config)}
     for section, struct in sections.items():
+        if section == "limits":  # the example shows [[limits]] commented out
+            for field in msgspec.structs.fields(LimitConfig):
+                assert f"# {field.name} = " in text, field.name
+            continue
         if section == "handlers":
             struct, prefix = HandlerConfig, "$.handlers[0]"
         else:
@@ -430,3 +435,28 @@ def test_redacted_is_plain_data() -> None:
     assert type(data["worker"]["lease"]) is float
     assert data["worker"]["lease"] == 10.0
     assert msgspec.json.decode(msgspec.json.encode(data)) == data
+
+
+def test_limits_are_checked_with_the_key_and_line() -> None:
+    message = error_of("""
+[[limits]]
+provider = "openai"
+submit_rate = 5
+
+[[limits]]
+tenant = "acme"
+submit_rate = 5
+""")
+    assert "config.toml:8: limits[1].submit_rate: rates apply to a provider or account" in message
+    assert "name exactly one of provider" in error_of('[[limits]]\nprovider = "p"\ntenant = "t"\n')
+    assert "a burst needs submit_rate" in error_of(
+        '[[limits]]\nprovider = "p"\nmax_in_flight = 2\nsubmit_burst = 3\n'
+    )
+    assert "a second entry for provider:p" in error_of(
+        '[[limits]]\nprovider = "p"\nmax_in_flight = 2\n'
+        '[[limits]]\nprovider = "p"\nquery_rate = 1\n'
+    )
+    assert "limits[0].quota_period: expected seconds or a duration" in error_of(
+        '[[limits]]\ntenant = "*"\nquota = 5\nquota_period = "x"\n'
+    )
+    assert "set at least one" in error_of('[[limits]]\ntenant = "*"\n')

@@ -48,8 +48,9 @@ UNITS = ROOT / "systemd"
 METRIC_NAME = re.compile(r"\basynctaskd_[a-z_]+\b")
 HISTOGRAM_SUFFIX = re.compile(r"_(bucket|sum|count)$")
 GRAFANA_BUILTINS = {"__rate_interval", "__range", "__interval", "__all"}
+# `scope` and `lane` name configured limits (providers, accounts; tenants summed as one).
 BOUNDED_LABELS = {"handler", "op", "outcome", "status", "phase", "code", "kind", "script",
-                  "version"}  # fmt: skip
+                  "version", "scope", "lane"}  # fmt: skip
 
 # Proxies from the environment must never see requests to loopback.
 _http = urllib.request.build_opener(urllib.request.ProxyHandler({}))

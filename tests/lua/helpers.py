@@ -30,6 +30,8 @@ async def create(
     priority: int = 0,
     delay_ms: int = 0,
     tenant: str = "",
+    account: str = "",
+    provider: str = "",
     dedup_key: str = "",
     params: Any = None,
 ) -> Created:
@@ -43,6 +45,8 @@ async def create(
             priority=priority,
             delay_ms=delay_ms,
             tenant=tenant,
+            account=account,
+            provider=provider,
             dedup_key=dedup_key,
         )
     )
@@ -118,7 +122,8 @@ async def check_invariants(r: redis.asyncio.Redis, keys: Keys) -> None:
             places.append("leases")
         held = h.get(b"held")
         if held is not None:
-            assert s is Status.PENDING_SUBMIT, f"{tid} {s} is held"
+            phase_ok = s is Status.PENDING_SUBMIT or held.startswith(b"rate:query|")
+            assert phase_ok and tid not in leased, f"{tid} {s} is held in {held!r}"
             assert await r.zscore(f"{tag}:held:{held.decode()}", tid) is not None
             places.append("held")
         if s.is_terminal or s is Status.SUBMIT_UNKNOWN:
@@ -129,3 +134,18 @@ async def check_invariants(r: redis.asyncio.Redis, keys: Keys) -> None:
                 assert places == ["leases"]
             elif "leases" not in places and "held" not in places:
                 assert places[0].endswith(s.phase or "?"), f"{tid} {s} in {places}"
+    # In-flight caps: a task holds a slot exactly when its `slots` field names the cap,
+    # and only while it is in flight (SUBMITTING..RUNNING or SUBMIT_UNKNOWN).
+    in_flight = {"SUBMITTING", "SUBMITTED", "RUNNING", "SUBMIT_UNKNOWN"}
+    expected_sets: dict[str, set[str]] = {}
+    for tid, h in tasks.items():
+        slots = h.get(b"slots")
+        if slots:
+            assert h[b"status"].decode() in in_flight, f"{tid} holds slots while {h[b'status']!r}"
+            for scope in slots.decode().split():
+                expected_sets.setdefault(scope, set()).add(tid)
+    actual_sets: dict[str, set[str]] = {}
+    async for k in r.scan_iter(match=f"{tag}:inflight:*", count=1000):
+        scope = k.decode()[len(f"{tag}:inflight:") :]
+        actual_sets[scope] = {m.decode() for m in await r.smembers(k)}
+    assert actual_sets == expected_sets, f"in-flight sets {actual_sets} vs {expected_sets}"

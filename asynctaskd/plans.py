@@ -1,0 +1,60 @@
+"""Plans: pure generators that describe Redis work as steps, run by either I/O runner.
+
+A plan yields a step (a script `Call`, a pipeline of `Reads`, or a `Pause`) and receives
+its reply, or has the error thrown into it; what it returns is the result. `AsyncClient`
+runs plans with asyncio and `Client` with blocking sockets, so the logic of each operation
+is written once (see asynctaskd.client and asynctaskd.admission).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import Any, TypeAlias, TypeVar
+
+from .store import Call, Read
+
+__all__ = ["Pause", "Reads", "SimplePlan", "advance", "read"]
+
+T = TypeVar("T")
+
+
+class Reads:
+    """Read commands for one pipeline; `bound` caps the wait for the reply (seconds).
+
+    Also carries the few plain writes that are not task state: group definitions (HSET,
+    HDEL) and a group's round-robin counter (INCR, DEL). Task state is only written by
+    the scripts.
+    """
+
+    __slots__ = ("bound", "cmds")
+
+    def __init__(self, *cmds: Read, bound: float | None = None) -> None:
+        self.cmds = cmds
+        self.bound = bound
+
+
+class Pause:
+    """Sleep this long before the next step (reconnect backoff)."""
+
+    __slots__ = ("seconds",)
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+
+SimplePlan: TypeAlias = Generator[Call[Any] | Reads, Any, T]
+
+
+def read(name: str, *args: Any, **kwargs: Any) -> Read:
+    """One read command: a redis-py method name and its arguments."""
+    return (name, args, kwargs)
+
+
+def advance(
+    plan: Generator[Any, Any, Any], reply: Any, error: Exception | None
+) -> tuple[bool, Any]:
+    """Hand a plan its last reply (or error); (True, next step) or (False, its result)."""
+    try:
+        return True, (plan.throw(error) if error is not None else plan.send(reply))
+    except StopIteration as stop:
+        return False, stop.value
