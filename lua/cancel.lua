@@ -36,8 +36,8 @@ if t[3] == '1' then return {2, tonumber(t[6])} end
 
 local v = bump(tk)
 redis.call('HSET', tk, 'cancel_requested', '1', 'cancel_version', v)
-if (status == 'SUBMITTED' or status == 'RUNNING')
-   and not redis.call('ZSCORE', P .. 'leases', id) then
+-- A leased task has an owner (claim sets it; every write that ends the lease removes it).
+if (status == 'SUBMITTED' or status == 'RUNNING') and redis.call('HEXISTS', tk, 'owner') == 0 then
   unschedule(id)
   redis.call('HSET', tk, 'due_ms', schedule(id, 'query', NOW, tonumber(t[5]) or 0))
   wake()

@@ -9,6 +9,7 @@
 -- safety-net expiry is retention plus a grace period) still leaves its index and
 -- status counter; its per-handler counter cannot be known then and is left as it is.
 
+workers_only()
 local older_than_ms = int_arg(ARGV[1], 'older_than_ms', 0)
 local limit = int_arg(ARGV[2], 'limit', 1, 10000)
 local cutoff = NOW - older_than_ms

@@ -18,6 +18,7 @@
 -- A knowing resubmit of a task whose cancel was requested ends CANCELED instead: the
 -- producer asked for it to stop, and nothing new has reached the vendor.
 
+workers_only()
 local tk = KEYS[2]
 local id = ARGV[1]
 local target = ARGV[2]
@@ -35,6 +36,7 @@ if target == 'PENDING_SUBMIT' and status == 'SUBMIT_UNKNOWN' and t[6] == '1' the
 end
 local v = bump(tk)
 redis.call('HDEL', tk, 'started_fence', 'owner')
+redis.call('ZREM', P .. 'leases', id)
 if TERMINAL[status] then
   -- requeue: a fresh attempt; the hash was set to expire when it finished
   redis.call('PERSIST', tk)

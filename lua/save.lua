@@ -25,6 +25,7 @@
 --   * A non-terminal outcome after the deadline becomes TRACKING_TIMED_OUT (data kept).
 -- Invariant: a rejected save writes nothing; a saved one releases the lease.
 
+workers_only()
 local tk = KEYS[2]
 local id = ARGV[1]
 local want = ARGV[4]

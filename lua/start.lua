@@ -16,6 +16,7 @@
 -- SUBMITTING parks the task in SUBMIT_UNKNOWN (or requeues it if idempotent) instead of
 -- resubmitting it; the caller must make this write durable before calling the vendor.
 
+workers_only()
 local tk = KEYS[2]
 local id = ARGV[1]
 local t = redis.call('HMGET', tk, 'status', 'fence', 'version', 'deadline_ms',

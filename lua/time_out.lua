@@ -10,6 +10,7 @@
 -- Parked (SUBMIT_UNKNOWN), terminal and vanished tasks leave the deadline index; a task
 -- whose version is not an integer is quarantined instead of breaking the sweep.
 
+workers_only()
 local limit = int_arg(ARGV[1], 'limit', 1, 10000)
 local deadlines = P .. 'deadlines'
 local leases = P .. 'leases'
