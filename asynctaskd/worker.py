@@ -125,6 +125,7 @@ class Worker:
         self._stopping = False
         self._burst = False
         self._sleep_until = math.inf
+        self._due_hint = math.inf  # earliest due time a save set since the last claim round
         self.last_claim_at = time.monotonic()
         self.due_waiting_since: float | None = None
         self.completed = 0
@@ -192,6 +193,7 @@ class Worker:
             got = 0
             more = False
             busy_before = bool(self._active)  # a call may save new due work during the pass
+            self._due_hint = math.inf  # this round's claims see what was saved before it
             next_due: float = math.inf
             for shard in shards:
                 for phase in PHASES:
@@ -316,6 +318,9 @@ class Worker:
     async def _idle(self, next_due: float) -> None:
         """Sleep until the earliest due time, new work (wake marker), or a local nudge."""
         cap = 5.0  # below the client socket timeout, so a blocked read is never cut short
+        # A save during the last claim round may have made something due before what that
+        # round saw: its nudge had nobody to wake, so take its time here instead.
+        next_due = min(next_due, self._due_hint)
         timeout = min(cap, max(0.0, next_due - time.time()))
         if timeout <= 0.001:
             return
@@ -344,7 +349,9 @@ class Worker:
 
     def _scheduled(self, delay: float) -> None:
         """A save made something due sooner than the claim loop's wake-up: wake it."""
-        if time.time() + delay < self._sleep_until:
+        at = time.time() + delay
+        self._due_hint = min(self._due_hint, at)
+        if at < self._sleep_until:
             self._nudge.set()
 
     async def _wait_slot(self, timeout: float) -> None:

@@ -412,3 +412,37 @@ async def test_new_work_wakes_an_idle_worker_fast(store: Store) -> None:
 
 async def _true_after_idle(worker: Worker) -> bool:
     return worker.last_claim_at > 0 and worker._sleep_until != float("inf")
+
+
+async def test_a_poll_saved_during_a_claim_round_is_not_slept_through(store: Store) -> None:
+    """Each query saves the next poll (50 ms) while the claim loop may still be claiming;
+    that nudge had nobody to wake and the loop slept its full 5 s cap. Five polls of one
+    task must take about a second here, not 25 s."""
+    h = Scripted()
+    polls = [Running(), Running(), Running(), Running(), Succeeded({"ok": True})]
+
+    async def answer(outcome: Any) -> Any:
+        await anyio.sleep(0.075)  # saves during the submit claim of the next, empty round
+        return outcome
+
+    h.on_query = lambda ctx: answer(polls[len(h.queries) - 1])
+    [tid] = await submit_many(store, 1)
+    real_claim = store.claim
+
+    async def slow_submit_claim(shard: int, phase: Any, *args: Any, **kw: Any) -> Any:
+        if phase == "submit":  # a round: query claim, then 50 ms of submit claim
+            await anyio.sleep(0.05)
+        return await real_claim(shard, phase, *args, **kw)
+
+    store.claim = slow_submit_claim  # type: ignore[method-assign]
+    async with httpx.AsyncClient() as http, anyio.create_task_group() as tg:
+        worker = Worker(store, entry(h), make_config(), http=http)
+        tg.start_soon(worker.run)
+
+        async def done() -> bool:
+            task = await store.get(tid)
+            return task is not None and task.status is Status.SUCCEEDED
+
+        await wait_until(done, "five polls 50 ms apart", timeout=4)
+        worker.stop(now=True)
+    assert len(h.queries) == 5
