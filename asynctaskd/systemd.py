@@ -20,8 +20,11 @@ def notify(message: str) -> bool:
         address = "\0" + address[1:]  # abstract namespace
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            # Called on the event loop: a receiver that stops reading must never block it
+            # (a full socket buffer drops this message, BlockingIOError below).
+            sock.setblocking(False)
             sock.connect(address)
-            sock.sendall(message.encode())
+            sock.send(message.encode())
     except OSError as exc:
         logger.warning("sd_notify %r failed: %s", message, exc)
         return False
