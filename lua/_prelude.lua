@@ -41,11 +41,14 @@ local function int_arg(v, name, lo, hi)
   return n
 end
 
--- A stored counter HINCRBY can use: absent (false) or the text of an integer.
+-- A stored counter HINCRBY can use: absent (false), or an integer as Redis itself writes
+-- one (no leading zeros, no "-0") with at most 18 digits, so adding 1 never overflows
+-- the signed 64 bits HINCRBY works in.
 local function int_field(v)
   if not v then return true end
-  local n = tonumber(v)
-  return n ~= nil and n == math.floor(n) and string.find(v, '^%-?%d+$') ~= nil
+  if v == '0' then return true end
+  local digits = string.match(v, '^%-?([1-9]%d*)$')
+  return digits ~= nil and #digits <= 18
 end
 
 local function unschedule(id)

@@ -19,7 +19,7 @@
 -- next_due_ms is the earliest due time still waiting in this phase (0 if none), ready_left
 -- how many due tasks are still ready, dropped how many entries were not claimable
 -- (gone, timed out, canceled, set aside by admission, or quarantined because unreadable:
--- not a hash, unknown status, missing deadline or handler, non-integer version or fence).
+-- not a hash, unknown status, missing deadline or handler, a counter HINCRBY refuses).
 -- Admission (prelude): a task held back by a pause or a full cap moves to that held set;
 -- a task in a rate lane is claimed only against a grant, else it waits in its lane. Grants
 -- are served first, from the lanes' held sets in ready order. At most 1000 tasks are set
@@ -83,12 +83,15 @@ local function consider(id, score, from)
   local tk = task_key(id)
   -- pcall: a key of another type (WRONGTYPE) must not abort the whole claim
   local t = redis.pcall('HMGET', tk, 'status', 'deadline_ms', 'cancel_requested', 'handler',
-                        'version', 'fence', 'provider', 'tenant', 'account', 'held')
+                        'version', 'fence', 'provider', 'tenant', 'account', 'held',
+                        'submit_attempts', 'reclaims')
   local corrupt = type(t) ~= 'table' or t.err ~= nil
   if corrupt then t = {} end
   local status, deadline_ms, handler = t[1], tonumber(t[2]), t[4]
-  -- counters the script increments must be integers, or HINCRBY would fail half-way
-  if not corrupt and status and (not int_field(t[5]) or not int_field(t[6])) then
+  -- counters this script, start and reap increment must be integers HINCRBY takes, or
+  -- they would fail half-way: such a task is quarantined here, before anyone holds it
+  if not corrupt and status and not (int_field(t[5]) and int_field(t[6])
+                                     and int_field(t[11]) and int_field(t[12])) then
     corrupt = true
   end
   if from and not corrupt and t[10] ~= from then

@@ -1,7 +1,9 @@
-"""Bugs found while building the chaos suite, pinned as small in-process tests.
+"""Regression tests for bugs found while building the chaos suite, as small in-process tests.
 
-Each is marked `xfail(strict=True)` until its fix lands (the reason says where and why);
-remove the mark with the fix.
+All of them are fixed (8720864; docs/reliability.md section 6): a vendor handle dropped
+by a drain, a refused submit parked after a Redis blink, uvloop's closed-transport
+RuntimeError unmapped by the store, a failed lease release killing the worker, and a
+must-land save that could never land holding SIGTERM. Each test fails if its bug returns.
 """
 
 from __future__ import annotations
@@ -109,14 +111,12 @@ async def test_a_vendor_handle_is_saved_even_when_the_daemon_drains(
 async def test_drain_is_not_held_by_a_late_save_that_can_never_land(
     store: Store, redis_client: redis.asyncio.Redis, keys: Keys
 ) -> None:
-    """A guard for the fix of the test above, not a bug today.
+    """The other side of the fix of the test above: must-land saves outlive the drain now.
 
-    Once must_land saves survive the drain again, one that can never land must still give
-    up: the parked task was canceled (or resolved) meanwhile, so save.lua answers NO_LEASE
-    forever (the fence did not change). Retrying it until save_retry_for (300 s by default)
-    would hold SIGTERM past systemd's TimeoutStopSec (45 s). It passes today only because
-    the drain cancels the save outright. Suggested: retry NO_LEASE only while the task is
-    still SUBMITTING under our fence (the reaper has not parked it yet).
+    One that can never land must still give up: the parked task was canceled (or resolved)
+    meanwhile, so save.lua answers NO_LEASE forever (the fence did not change). Retrying it
+    until save_retry_for (300 s by default) would hold SIGTERM past systemd's
+    TimeoutStopSec (45 s); NO_LEASE on a save is final since the fix.
     """
     tid = new_task_id()
     await store.run(store.ops.create(tid, "demo", encode_json({}), timeout_ms=60_000))
@@ -249,4 +249,4 @@ async def test_a_failed_release_does_not_kill_the_worker(
 
         monkeypatch.setattr(worker.batcher, "call", start_fails)
         with anyio.fail_after(10):
-            await worker.run_until_idle()  # raises an ExceptionGroup(RuntimeError) today
+            await worker.run_until_idle()  # raised an ExceptionGroup(RuntimeError) before

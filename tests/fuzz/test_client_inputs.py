@@ -1,16 +1,17 @@
 """Client inputs: a task is created and reads back equal, or InvalidTask and nothing written.
 
 Hypothesis throws params, metadata and options at `Client.submit(..., strict=False)`:
-JSON-like and non-JSON data (bytes, sets, objects, NaN, deep nesting), tenant/account/
-provider/handler strings, priorities of every type, timeouts and delays including NaN,
-infinities, negatives, huge numbers and timedeltas, naive and aware `not_before`
-datetimes, dedup keys. Either the task is created and `get()` returns exactly what
-`submit()` returned (params and metadata equal to the input as JSON), or an `InvalidTask`
-subclass is raised and DBSIZE is unchanged. Any other exception is a bug.
+JSON-like and non-JSON data (bytes, sets, objects, NaN, deep nesting, strings with lone
+surrogates), tenant/account/provider/handler strings, priorities of every type, timeouts
+and delays including NaN, infinities, negatives, integers too large for a float and
+timedeltas, naive and aware `not_before` datetimes, dedup keys. Either the task is created
+and `get()` returns exactly what `submit()` returned (params and metadata equal to the
+input as JSON), or an `InvalidTask` subclass is raised and DBSIZE is unchanged. Any other
+exception is a bug.
 
-Two such bugs are pinned by the `xfail(strict=True)` tests at the end (lone surrogates
-in strings; integers too large for a float in time arguments) and kept out of the broad
-strategies so those keep guarding everything else.
+The tests at the end are regression tests for two bugs this fuzzing found, both fixed
+(docs/reliability.md section 6): a lone surrogate in a string raised UnicodeEncodeError,
+an integer too large for a float in a time argument raised OverflowError.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -36,24 +37,47 @@ FUZZ = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-BIG = 10**300  # float(BIG) is finite; larger ints overflow float() (see the xfail test)
+# Integers for time arguments reach beyond float range: float() of an int from about
+# 2**1024 up raises OverflowError (1.8e308); the edges on both sides are drawn as well.
+HUGE = 10**400
+FLOAT_EDGE = 2**1024 - 2**970  # the smallest int float() refuses
+huge_ints = st.integers(-HUGE, HUGE) | st.sampled_from(
+    [FLOAT_EDGE - 1, FLOAT_EDGE, -FLOAT_EDGE, 10**308, 10**309, HUGE, -HUGE]
+)
 
-json_scalars = (
-    st.none()
-    | st.booleans()
-    | st.integers(-(2**100), 2**100)
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(max_size=30)
-)
-json_like = st.recursive(
-    json_scalars,
-    lambda inner: (
-        st.lists(inner, max_size=4)
-        | st.tuples(inner, inner)
-        | st.dictionaries(st.text(max_size=10), inner, max_size=4)
-    ),
-    max_leaves=12,
-)
+
+@st.composite
+def texts(draw: st.DrawFn, max_size: int) -> str:
+    """Any text; now and then with a lone surrogate (not encodable as UTF-8) put in."""
+    text = draw(st.text(max_size=max_size))
+    if draw(st.integers(0, 3)) == 3:
+        at = draw(st.integers(0, len(text)))
+        text = text[:at] + draw(st.characters(categories=["Cs"])) + text[at:]
+    return text
+
+
+def json_trees(text: Callable[[int], st.SearchStrategy[str]]) -> st.SearchStrategy[Any]:
+    """JSON-like data (lists, tuples, dicts) whose strings and keys come from `text`."""
+    scalars = (
+        st.none()
+        | st.booleans()
+        | st.integers(-(2**100), 2**100)
+        | st.floats(allow_nan=False, allow_infinity=False)
+        | text(30)
+    )
+    return st.recursive(
+        scalars,
+        lambda inner: (
+            st.lists(inner, max_size=4)
+            | st.tuples(inner, inner)
+            | st.dictionaries(text(10), inner, max_size=4)
+        ),
+        max_leaves=12,
+    )
+
+
+json_like = json_trees(lambda n: st.text(max_size=n))  # valid JSON data
+any_json_like = json_trees(texts)  # lone surrogates too
 
 
 class Opaque:
@@ -79,31 +103,31 @@ def nested(depth: int) -> Any:
 
 
 payloads = st.one_of(
-    json_like,
-    json_like.flatmap(lambda v: st.sampled_from([[v, x] for x in (b"x", {1, 2}, math.nan)])),
+    any_json_like,
+    any_json_like.flatmap(lambda v: st.sampled_from([[v, x] for x in (b"x", {1, 2}, math.nan)])),
     not_json,
     st.integers(60, 70).map(nested),
     st.integers(100, 300).map(lambda n: "x" * (n * 1024)),  # around the 256 KiB limit
 )
 names = st.one_of(
     st.none(),
-    st.text(max_size=70),
+    texts(70),
     st.from_regex(r"[A-Za-z0-9_.:\-]{1,64}", fullmatch=True),
-    st.sampled_from(["", "t1", "a b", "x" * 64, "x" * 65, "é", "{s0}", "a:b", "\x00"]),
+    st.sampled_from(["", "t1", "a b", "x" * 64, "x" * 65, "é", "{s0}", "a:b", "\x00", "\ud800"]),
     st.integers(),
 )
 seconds = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
-    st.integers(-BIG, BIG),
+    huge_ints,
     st.timedeltas(),
     st.booleans(),
-    st.text(max_size=5),
+    texts(5),
     st.sampled_from([0, 0.0, -0.0, 1e-9, 1e-3, 86400 * 3660, 86400 * 3670, 10**12]),
 )
 moments = st.one_of(
     st.none(),
     st.floats(allow_nan=True, allow_infinity=True),
-    st.integers(-BIG, BIG),
+    huge_ints,
     st.datetimes(timezones=st.none() | st.timezones()),
     st.sampled_from([0, 1.7e9, 1.7e12, 4e9]),
 )
@@ -114,7 +138,7 @@ options = st.fixed_dictionaries(
         "account": names,
         "provider": names,
         "priority": st.one_of(st.integers(-200, 200), st.floats(), st.booleans(), st.none()),
-        "dedup_key": st.one_of(st.none(), st.text(max_size=220), st.integers()),
+        "dedup_key": st.one_of(st.none(), texts(220), st.integers()),
         "metadata": payloads,
         "not_before": moments,
         "delay": st.none() | seconds,
@@ -144,7 +168,7 @@ valid_options = st.fixed_dictionaries(
 wild_override = st.none() | st.one_of(
     st.tuples(st.sampled_from(["tenant", "account", "provider"]), names),
     st.tuples(st.just("priority"), st.integers(-200, 200) | st.floats() | st.booleans()),
-    st.tuples(st.just("dedup_key"), st.none() | st.text(max_size=220) | st.integers()),
+    st.tuples(st.just("dedup_key"), st.none() | texts(220) | st.integers()),
     st.tuples(st.just("metadata"), payloads),
     st.tuples(st.just("not_before"), moments),
     st.tuples(st.just("delay"), seconds),
@@ -175,7 +199,7 @@ def as_json(value: Any) -> Any:
 
 
 def _event(text: str) -> None:
-    # hypothesis.event only exists inside a hypothesis test; the pinned cases call us too
+    # hypothesis.event only exists inside a hypothesis test; the regression tests call us too
     with contextlib.suppress(InvalidArgument):
         event(text)
 
@@ -258,7 +282,7 @@ def test_dedup_returns_the_live_task_of_the_same_tenant(
     assert third.id != first.id
 
 
-# --- Bugs found by the fuzzer (fixed), pinned -------------------------------------------
+# --- Regression tests for bugs found by this fuzzing (fixed; see the module docstring) ---
 
 
 @pytest.mark.parametrize(
