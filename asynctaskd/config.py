@@ -13,7 +13,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import msgspec
 import msgspec.toml
 
-from .connection import TlsOptions, connection_problems
+from .connection import SCHEMES, TlsOptions, connection_problems
 from .errors import ConfigError
 from .keys import HANDLER_KEY_RE
 
@@ -40,7 +40,7 @@ _FACTORY: Final = re.compile(r"[\w.]+:[\w.]+")
 _SECRET_NAME: Final = re.compile(r"token|secret|password|key|authorization", re.IGNORECASE)
 _MASK: Final = "***"
 _USERINFO_PASSWORD: Final = re.compile(r"(://[^:/@]*:)[^/]*@")
-_REDIS_SCHEMES: Final = frozenset({"redis", "rediss", "unix", "redis+sentinel", "rediss+sentinel"})
+_REDIS_SCHEMES: Final = frozenset(SCHEMES)
 
 _KeyPath = tuple[str | int, ...]  # ("handlers", 1, "factory") for $.handlers[1].factory
 
@@ -303,8 +303,8 @@ def _check(config: Config, text: str) -> Iterator[tuple[list[str], str]]:
     if config.redis.url != "embedded" and _scheme(config.redis.url) not in _REDIS_SCHEMES:
         yield (
             ["$.redis.url"],
-            "expected a redis://, rediss://, unix://, redis+sentinel:// or rediss+sentinel:// "
-            "URL, or 'embedded'",
+            "expected a redis://, rediss://, unix://, redis+sentinel://, rediss+sentinel://, "
+            "redis+cluster:// or rediss+cluster:// URL, or 'embedded'",
         )
     elif config.redis.url != "embedded":
         for field, message in connection_problems(config.redis.url, config.redis.tls):

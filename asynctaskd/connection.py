@@ -6,6 +6,8 @@ URLs:
   unix://[user[:password]@]/path/to/redis.sock[?db=N]
   redis+sentinel://[user[:password]@]host[:port][,host[:port]...]/service[/db][?sentinel_auth=yes]
   rediss+sentinel://...             the same, with TLS to the sentinels and to the master
+  redis+cluster://[user[:password]@]host[:port][,host[:port]...]   Redis Cluster seeds
+  rediss+cluster://...              the same, with TLS to every node
 
 Options in the query of a redis:// or rediss:// URL are those redis-py reads (`db`,
 `ssl_ca_certs`, `ssl_certfile`, `ssl_keyfile`, `ssl_cert_reqs`, `ssl_check_hostname`, ...).
@@ -34,9 +36,11 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import msgspec
 import redis
 import redis.asyncio
+import redis.asyncio.cluster
 import redis.asyncio.connection
 import redis.asyncio.retry
 import redis.asyncio.sentinel
+import redis.cluster
 import redis.connection
 import redis.exceptions
 import redis.retry
@@ -53,7 +57,13 @@ __all__ = [
     "open_sync",
 ]
 
-SCHEMES: Final = ("redis", "rediss", "unix", "redis+sentinel", "rediss+sentinel")
+SCHEMES: Final = (
+    "redis", "rediss", "unix", "redis+sentinel", "rediss+sentinel", "redis+cluster",
+    "rediss+cluster",
+)  # fmt: skip
+CLUSTER_SHAPE: Final = "redis+cluster://HOST:PORT[,HOST:PORT...]"
+# Per node: a cluster client cannot wait for a free connection, it fails, so allow many.
+CLUSTER_MAX_CONNECTIONS: Final = 1000
 SENTINEL_PORT: Final = 26379
 CONNECT_TIMEOUT_S: Final = 5.0
 SENTINEL_CONNECT_TIMEOUT_S: Final = 2.0
@@ -153,6 +163,10 @@ class _Target(msgspec.Struct, kw_only=True):
     def sentinel(self) -> bool:
         return self.scheme.endswith("+sentinel")
 
+    @property
+    def cluster(self) -> bool:
+        return self.scheme.endswith("+cluster")
+
 
 def connection_problems(url: str, tls: TlsOptions | None = None) -> list[tuple[str, str]]:
     """Problems with a URL and TLS options as (field, message), without touching any file.
@@ -182,6 +196,15 @@ def open_async(
     """
     target = _checked(url, tls)
     options = _options(credentials, socket_timeout)
+    if target.cluster:
+        nodes = [redis.asyncio.cluster.ClusterNode(h, p) for h, p in target.sentinels]
+        kwargs: dict[str, Any] = {**options, **target.userinfo}
+        if target.tls:
+            kwargs.update(target.tls, ssl=True)
+        cluster: redis.asyncio.Redis = redis.asyncio.RedisCluster(  # type: ignore[assignment]  # same commands, own class
+            startup_nodes=nodes, max_connections=CLUSTER_MAX_CONNECTIONS, **kwargs
+        )
+        return cluster
     if not target.sentinel:
         # As BlockingConnectionPool.from_url, whose URL options always win, except that
         # the connection class is ours (from_url would keep redis-py's for rediss://).
@@ -221,6 +244,15 @@ def open_sync(
     """A blocking client for producers in sync code; the same URLs as `open_async`."""
     target = _checked(url, tls)
     options = _options(credentials, socket_timeout)
+    if target.cluster:
+        nodes = [redis.cluster.ClusterNode(h, p) for h, p in target.sentinels]  # type: ignore[no-untyped-call]  # unannotated in redis-py
+        kwargs_sync: dict[str, Any] = {**options, **target.userinfo}
+        if target.tls:
+            kwargs_sync.update(target.tls, ssl=True)
+        cluster_sync: redis.Redis = redis.cluster.RedisCluster(  # type: ignore[assignment]  # same commands, own class
+            startup_nodes=nodes, **kwargs_sync
+        )
+        return cluster_sync
     if not target.sentinel:
         if target.scheme != "unix":
             secure = target.scheme == "rediss"
@@ -404,13 +436,16 @@ def _resolve(url: str, tls: TlsOptions) -> _Target:
         raise _Problem(
             "url",
             f"unknown scheme {shown}: expected redis://, rediss://, unix://, "
-            "redis+sentinel:// or rediss+sentinel://",
+            "redis+sentinel://, rediss+sentinel://, redis+cluster:// or rediss+cluster://",
         )
     query = _query(parts.query)
     secure = scheme.startswith("rediss")
     sentinel = scheme.endswith("+sentinel")
+    cluster = scheme.endswith("+cluster")
     if not secure:
-        tls_url = "rediss+sentinel://" if sentinel else "rediss://"
+        tls_url = (
+            "rediss+sentinel://" if sentinel else "rediss+cluster://" if cluster else "rediss://"
+        )
         if tls.is_set:
             field = next(f for f in ("ca", "cert", "key", "verify") if getattr(tls, f) is not None)
             raise _Problem(field, f"TLS options need a {tls_url} URL, but the URL is {scheme}://")
@@ -418,12 +453,21 @@ def _resolve(url: str, tls: TlsOptions) -> _Target:
             raise _Problem("url", f"option {tls_names[0]} needs a {tls_url} URL")
     if sentinel:
         allowed = _SENTINEL_QUERY | (_SENTINEL_TLS_QUERY if secure else frozenset())
+    elif cluster:
+        allowed = _SENTINEL_TLS_QUERY if secure else frozenset()
     else:
         allowed = _URL_QUERY
     for name in query:
         if name not in allowed:
             raise _Problem("url", _unknown_option(name, scheme, allowed))
-    tls_args, files, key_password = _tls_arguments(tls, query, sentinel) if secure else ({}, [], "")
+    tls_args, files, key_password = (
+        _tls_arguments(tls, query, sentinel or cluster) if secure else ({}, [], "")
+    )
+    if cluster:
+        target = _cluster_target(parts)
+        target.scheme, target.tls, target.files = scheme, tls_args, files
+        target.key_password = key_password
+        return target
     if sentinel:
         target = _sentinel_target(parts, query)
         target.scheme, target.tls, target.files = scheme, tls_args, files
@@ -544,26 +588,48 @@ def _sentinel_target(parts: Any, query: dict[str, str]) -> _Target:
     )
 
 
-def _address(item: str) -> tuple[str, int]:
-    """host, host:port or [v6]:port; the port defaults to Sentinel's 26379."""
+def _cluster_target(parts: Any) -> _Target:
+    """Seeds of a cluster (any nodes; the client discovers the rest), database 0 only."""
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    credentials: dict[str, str] = {}
+    if at:
+        user, colon, password = userinfo.partition(":")
+        if user:
+            credentials["username"] = unquote(user)
+        if colon and password:
+            credentials["password"] = unquote(password)
+    seeds = [_address(item, 6379, "node") for item in hosts.split(",")] if hosts else []
+    if not seeds:
+        raise _Problem("url", f"no node address: expected {CLUSTER_SHAPE}")
+    if parts.path not in ("", "/", "/0"):
+        raise _Problem("url", f"Redis Cluster has only database 0: expected {CLUSTER_SHAPE}")
+    if parts.fragment:
+        raise _Problem("url", f"unexpected fragment '#{parts.fragment}'")
+    return _Target(scheme="", tls={}, files=[], sentinels=seeds, userinfo=credentials)
+
+
+def _address(
+    item: str, default_port: int = SENTINEL_PORT, what: str = "sentinel"
+) -> tuple[str, int]:
+    """host, host:port or [v6]:port; the port defaults to `default_port` (Sentinel's)."""
     text = item.strip()
     if text.startswith("["):
         host, bracket, rest = text[1:].partition("]")
         if not bracket or (rest and not rest.startswith(":")):
-            raise _Problem("url", f"bad sentinel address {item!r}: expected [IPv6]:PORT")
+            raise _Problem("url", f"bad {what} address {item!r}: expected [IPv6]:PORT")
         port_text = rest[1:]
     else:
         host, colon, port_text = text.rpartition(":")
         if not colon:
             host, port_text = text, ""
         elif ":" in host:
-            raise _Problem("url", f"bad sentinel address {item!r}: put IPv6 in brackets")
+            raise _Problem("url", f"bad {what} address {item!r}: put IPv6 in brackets")
     if not host:
-        raise _Problem("url", f"bad sentinel address {item!r}: no host; expected {SENTINEL_SHAPE}")
+        raise _Problem("url", f"bad {what} address {item!r}: no host")
     if not port_text:
-        return host, SENTINEL_PORT
+        return host, default_port
     if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise _Problem("url", f"bad sentinel address {item!r}: port must be 1-65535")
+        raise _Problem("url", f"bad {what} address {item!r}: port must be 1-65535")
     return host, int(port_text)
 
 

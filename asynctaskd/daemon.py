@@ -125,6 +125,7 @@ class Daemon:
             finally:
                 with anyio.move_on_after(2, shield=True):
                     await http.aclose()
+                    await store.close()
                     await redis.aclose()
 
     async def _run(self, store: Store, http: httpx.AsyncClient, task_status: Any) -> None:

@@ -8,13 +8,12 @@ import time
 from typing import Any, Final, NamedTuple
 
 import anyio
-import redis.exceptions
 
 from .config import Config
 from .errors import ScriptError, StoreUnavailable
 from .metrics import Metrics
 from .model import Phase, Status
-from .store import PAUSE_KINDS, Store
+from .store import PAUSE_KINDS, Store, read_many
 
 __all__ = ["Backlog", "observe", "read_backlog", "run_reaper"]
 
@@ -56,15 +55,8 @@ _MAX_BANDS: Final = 16
 async def _pipelined(
     store: Store, reads: list[tuple[str, tuple[Any, ...], dict[str, Any]]]
 ) -> list[Any]:
-    """Run read commands in one round trip. A read-only gauge may use the client directly
-    (no script involved); redis-py errors still leave here as StoreUnavailable."""
-    try:
-        async with store.redis.pipeline(transaction=False) as pipe:
-            for name, args, kwargs in reads:
-                getattr(pipe, name)(*args, **kwargs)
-            return list(await pipe.execute())
-    except redis.exceptions.RedisError as exc:
-        raise StoreUnavailable(f"observe: {type(exc).__name__}: {exc}") from exc
+    """Run read commands in one round trip (a read-only gauge needs no script)."""
+    return await read_many(store, reads)
 
 
 def _score(reply: Any) -> float | None:

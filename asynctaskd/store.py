@@ -8,6 +8,7 @@ sync web apps). redis-py exceptions never leave this module: they become
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
@@ -19,6 +20,7 @@ from typing import Any, Final, Generic, TypeVar
 import anyio
 import msgspec
 import redis.asyncio
+import redis.asyncio.cluster as redis_cluster
 import redis.exceptions as rex
 from redis import Redis as SyncRedis
 
@@ -42,6 +44,8 @@ __all__ = [
     "SyncStore",
     "open_redis",
 ]
+
+_AsyncRedis = redis.asyncio.Redis  # a name no parameter called `redis` shadows
 
 logger = logging.getLogger(__name__)
 
@@ -428,10 +432,20 @@ def _mapped(what: str) -> Iterator[None]:
             ) from exc
         if "asynctaskd:" in text:
             raise ScriptError(f"{what}: {text}") from exc
-        if any(m in text for m in ("MASTERDOWN", "LOADING", "READONLY", "CLUSTERDOWN", "TRYAGAIN")):
+        unavailable = (
+            "MASTERDOWN",
+            "LOADING",
+            "READONLY",
+            "CLUSTERDOWN",
+            "TRYAGAIN",
+            "MOVED",
+            "ASK",
+        )
+        if any(m in text for m in unavailable):
             raise StoreUnavailable(f"{what}: {text}") from exc
         raise ScriptError(f"{what}: Redis refused the script: {text}") from exc
-    except rex.RedisError as exc:
+    except (rex.RedisError, rex.RedisClusterException) as exc:
+        # RedisClusterException (no RedisError): a slot nobody serves during a failover
         raise StoreUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
     except (OSError, RuntimeError) as exc:
         # Below redis-py: with uvloop, writing on a transport closed under a reconnect
@@ -483,9 +497,24 @@ class Store(_Base):
     ) -> None:
         super().__init__(keys, settings)
         self.redis = redis
+        # Redis Cluster: scripts run on the node of their shard's slot. Pipelines with a
+        # durability gate go to each node over a plain connection of our own, so the
+        # gate (WAITAOF/WAIT) follows that node's writes on the same connection.
+        self.cluster = isinstance(redis, redis_cluster.RedisCluster)
+        self._nodes: dict[str, _AsyncRedis] = {}
 
     async def prepare(self) -> None:
         """Load every script into Redis and write the per-shard settings."""
+        if self.cluster:
+            with _mapped("loading scripts"):
+                for script in self.scripts.values():
+                    await self._load(script)
+                for shard in range(self.keys.shards):
+                    if self.settings:
+                        await self.redis.hset(
+                            self.keys.tag(shard) + ":settings", mapping=self.settings
+                        )
+            return
         with _mapped("loading scripts"):
             async with self.redis.pipeline(transaction=False) as pipe:
                 for script in self.scripts.values():
@@ -506,10 +535,45 @@ class Store(_Base):
             except rex.NoScriptError:
                 # The server lost its script cache (restart, failover): NOSCRIPT means it
                 # did not run, so loading and running again is safe.
-                await self.redis.script_load(script.source)
+                await self._load(script)
                 reply = await self.redis.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
         self._timed(call.script, started)
         return call.decode(reply)
+
+    async def _load(self, script: Script) -> None:
+        if self.cluster:  # every primary: a script may run on any shard's node
+            cluster: Any = self.redis
+            await cluster.execute_command(
+                "SCRIPT LOAD", script.source, target_nodes=cluster.get_primaries()
+            )
+        else:
+            await self.redis.script_load(script.source)
+
+    def _node_client(self, key: str) -> tuple[str, redis.asyncio.Redis]:
+        """The primary that serves `key`'s slot, as a plain client of our own."""
+        cluster: Any = self.redis
+        node = cluster.get_node_from_key(key)
+        client = self._nodes.get(node.name)
+        if client is None:
+            pool = redis.asyncio.BlockingConnectionPool(
+                connection_class=node.connection_class, max_connections=16, timeout=None,
+                **node.connection_kwargs,
+            )  # fmt: skip
+            client = self._nodes[node.name] = redis.asyncio.Redis(connection_pool=pool)
+        return node.name, client
+
+    async def _refresh_topology(self) -> None:
+        """After MOVED or a node gone: ask the cluster who serves what now."""
+        cluster: Any = self.redis
+        with contextlib.suppress(Exception):  # the next call tries again
+            await cluster.nodes_manager.initialize()
+
+    async def close(self) -> None:
+        """Close the per-node clients of cluster mode (the main client is the caller's)."""
+        for client in self._nodes.values():
+            with contextlib.suppress(Exception):
+                await client.aclose()
+        self._nodes.clear()
 
     async def run_many(self, calls: Sequence[Call[Any]]) -> list[Any]:
         """Run several calls in one round trip; each result is a value or the exception."""
@@ -526,19 +590,22 @@ class Store(_Base):
         trailer (so a durability gate in the trailer did not cover it).
         """
         if not calls:
-            return [], [], None
+            return [], [], []
         self._count("pipeline")
         started = time.perf_counter()
-        with _mapped("pipeline"):
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for call in calls:
-                    script = self.scripts[call.script]
-                    pipe.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
-                if trailer is not None:
-                    pipe.execute_command(*trailer)
-                replies = await pipe.execute(raise_on_error=False)
+        if self.cluster:
+            replies, trailers = await self._pipeline_by_node(calls, trailer)
+        else:
+            with _mapped("pipeline"):
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for call in calls:
+                        script = self.scripts[call.script]
+                        pipe.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+                    if trailer is not None:
+                        pipe.execute_command(*trailer)
+                    replies = await pipe.execute(raise_on_error=False)
+            trailers = [replies.pop() if trailer is not None else None] * len(calls)
         self._timed("pipeline", started)
-        trailer_reply = replies.pop() if trailer is not None else None
         out: list[Any] = []
         rerun: list[bool] = []
         for call, reply in zip(calls, replies, strict=True):
@@ -556,7 +623,47 @@ class Store(_Base):
                     out.append(call.decode(reply))
                 except Exception as exc:
                     out.append(exc)
-        return out, rerun, trailer_reply
+        return out, rerun, trailers
+
+    async def _pipeline_by_node(
+        self, calls: Sequence[Call[Any]], trailer: tuple[Any, ...] | None
+    ) -> tuple[list[Any], list[Any]]:
+        """Cluster: one pipeline per primary, concurrently, each with its own trailer."""
+        groups: dict[str, tuple[redis.asyncio.Redis, list[int]]] = {}
+        for i, call in enumerate(calls):
+            name, client = self._node_client(call.keys[0])
+            groups.setdefault(name, (client, []))[1].append(i)
+        replies: list[Any] = [None] * len(calls)
+        trailers: list[Any] = [None] * len(calls)
+        stale = False
+
+        async def one(client: redis.asyncio.Redis, indexes: list[int]) -> None:
+            nonlocal stale
+            try:
+                async with client.pipeline(transaction=False) as pipe:
+                    for i in indexes:
+                        call, script = calls[i], self.scripts[calls[i].script]
+                        pipe.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+                    if trailer is not None:
+                        pipe.execute_command(*trailer)
+                    got: list[Any] = await pipe.execute(raise_on_error=False)
+            except (rex.RedisError, OSError, RuntimeError) as exc:
+                got = [exc] * (len(indexes) + (trailer is not None))
+            end = got.pop() if trailer is not None else None
+            for i, reply in zip(indexes, got, strict=True):
+                replies[i], trailers[i] = reply, end
+                moved = isinstance(reply, rex.ResponseError) and str(reply).startswith(
+                    ("MOVED", "ASK")
+                )
+                if moved or isinstance(reply, (rex.ConnectionError, rex.TimeoutError, OSError)):
+                    stale = True
+
+        async with anyio.create_task_group() as tg:
+            for client, indexes in groups.values():
+                tg.start_soon(one, client, indexes)
+        if stale:
+            await self._refresh_topology()
+        return replies, trailers
 
     async def _safe_run(self, call: Call[Any]) -> Any:
         try:
@@ -703,9 +810,12 @@ class Store(_Base):
         if mode == "off":
             return None
         with _mapped("durability check"):
-            info = await self.redis.info("persistence")
-            repl = await self.redis.info("replication")
-            server = await self.redis.info("server")
+            node: Any = self.redis
+            if self.cluster:  # every primary should be configured alike: ask one
+                _, node = self._node_client(self.keys.tag(0))
+            info = await node.info("persistence")
+            repl = await node.info("replication")
+            server = await node.info("server")
         # WAITAOF arrived in Redis 7.2; Valkey reports redis_version 7.2.x for compatibility.
         version = tuple(int(p) for p in str(server.get("redis_version", "0.0")).split(".")[:2])
         has_waitaof = version >= (7, 2)
@@ -723,9 +833,28 @@ class Store(_Base):
         """Block until a create/release/reap pushes a wake marker, or timeout (seconds)."""
         keys = [self.keys.wake(s) for s in range(self.keys.shards)]
         timeout = max(0.01, timeout)
+        if self.cluster and len(keys) > 1:
+            return await self._wait_wake_each(keys, timeout)
         with _mapped("wake"):
             reply = await self.redis.blpop(keys, timeout=timeout)
         return reply is not None
+
+    async def _wait_wake_each(self, keys: list[str], timeout: float) -> bool:
+        """Cluster: the wake keys are in different slots, so one BLPOP per shard, at once;
+        the first marker ends them all."""
+        woken = False
+        with _mapped("wake"):
+            async with anyio.create_task_group() as tg:
+
+                async def one(key: str) -> None:
+                    nonlocal woken
+                    if await self.redis.blpop([key], timeout=timeout) is not None:
+                        woken = True
+                        tg.cancel_scope.cancel()
+
+                for key in keys:
+                    tg.start_soon(one, key)
+        return woken
 
     async def publish_daemon(
         self, daemon_id: str, handler_keys: Sequence[str], record: bytes, ttl_ms: int
@@ -810,11 +939,11 @@ class Batcher:
         trailer = self.gate.command() if gated and self.gate is not None else None
         try:
             t0 = time.perf_counter()
-            results, rerun, reply = await self.store.pipeline([p.call for p in batch], trailer)
+            results, rerun, replies = await self.store.pipeline([p.call for p in batch], trailer)
             if gated and self.gate is not None:
                 self.gate_seconds = time.perf_counter() - t0
-                ok = not isinstance(reply, Exception) and self.gate.satisfied(reply)
-                for p, again in zip(batch, rerun, strict=True):
+                for p, again, reply in zip(batch, rerun, replies, strict=True):
+                    ok = not isinstance(reply, Exception) and self.gate.satisfied(reply)
                     p.durable = ok and not again
             for p, result in zip(batch, results, strict=True):
                 p.result = result
@@ -927,20 +1056,51 @@ def open_redis(
 Read = tuple[str, tuple[Any, ...], dict[str, Any]]
 
 
+# Commands without a key cannot be pipelined on Redis Cluster (no slot to route them by).
+_KEYLESS: Final = frozenset({"time"})
+
+
+def _split(cluster: bool, reads: Sequence[Read]) -> tuple[list[int], list[int]]:
+    """Indexes of the reads to pipeline and of those to send on their own."""
+    if not cluster:
+        return list(range(len(reads))), []
+    alone = [i for i, r in enumerate(reads) if r[0] in _KEYLESS]
+    return [i for i in range(len(reads)) if i not in alone], alone
+
+
 async def read_many(store: Store, reads: Sequence[Read]) -> list[Any]:
     """Run read commands in one pipeline (one round trip); redis errors are mapped here."""
     store._count("read")
+    piped, alone = _split(store.cluster, reads)
+    out: list[Any] = [None] * len(reads)
     with _mapped("read"):
-        async with store.redis.pipeline(transaction=False) as pipe:
-            for name, args, kwargs in reads:
-                getattr(pipe, name)(*args, **kwargs)
-            return list(await pipe.execute())
+        if piped:
+            async with store.redis.pipeline(transaction=False) as pipe:
+                for i in piped:
+                    name, args, kwargs = reads[i]
+                    getattr(pipe, name)(*args, **kwargs)
+                for i, reply in zip(piped, await pipe.execute(), strict=True):
+                    out[i] = reply
+        for i in alone:
+            name, args, kwargs = reads[i]
+            out[i] = await getattr(store.redis, name)(*args, **kwargs)
+    return out
 
 
 def read_many_sync(store: SyncStore, reads: Sequence[Read]) -> list[Any]:
     """Blocking `read_many`."""
     store._count("read")
-    with _mapped("read"), store.redis.pipeline(transaction=False) as pipe:
-        for name, args, kwargs in reads:
-            getattr(pipe, name)(*args, **kwargs)
-        return list(pipe.execute())
+    piped, alone = _split(type(store.redis).__name__ == "RedisCluster", reads)
+    out: list[Any] = [None] * len(reads)
+    with _mapped("read"):
+        if piped:
+            with store.redis.pipeline(transaction=False) as pipe:
+                for i in piped:
+                    name, args, kwargs = reads[i]
+                    getattr(pipe, name)(*args, **kwargs)
+                for i, reply in zip(piped, pipe.execute(), strict=True):
+                    out[i] = reply
+        for i in alone:
+            name, args, kwargs = reads[i]
+            out[i] = getattr(store.redis, name)(*args, **kwargs)
+    return out

@@ -46,6 +46,9 @@ def error_of(text: str) -> str:
         "redis+sentinel://app:pw@10.0.0.1:26379,10.0.0.2:26379,[::1]:26380/mymaster/3",
         "redis+sentinel://sentinel-a,sentinel-b/mymaster/?sentinel_auth=yes",
         "rediss+sentinel://s1:26379/mymaster?ssl_ca_certs=/etc/ca.pem&ssl_check_hostname=no",
+        "redis+cluster://10.0.0.1:7000,10.0.0.2:7001",
+        "redis+cluster://app:pw@node-a/",
+        "rediss+cluster://node-a:6380?ssl_ca_certs=/etc/ca.pem",
     ],
 )
 def test_good_urls(url: str) -> None:
@@ -78,6 +81,11 @@ def test_good_urls(url: str) -> None:
         ("redis+sentinel://h1/mymaster?sentinel_auth=maybe", "sentinel_auth must be yes or no"),
         ("redis+sentinel://h1/m?ssl_ca_certs=/ca", "needs a rediss+sentinel:// URL"),
         ("redis://[::1/0", "not a valid URL"),
+        ("redis+cluster://", "no node address: expected redis+cluster://"),
+        ("redis+cluster://h1:7000/3", "Redis Cluster has only database 0"),
+        ("redis+cluster://h1,:7000", "bad node address ':7000': no host"),
+        ("redis+cluster://h1?db=1", "unknown option 'db'"),
+        ("redis+cluster://h1?ssl_ca_certs=/ca", "needs a rediss+cluster:// URL"),
     ],
 )
 def test_bad_urls_say_what_is_wrong(url: str, message: str) -> None:
@@ -131,7 +139,8 @@ def test_sentinel_url_is_accepted() -> None:
         (
             '[redis]\nurl = "ftp://h/0"\n',
             "config.toml:2: redis.url: expected a redis://, rediss://, unix://, "
-            "redis+sentinel:// or rediss+sentinel:// URL, or 'embedded'",
+            "redis+sentinel://, rediss+sentinel://, redis+cluster:// or rediss+cluster:// URL, "
+            "or 'embedded'",
         ),
         (
             '[redis]\nurl = "redis+sentinel://s1:26379"\n',

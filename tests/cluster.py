@@ -1,0 +1,130 @@
+"""A local Redis Cluster from the same binaries: N masters (optionally a replica each).
+
+Built with CLUSTER ADDSLOTSRANGE, CLUSTER MEET and CLUSTER REPLICATE over plain
+connections, so it needs no redis-cli and works for redis-server and valkey-server
+alike. Every node is a `ServerProcess` on a free loopback port, stopped by PID.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from redis import Redis
+from redis.exceptions import RedisError
+
+from asynctaskd.embedded import ServerProcess, free_port
+
+SLOTS = 16384
+
+
+class LocalCluster:
+    def __init__(
+        self, binary: Path, directory: Path, *, masters: int = 3, replicas: int = 0,
+        aof: bool = True, node_timeout_ms: int = 2000,
+    ) -> None:  # fmt: skip
+        self.masters: list[ServerProcess] = []
+        self.replicas: list[ServerProcess] = []
+        args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                "--cluster-node-timeout", str(node_timeout_ms),
+                "--cluster-require-full-coverage", "no")  # fmt: skip
+        self.bus: dict[int, int] = {}  # client port -> cluster bus port
+
+        def node(name: str) -> ServerProcess:
+            # an explicit bus port: the default (port + 10000) overflows for high ports
+            bus = free_port()
+            proc = ServerProcess(binary, data_dir=directory / name, aof=aof,
+                                 extra_args=(*args, "--cluster-port", str(bus)))  # fmt: skip
+            self.bus[proc.port] = bus
+            return proc
+
+        self.masters = [node(f"m{i}") for i in range(masters)]
+        self.replicas = [node(f"r{i}") for i in range(masters * replicas)]
+
+    @property
+    def nodes(self) -> list[ServerProcess]:
+        return self.masters + self.replicas
+
+    @property
+    def url(self) -> str:
+        """A redis+cluster:// URL naming every master as a seed."""
+        seeds = ",".join(f"127.0.0.1:{m.port}" for m in self.masters)
+        return f"redis+cluster://{seeds}"
+
+    def start(self) -> LocalCluster:
+        for node in self.nodes:
+            node.start()
+        per = SLOTS // len(self.masters)
+        for i, master in enumerate(self.masters):
+            first = i * per
+            last = SLOTS - 1 if i == len(self.masters) - 1 else first + per - 1
+            with Redis(port=master.port) as r:
+                r.execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)
+        first_port = self.masters[0].port
+        for node in self.nodes[1:]:
+            with Redis(port=node.port) as r:
+                r.execute_command("CLUSTER", "MEET", "127.0.0.1", first_port, self.bus[first_port])
+        self._wait(lambda: all(self._knows_all(n) for n in self.nodes), "nodes to meet")
+        for i, replica in enumerate(self.replicas):
+            master = self.masters[i % len(self.masters)]
+            with Redis(port=master.port) as r:
+                master_id = r.execute_command("CLUSTER", "MYID")
+            with Redis(port=replica.port) as r:
+                r.execute_command("CLUSTER", "REPLICATE", master_id)
+        self._wait(self.healthy, "cluster_state:ok on every node")
+        return self
+
+    def _knows_all(self, node: ServerProcess) -> bool:
+        with Redis(port=node.port) as r:
+            lines = r.execute_command("CLUSTER", "NODES").decode().splitlines()
+        return len(lines) == len(self.nodes) and not any("handshake" in x for x in lines)
+
+    def healthy(self) -> bool:
+        for node in self.nodes:
+            if node.process is None or node.process.poll() is not None:
+                continue
+            try:
+                with Redis(port=node.port, socket_timeout=1) as r:
+                    info = r.execute_command("CLUSTER", "INFO").decode()
+            except RedisError:
+                return False
+            if "cluster_state:ok" not in info:
+                return False
+        if self.replicas:
+            for replica in self.replicas:
+                if replica.process is None or replica.process.poll() is not None:
+                    continue
+                with Redis(port=replica.port) as r:
+                    if r.info("replication").get("master_link_status") not in ("up", None):
+                        return False
+        return True
+
+    def primary_of_slot(self, slot: int) -> ServerProcess:
+        with Redis(port=self.masters[0].port) as r:
+            for start, end, primary, *_ in r.execute_command("CLUSTER", "SLOTS"):
+                if start <= slot <= end:
+                    port = int(primary[1])
+                    return next(n for n in self.nodes if n.port == port)
+        raise LookupError(slot)
+
+    @staticmethod
+    def _wait(predicate: object, what: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():  # type: ignore[operator]
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,234 @@
+"""Redis Cluster: daemons and clients on a local 3-master cluster, and a master failover.
+
+The cluster is built from the same binaries (tests/cluster.py). Tasks spread over 8 shards,
+so every master holds some; the daemons claim across all of them, the admission buckets
+live in their own slot (take / claim / refund), and a master killed under load is
+replaced by its replica without any task submitted twice.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from redis.cluster import ClusterNode, RedisCluster
+
+from asynctaskd import Client, Status
+from asynctaskd.embedded import find_binary
+from asynctaskd.fakevendor import Behaviour, FakeVendorProcess
+from asynctaskd.keys import Keys
+from asynctaskd.model import shard_of
+from tests.cluster import LocalCluster
+from tests.conftest import wait_until_sync
+
+pytestmark = pytest.mark.slow
+SHARDS = 8
+
+
+def binary_or_skip(name: str) -> Path:
+    binary = find_binary(name)
+    if binary is None:
+        pytest.skip(f"{name} is not installed")
+    return binary
+
+
+@pytest.fixture(scope="module", params=["redis-server", "valkey-server"])
+def cluster(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalCluster]:
+    with LocalCluster(binary_or_skip(request.param), tmp_path_factory.mktemp("cluster")) as c:
+        yield c
+
+
+def admin(c: LocalCluster) -> RedisCluster:
+    return RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", m.port) for m in c.masters])
+
+
+def write_config(tmp: Path, url: str, vendor_url: str, extra: str = "") -> Path:
+    path = tmp / "daemon.toml"
+    path.write_text(f"""
+[redis]
+url = "{url}"
+shards = {SHARDS}
+socket_timeout = "2s"
+{extra}
+[worker]
+lease = "2s"
+shutdown_grace = "2s"
+max_inflight = 200
+[retry]
+poll_interval = "100ms"
+first_error_delay = "50ms"
+max_error_delay = "500ms"
+[reaper]
+interval = "200ms"
+[metrics]
+enabled = false
+[log]
+level = "warning"
+[[handlers]]
+key = "demo"
+factory = "asynctaskd.demo:make_handler"
+options = {{ base_url = "{vendor_url}", key = "demo" }}
+""")
+    return path
+
+
+def start(config: Path, n: int, log_dir: Path) -> list[subprocess.Popen[bytes]]:
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "asynctaskd", "run", "--config", str(config)],
+            stdout=subprocess.DEVNULL,
+            stderr=(log_dir / f"daemon-{i}.log").open("wb"),
+        )
+        for i in range(n)
+    ]
+
+
+def stop(procs: list[subprocess.Popen[bytes]]) -> list[int]:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=20))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            codes.append(-9)
+    return codes
+
+
+def statuses(client: Client, ids: list[str]) -> Counter[Status]:
+    out: Counter[Status] = Counter()
+    for tid in ids:
+        task = client.get(tid)
+        assert task is not None, f"{tid} vanished"
+        out[task.status] += 1
+    return out
+
+
+def settled(client: Client, ids: list[str]) -> bool:
+    counts = client.stats().by_status
+    return sum(n for s, n in counts.items() if s.is_settled) >= len(ids)
+
+
+def leftovers(c: LocalCluster) -> dict[str, int]:
+    """Leases and in-flight slots still held anywhere: both must be empty at the end."""
+    r = admin(c)
+    try:
+        keys = Keys("atd", SHARDS)
+        out = {f"leases {s}": int(r.zcard(keys.leases(s))) for s in range(SHARDS)}
+        for s in range(SHARDS):
+            for k in r.scan_iter(
+                match=f"{keys.tag(s)}:inflight:*", target_nodes=RedisCluster.ALL_NODES
+            ):
+                out[k.decode()] = int(r.scard(k))
+        return {k: v for k, v in out.items() if v}
+    finally:
+        r.close()
+
+
+def test_daemons_and_clients_run_tasks_across_the_cluster_with_admission(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    r = admin(cluster)
+    r.flushall(target_nodes=RedisCluster.PRIMARIES)
+    r.close()
+    n, rate, burst = 400, 300.0, 20
+    with FakeVendorProcess.start(Behaviour(polls_to_done=2)) as vendor:
+        config = write_config(tmp_path, cluster.url, vendor.url)
+        config.write_text(
+            config.read_text()
+            + f"""
+[[limits]]
+provider = "demo"
+submit_rate = {rate}
+submit_burst = {burst}
+[[limits]]
+tenant = "*"
+max_in_flight = 40
+"""
+        )
+        procs = start(config, 2, tmp_path)
+        client = Client.from_url(cluster.url, shards=SHARDS)
+        try:
+            wait_until_sync(lambda: len(client.handlers()) == 1, "the daemons to register", 20)
+            ids = [
+                client.submit("demo", {"i": i}, tracking_timeout=120, tenant=f"t{i % 4}").id
+                for i in range(n)
+            ]
+            assert {shard_of(tid) for tid in ids} == set(range(SHARDS))
+            wait_until_sync(lambda: settled(client, ids), "every task to settle", 90)
+            assert statuses(client, ids) == Counter({Status.SUCCEEDED: n})
+            created = [e for e in vendor.submit_log() if e["outcome"] == "created"]
+        finally:
+            codes = stop(procs)
+            client.close()
+    logs = "".join(p.read_text() for p in tmp_path.glob("daemon-*.log"))
+    assert codes == [0, 0], logs[-3000:]
+    assert Counter(e["ref"] for e in created) == Counter(ids)  # each submitted once
+    times = sorted(e["at"] for e in created)
+    for i, t0 in enumerate(times):  # the shared bucket held across daemons and shards
+        within = sum(1 for t in times[i:] if t < t0 + 1.0)
+        assert within <= rate + burst
+    assert leftovers(cluster) == {}
+
+
+@pytest.mark.parametrize("server", ["redis-server", "valkey-server"])
+def test_a_master_failover_loses_no_task_and_submits_none_twice(
+    tmp_path: Path, server: str
+) -> None:
+    """Kill the master of some shards under load: its replica takes over, the daemon
+    reconnects, every task ends, no vendor job is created twice (the durability gate
+    waits for the replica before each submit, so the started mark survives)."""
+    binary = binary_or_skip(server)
+    n = 300
+    behaviour = Behaviour(submit_latency=0.02, polls_to_done=3, seed=5)
+    with (
+        LocalCluster(binary, tmp_path / "cluster", replicas=1) as c,
+        FakeVendorProcess.start(behaviour) as vendor,
+    ):
+        config = write_config(tmp_path, c.url, vendor.url, 'durability = "wait"\nwait_replicas = 1')
+        procs = start(config, 1, tmp_path)
+        client = Client.from_url(c.url, shards=SHARDS)
+        try:
+            wait_until_sync(lambda: len(client.handlers()) == 1, "the daemon to register", 20)
+            ids = [client.submit("demo", {"i": i}, tracking_timeout=120).id for i in range(n)]
+
+            def some_done() -> bool:
+                return client.stats().by_status[Status.SUCCEEDED] >= n // 4
+
+            wait_until_sync(some_done, "a quarter of the tasks to finish", 60)
+            victim = c.primary_of_slot(_slot(Keys("atd", SHARDS).tag(1) + ":x"))
+            assert victim.process is not None
+            victim.process.send_signal(signal.SIGKILL)
+            victim.process.wait()
+            wait_until_sync(c.healthy, "a replica to take over", 30)
+            wait_until_sync(lambda: settled(client, ids), "every task to settle", 120)
+            final = statuses(client, ids)
+            parked = [t for t in (client.get(tid) for tid in ids)
+                      if t is not None and t.status is Status.SUBMIT_UNKNOWN]  # fmt: skip
+            created = [e for e in vendor.submit_log() if e["outcome"] in ("created", "ambiguous")]
+        finally:
+            codes = stop(procs)
+            client.close()
+        logs = "".join(p.read_text() for p in tmp_path.glob("daemon-*.log"))
+        assert codes == [0], logs[-3000:]
+        per_task = Counter(e["ref"] for e in created)
+        assert not {ref: k for ref, k in per_task.items() if k > 1}, "a vendor job created twice"
+        assert set(final) <= {Status.SUCCEEDED, Status.SUBMIT_UNKNOWN}, final
+        assert all(t.submit_attempts >= 1 for t in parked)  # parked only after a started submit
+        assert final[Status.SUCCEEDED] + len(parked) == n
+        assert leftovers(c) == {}
+
+
+def _slot(key: str) -> int:
+    from redis.crc import key_slot
+
+    return int(key_slot(key.encode()))
