@@ -139,9 +139,13 @@ def test_daemon_runs_tasks_notifies_systemd_and_drains_on_sigterm(
         wait_until_sync(
             lambda: statuses(store, ids) == {Status.SUCCEEDED: 100}, "all tasks done", timeout=30
         )
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
-            body = r.read().decode()
-        assert 'asynctaskd_transitions_total{handler="demo",status="SUCCEEDED"} 100.0' in body
+
+        def counted() -> bool:  # the counter moves once the save's reply is back
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                body = r.read().decode()
+            return 'asynctaskd_transitions_total{handler="demo",status="SUCCEEDED"} 100.0' in body
+
+        wait_until_sync(counted, "the metric to count 100 successes", timeout=5)
         # daemons publish their handler keys for strict submits
         assert sync_redis.hget(Keys().handlers(), "demo") is not None
         proc.send_signal(signal.SIGTERM)
