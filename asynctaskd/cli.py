@@ -56,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--config", type=Path, help="config file (for [redis] url and namespace)")
         sp.add_argument("--url", help="Redis URL (default: from --config or $ASYNCTASKD_URL)")
         sp.add_argument("--namespace", help="key namespace (default atd)")
+        sp.add_argument(
+            "--shards", type=int, help="shards the daemons use (default: from --config, or 1)"
+        )
 
     def js(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -235,6 +238,10 @@ def _connection(args: argparse.Namespace) -> tuple[str, str, int]:
                 f"{args.config}: redis.url is 'embedded'; pass --url to reach that server"
             )
     url = args.url or url or os.environ.get("ASYNCTASKD_URL") or "redis://127.0.0.1:6379/0"
+    if getattr(args, "shards", None) is not None:
+        if not 1 <= args.shards <= 1024:
+            raise InvalidTask(f"--shards must be between 1 and 1024, got {args.shards}")
+        shards = args.shards
     return url, args.namespace or namespace or "atd", shards
 
 

@@ -8,6 +8,7 @@ replaced by its replica without any task submitted twice.
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -232,3 +233,21 @@ def _slot(key: str) -> int:
     from redis.crc import key_slot
 
     return int(key_slot(key.encode()))
+
+
+def test_the_cli_reaches_every_shard_of_the_cluster(cluster: LocalCluster) -> None:
+    def cli(*args: str) -> str:
+        argv = [sys.executable, "-m", "asynctaskd", *args, "--url", cluster.url, "--shards", "8"]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    r = admin(cluster)
+    r.flushall(target_nodes=RedisCluster.PRIMARIES)
+    r.close()
+    ids = [cli("submit", "h", "{}", "--no-strict", "--json") for _ in range(12)]
+    shards = {shard_of(json.loads(out)["id"]) for out in ids}
+    assert len(shards) > 1  # random shards: twelve tasks land on several
+    stats = json.loads(cli("stats", "--json"))
+    assert stats["by_status"]["PENDING_SUBMIT"] == 12
+    assert cli("limits", "set", "--tenant", "*", "--max-in-flight", "3").strip()
