@@ -38,11 +38,11 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench $(if $(FULL),--full,)
 
-## A long chaos run by hand: make chaos DURATION=600 [SERVER=valkey-server]
+## A long chaos run by hand: make chaos DURATION=600 [SERVER=valkey-server] [CLUSTER=1]
 DURATION ?= 600
 SERVER ?= redis-server
 chaos: $(STAMP)
-	$(BIN)/python -m tests.chaos.runner --duration $(DURATION) --server $(SERVER)
+	$(BIN)/python -m tests.chaos.runner --duration $(DURATION) --server $(SERVER) $(if $(CLUSTER),--cluster,)
 
 clean:
 	rm -rf $(VENV) .asynctaskd .pytest_cache .mypy_cache .ruff_cache

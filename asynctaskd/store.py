@@ -404,6 +404,33 @@ class Ops:
 
 # An ACL refusal: at the call, or inside a script (Redis and Valkey word it differently).
 _ACL_REFUSALS: Final = ("NOPERM", "The user executing the script can't", "ACL failure in script")
+# Replies that say "not now": redis-py strips the code off an error reply it knows
+# ("CLUSTERDOWN The cluster is down" arrives as ClusterDownError("The cluster is down")),
+# so these are told by class, not by text. MasterDownError is a ClusterDownError,
+# MovedError an AskError.
+_UNAVAILABLE_REPLIES: Final = (
+    rex.ReadOnlyError,
+    rex.ClusterDownError,
+    rex.TryAgainError,
+    rex.AskError,
+)
+# redis-py's asyncio modules that talk to connections and keep the cluster's map.
+_REDIS_IO_MODULES: Final = frozenset({"redis.asyncio.connection", "redis.asyncio.cluster"})
+
+
+def _closed_under_io(exc: BaseException) -> bool:
+    """An AttributeError raised inside redis-py's asyncio connection or cluster code: a
+    connection closed under a write (its cluster client closes every connection of every
+    node on CLUSTERDOWN, those other tasks are using included, and their next write meets
+    `_writer = None`), or a node missing from the cluster's map while it is rebuilt.
+    Transient, as a dropped connection is. Our own bugs raise AttributeError too; they
+    are told apart by the innermost frame."""
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_globals.get("__name__") in _REDIS_IO_MODULES
 
 
 @contextmanager
@@ -413,7 +440,12 @@ def _mapped(what: str) -> Iterator[None]:
         yield
     except rex.NoScriptError:
         raise
-    except (rex.ConnectionError, rex.TimeoutError, rex.BusyLoadingError, rex.ReadOnlyError) as exc:
+    except (
+        rex.ConnectionError,
+        rex.TimeoutError,
+        rex.BusyLoadingError,
+        *_UNAVAILABLE_REPLIES,
+    ) as exc:
         raise StoreUnavailable(
             f"{what}: Redis is unavailable ({type(exc).__name__}: {exc})"
         ) from exc
@@ -451,6 +483,10 @@ def _mapped(what: str) -> Iterator[None]:
         # Below redis-py: with uvloop, writing on a transport closed under a reconnect
         # raises RuntimeError("... the handler is closed"); sockets raise OSError.
         raise StoreUnavailable(f"{what}: connection failed ({type(exc).__name__}: {exc})") from exc
+    except AttributeError as exc:
+        if not _closed_under_io(exc):
+            raise
+        raise StoreUnavailable(f"{what}: connection closed ({type(exc).__name__}: {exc})") from exc
 
 
 @contextmanager
@@ -652,9 +688,8 @@ class Store(_Base):
             end = got.pop() if trailer is not None else None
             for i, reply in zip(indexes, got, strict=True):
                 replies[i], trailers[i] = reply, end
-                moved = isinstance(reply, rex.ResponseError) and str(reply).startswith(
-                    ("MOVED", "ASK")
-                )
+                # MOVED/ASK: redis-py raises MovedError/AskError, without the code in the text
+                moved = isinstance(reply, rex.AskError)
                 if moved or isinstance(reply, (rex.ConnectionError, rex.TimeoutError, OSError)):
                     stale = True
 

@@ -2,7 +2,8 @@
 
 Built with CLUSTER ADDSLOTSRANGE, CLUSTER MEET and CLUSTER REPLICATE over plain
 connections, so it needs no redis-cli and works for redis-server and valkey-server
-alike. Every node is a `ServerProcess` on a free loopback port, stopped by PID.
+alike. Every node is a `ServerProcess` on a free loopback port, stopped by PID;
+`extra_args` go to every node (an ACL file, say).
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ SLOTS = 16384
 class LocalCluster:
     def __init__(
         self, binary: Path, directory: Path, *, masters: int = 3, replicas: int = 0,
-        aof: bool = True, node_timeout_ms: int = 2000,
+        aof: bool = True, node_timeout_ms: int = 2000, extra_args: tuple[str, ...] = (),
     ) -> None:  # fmt: skip
         self.masters: list[ServerProcess] = []
         self.replicas: list[ServerProcess] = []
         args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                 "--cluster-node-timeout", str(node_timeout_ms),
-                "--cluster-require-full-coverage", "no")  # fmt: skip
+                "--cluster-require-full-coverage", "no", *extra_args)  # fmt: skip
         self.bus: dict[int, int] = {}  # client port -> cluster bus port
 
         def node(name: str) -> ServerProcess:

@@ -251,3 +251,48 @@ def test_the_cli_reaches_every_shard_of_the_cluster(cluster: LocalCluster) -> No
     stats = json.loads(cli("stats", "--json"))
     assert stats["by_status"]["PENDING_SUBMIT"] == 12
     assert cli("limits", "set", "--tenant", "*", "--max-in-flight", "3").strip()
+
+
+def test_a_moved_reply_in_a_node_pipeline_refreshes_the_map(cluster: LocalCluster) -> None:
+    """A per-node pipeline sent to a node that no longer serves the slot gets MOVED: the
+    call is "Redis unavailable" (retried), not a script error, and the store reloads the
+    cluster's map. redis-py raises MovedError without "MOVED" in its text, which the
+    check by text missed (found with the cluster chaos run)."""
+    import anyio
+    import redis.asyncio
+
+    from asynctaskd.errors import StoreUnavailable
+    from asynctaskd.store import Store, open_redis
+
+    async def main() -> None:
+        keys = Keys("atd", SHARDS)
+        client = open_redis(cluster.url)
+        store = Store(client, keys)
+        try:
+            await store.prepare()
+            call = store.ops.time_out(1, 10)
+            right = _slot(keys.tag(1) + ":x")
+            owner = cluster.primary_of_slot(right)
+            wrong = next(m for m in cluster.masters if m.port != owner.port)
+            stray = redis.asyncio.Redis(port=wrong.port)
+            refreshed: list[bool] = []
+            real_refresh = store._refresh_topology
+
+            async def refresh() -> None:
+                refreshed.append(True)
+                await real_refresh()
+
+            store._node_client = lambda key: ("stale", stray)  # type: ignore[method-assign]
+            store._refresh_topology = refresh  # type: ignore[method-assign]
+            (result,), _, _ = await store.pipeline([call])
+            await stray.aclose()
+            assert isinstance(result, StoreUnavailable), result
+            assert refreshed == [True]
+            del store._node_client  # the real one again: the right node answers
+            (result,), _, _ = await store.pipeline([call])
+            assert result == []
+        finally:
+            await store.close()
+            await client.aclose()
+
+    anyio.run(main)

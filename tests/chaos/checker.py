@@ -14,8 +14,9 @@ the producers were told, and checks the guarantees of SPEC section 10:
 - every status change in the events stream is a legal transition
   (`asynctaskd.model.LEGAL_TRANSITIONS`, any actor), versions strictly increase per task,
   the stream agrees with the hash (first event is the create, last status is the status);
-- status counters and status indexes equal the real counts; no lease, ready, due or
-  quarantine entry left behind;
+- status counters and status indexes equal the real counts (summed over the shards, and
+  shard by shard); every task hash sits on the shard its id names; no lease, ready, due,
+  held or quarantine entry left behind;
 - a task canceled while nothing could be in flight (PENDING_SUBMIT -> CANCELED, not
   idempotent) never gets a vendor job created after that cancel;
 - two live tasks never share a (tenant, dedup key);
@@ -23,7 +24,9 @@ the producers were told, and checks the guarantees of SPEC section 10:
   task's params and id), and every external id names a vendor job of that task.
 
 `read_history` takes the snapshot, `check` judges it and returns a `Report` that prints
-the counts it checked and, for every violation, the task's whole history.
+the counts it checked and, for every violation, the task's whole history. On Redis Cluster
+give it a `redis.cluster.RedisCluster` client: SCAN then goes to every primary, and the
+hash, sorted-set and stream reads are routed by key (each shard's keys share one slot).
 
 Secrets (SPEC section 10: never stored in Redis or logs): a `SecretScan` looks for a
 secret the daemons were given, or either half of it (a message cut short), in every key
@@ -39,12 +42,13 @@ from __future__ import annotations
 import itertools
 import json
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import redis
+import redis.cluster
 
 from asynctaskd.model import LEGAL_TRANSITIONS, Status
 
@@ -103,6 +107,9 @@ class History:
     idempotent_handlers: frozenset[str] = frozenset()
     pause_windows: list[tuple[str, int, int]] = field(default_factory=list)  # dim, from, to ms
     stray_events: int = 0  # entries whose task hash does not exist
+    # Per shard (several shards): each shard's counters, and the shard each hash was on.
+    shard_counts: dict[int, dict[str, int]] = field(default_factory=dict)
+    task_shards: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -154,13 +161,28 @@ def _s(value: bytes | str) -> str:
 
 
 def read_history(
-    client: redis.Redis, namespace: str = "atd", shards: int = 1, *, scan_count: int = 1000
+    client: redis.Redis | redis.cluster.RedisCluster,
+    namespace: str = "atd",
+    shards: int = 1,
+    *,
+    scan_count: int = 1000,
 ) -> History:
-    """Snapshot every task hash, the events streams, counters and indexes of `namespace`."""
+    """Snapshot every task hash, the events streams, counters and indexes of `namespace`.
+
+    `shards`: how many shards to read (`<ns>:{s0}:` .. `<ns>:{s<shards-1>}:`). With a
+    `RedisCluster` client every SCAN goes to all primaries; the other reads name a key
+    and are routed to the primary of its slot. Event `pos` is the order of reading:
+    stream order within a shard, shard after shard.
+    """
     r: Any = client  # redis-py's return types are unions over RESP versions: read as Any
+    where: dict[str, Any] = {}
+    if isinstance(client, redis.cluster.RedisCluster):
+        where["target_nodes"] = redis.cluster.RedisCluster.PRIMARIES
     tasks: dict[str, dict[str, str]] = {}
+    task_shards: dict[str, int] = {}
     events: dict[str, list[Event]] = defaultdict(list)
     counts: Counter[str] = Counter()
+    shard_counts: dict[int, dict[str, int]] = {}
     indexes: dict[str, dict[str, float]] = defaultdict(dict)
     complete = True
     pos = 0
@@ -168,7 +190,7 @@ def read_history(
     for shard in range(shards):
         tag = f"{namespace}:{{s{shard}}}:"
         prefix = tag + "task:"
-        names = [_s(k) for k in r.scan_iter(match=prefix + "*", count=scan_count)]
+        names = [_s(k) for k in r.scan_iter(match=prefix + "*", count=scan_count, **where)]
         for start in range(0, len(names), 500):
             chunk = names[start : start + 500]
             pipe = r.pipeline(transaction=False)
@@ -179,16 +201,20 @@ def read_history(
             for i, name in enumerate(chunk):
                 kind, raw = replies[2 * i], replies[2 * i + 1]
                 tid = name[len(prefix) :]
+                task_shards[tid] = shard
                 if _s(kind) != "hash" or isinstance(raw, Exception):
                     tasks[tid] = {"<type>": _s(kind)}
                 else:
                     tasks[tid] = {_s(k): _s(v) for k, v in raw.items()}
+        own: dict[str, int] = {}
         for k, v in r.hgetall(tag + "counts").items():
             counts[_s(k)] += int(v)
+            own[_s(k)] = int(v)
+        shard_counts[shard] = own
         for name in (*(f"idx:{s}" for s in STATUSES), *LEFTOVER_INDEXES):
             for member, score in r.zrange(tag + name, 0, -1, withscores=True):
                 indexes[name][_s(member)] = float(score)
-        for key in r.scan_iter(match=tag + "held:*", count=scan_count):
+        for key in r.scan_iter(match=tag + "held:*", count=scan_count, **where):
             name = _s(key)[len(tag) :]
             for member, score in r.zrange(key, 0, -1, withscores=True):
                 indexes[name][_s(member)] = float(score)
@@ -226,6 +252,8 @@ def read_history(
         indexes=dict(indexes),
         stream_complete=complete,
         stray_events=stray,
+        shard_counts=shard_counts,
+        task_shards=task_shards,
     )
 
 
@@ -463,6 +491,7 @@ def check(
             flag(kind, t if t in tasks else None, f"{t} still in {name}")
     if history.stray_events:
         flag("stray_events", None, f"{history.stray_events} events of tasks that do not exist")
+    _check_shards(history, report, flag)
 
     statuses = Counter(h.get("status", "?") for h in tasks.values())
     log_outcomes = Counter(str(e.get("outcome")) for e in history.vendor_log)
@@ -475,6 +504,43 @@ def check(
             vendor = by_ref.get(v.task_id, [])
             report.histories[v.task_id] = task_history(history, v.task_id, vendor)
     return report
+
+
+def _id_shard(task_id: str) -> int | None:
+    """The shard an id names (docs/protocol.md section 3): no `-` is shard 0, else the
+    digits after the last `-`; None if those are not digits."""
+    _, dash, tail = task_id.rpartition("-")
+    if not dash:
+        return 0
+    return int(tail) if tail.isdecimal() else None
+
+
+def _check_shards(
+    history: History, report: Report, flag: Callable[[str, str | None, str], None]
+) -> None:
+    """Several shards: each shard's counters against its own tasks, each hash on its shard."""
+    if len(history.shard_counts) < 2:
+        return
+    real: dict[int, Counter[str]] = defaultdict(Counter)
+    for tid, h in history.tasks.items():
+        shard = history.task_shards.get(tid)
+        report.checked["task shards"] += 1
+        if shard is None or _id_shard(tid) != shard:
+            flag("wrong_shard", tid, f"the hash is on shard {shard}, the id names {_id_shard(tid)}")
+        if shard is not None and "<type>" not in h:
+            status = h.get("status", "")
+            real[shard][status] += 1
+            real[shard][f"{status}@{h.get('handler', '')}"] += 1
+    for shard, counts in sorted(history.shard_counts.items()):
+        for name in sorted(set(counts) | {k for k, v in real[shard].items() if v}):
+            report.checked["shard counters"] += 1
+            if counts.get(name, 0) != real[shard].get(name, 0):
+                flag(
+                    "counter_drift",
+                    None,
+                    f"shard {shard}: counts[{name}] = {counts.get(name, 0)}, "
+                    f"real {real[shard].get(name, 0)}",
+                )
 
 
 def _settled_at(
@@ -579,8 +645,14 @@ def _databases(client: redis.Redis) -> Iterator[tuple[int, Any]]:
             other.close()
 
 
-def scan_redis(client: redis.Redis, scan: SecretScan, *, scan_count: int = 1000) -> None:
-    """Look at every key name and value in every database of `client`'s server."""
+def scan_redis(
+    client: redis.Redis, scan: SecretScan, *, scan_count: int = 1000, label: str = "Redis"
+) -> None:
+    """Look at every key name and value in every database of `client`'s server.
+
+    On a cluster, call it once per node with a plain client of that node (`label` names
+    the node in what is found).
+    """
     for n, r in _databases(client):
         names = list(r.scan_iter(count=scan_count))
         for start in range(0, len(names), 500):
@@ -606,22 +678,23 @@ def scan_redis(client: redis.Redis, scan: SecretScan, *, scan_count: int = 1000)
             for key, kind, value in zip(chunk, kinds, pipe.execute(), strict=True):
                 name = _s(key)
                 scan.checked["secret scan: Redis keys"] += 1
-                scan.look(f"Redis db{n}: the name of key {name!r}", key)
+                db = f"{label} db{n}"
+                scan.look(f"{db}: the name of key {name!r}", key)
                 if kind == "stream":
-                    _scan_stream(r, n, key, scan)
+                    _scan_stream(r, db, key, scan)
                 elif isinstance(value, dict):
                     scan.checked["secret scan: Redis values"] += len(value)
                     for f, v in value.items():
-                        scan.look(f"Redis db{n}: hash {name!r} field {_s(f)!r}", f, v)
+                        scan.look(f"{db}: hash {name!r} field {_s(f)!r}", f, v)
                 elif isinstance(value, list | set):
                     scan.checked["secret scan: Redis values"] += len(value)
-                    scan.look(f"Redis db{n}: {kind} {name!r}", *value)
+                    scan.look(f"{db}: {kind} {name!r}", *value)
                 elif value is not None:  # None: the key expired meanwhile
                     scan.checked["secret scan: Redis values"] += 1
-                    scan.look(f"Redis db{n}: {kind} {name!r}", value)
+                    scan.look(f"{db}: {kind} {name!r}", value)
 
 
-def _scan_stream(r: Any, n: int, key: bytes, scan: SecretScan) -> None:
+def _scan_stream(r: Any, db: str, key: bytes, scan: SecretScan) -> None:
     name = _s(key)
     last = "-"
     while True:
@@ -633,7 +706,7 @@ def _scan_stream(r: Any, n: int, key: bytes, scan: SecretScan) -> None:
         for entry_id, fields in batch:
             scan.checked["secret scan: stream entries"] += 1
             data = [b for kv in fields.items() for b in kv]
-            scan.look(f"Redis db{n}: stream {name!r} entry {_s(entry_id)}", *data)
+            scan.look(f"{db}: stream {name!r} entry {_s(entry_id)}", *data)
             last = _s(entry_id)
 
 

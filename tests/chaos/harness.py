@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from redis import Redis
+from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisError
 
 from asynctaskd.codec import encode_json
@@ -85,7 +86,7 @@ class Daemons:
 
     def wait_heartbeats(self, timeout: float) -> None:
         config = load_config(self.config)
-        client = Redis.from_url(config.redis.url)
+        client = keyed_client(config.redis.url)
         deadline = time.monotonic() + timeout
         try:
             while time.monotonic() < deadline:
@@ -221,15 +222,19 @@ def chaos_daemon_config(
     idempotent_key: str | None = "demo-idem",
     max_inflight: int = 300,
     max_reclaims: int = 20,
+    shards: int = 1,
 ) -> Path:
     """daemon_config plus a second, idempotent handler on the same fake vendor.
 
     `max_reclaims` is raised above the default because every Redis restart or pause
     expires the leases of the query calls in flight, and a task that never finishes is
     polled through all of them; the reclaim limit is a poison-task guard, not a chaos one.
+    `shards` other than 1 is written as `[redis] shards` (a cluster run).
     """
     path = daemon_config(tmp, url, vendor_url, lease=lease)
     text = path.read_text()
+    if shards != 1:
+        text = text.replace(f'url = "{url}"\n', f'url = "{url}"\nshards = {shards}\n', 1)
     text = text.replace("max_inflight = 300", f"max_inflight = {max_inflight}")
     text = text.replace("[worker]\n", f"[worker]\nmax_reclaims = {max_reclaims}\n", 1)
     if idempotent_key is not None:
@@ -242,6 +247,16 @@ options = {{ base_url = "{vendor_url}", key = "{idempotent_key}", idempotent = t
 """
     path.write_text(text)
     return path
+
+
+def keyed_client(url: str, **kwargs: Any) -> Any:
+    """A plain redis-py client for `url`: a `RedisCluster` for `redis+cluster://` seeds
+    (commands routed by key, SCAN sent where it is told), else `Redis.from_url`."""
+    if url.startswith("redis+cluster://"):
+        seeds = [s.rsplit(":", 1) for s in url.removeprefix("redis+cluster://").split(",")]
+        nodes = [ClusterNode(host, int(port)) for host, port in seeds]  # type: ignore[no-untyped-call]
+        return RedisCluster(startup_nodes=nodes, **kwargs)
+    return Redis.from_url(url, **kwargs)
 
 
 def write_acl_file(path: Path, user: str, password: str) -> Path:

@@ -15,11 +15,22 @@ The daemons log in to Redis as an ACL user whose password (`ChaosConfig.secret`)
 from the environment, as in production; after the run every key and value in the server,
 its append-only files, every daemon log and the checker's report are searched for it.
 
-From pytest: `run_chaos(ChaosConfig.ci(tmp_path))`, then `checker.check(outcome.history)`.
-By hand, from the repository root:
+Cluster mode (`ChaosConfig(..., cluster=True)`, `--cluster`): instead of one server, a
+local Redis Cluster of `masters` masters (tests/cluster.py: AOF, `appendfsync always`, no
+replicas, the same ACL file on every node); daemons and producers use its
+`redis+cluster://` URL with `shards` shards (8: every master serves some). Redis faults
+hit one master chosen at random: `kill -9` and a restart on the same port and directory
+(the node rejoins with its nodes.conf; the run waits for `cluster_state:ok` on every node
+again), or `CLIENT PAUSE ... ALL` on it. The checker reads every shard on every primary,
+the final kill -9 takes down every master at once, and the secret scan reads every key of
+every node and every node's data directory.
+
+From pytest: `run_chaos(ChaosConfig.ci(tmp_path))` (or `ChaosConfig.cluster_ci`), then
+`judge(outcome)`. By hand, from the repository root:
 
     .venv/bin/python -m tests.chaos.runner --duration 600            # about 11 minutes
     .venv/bin/python -m tests.chaos.runner --duration 60 --server valkey-server
+    .venv/bin/python -m tests.chaos.runner --duration 60 --cluster   # 3 masters, 8 shards
 
 `--duration` is the length of the load-and-faults window in seconds; the settle phase
 (at most the tracking timeout plus the slack) and start/stop come on top.
@@ -47,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from redis import Redis
+from redis.crc import key_slot
 
 from asynctaskd import Client
 from asynctaskd.embedded import ServerProcess, find_binary
@@ -67,9 +79,11 @@ from tests.chaos.harness import (
     Daemons,
     chaos_daemon_config,
     connection_users,
+    keyed_client,
     pause_redis,
     write_acl_file,
 )
+from tests.cluster import LocalCluster
 
 NAMESPACE = "atd"
 LIVE = ("PENDING_SUBMIT", "SUBMITTING", "SUBMITTED", "RUNNING")
@@ -132,11 +146,41 @@ class ChaosConfig:
     # password is the secret looked for everywhere after the run. Never printed.
     redis_user: str = "chaos-daemon"
     secret: str = field(default_factory=lambda: f"chaos-secret-{secrets.token_hex(12)}", repr=False)
+    # Redis Cluster instead of one server: `masters` masters, tasks over `shards` shards.
+    cluster: bool = False
+    masters: int = 3
+    shards: int = 1
 
     @classmethod
     def ci(cls, workdir: Path, server: str = "redis-server", seed: int = 1) -> ChaosConfig:
         """The acceptance run: 3 daemons, 3,000 tasks, 10 kills, 1 SIGSTOP, 2 restarts."""
         return cls(workdir=workdir, server=server, seed=seed)
+
+    @classmethod
+    def cluster_ci(cls, workdir: Path, server: str = "redis-server", seed: int = 1) -> ChaosConfig:
+        """The CI-sized cluster run: 3 masters, 8 shards, 1,200 tasks in 30 s, 3 daemons,
+        4 kills, 1 SIGSTOP, 1 master kill -9 + restart, 1 CLIENT PAUSE on a master, and
+        one each of the tenant pause, latency spike, storm and ambiguous burst; the same
+        vendor misbehaviour as `ci()`. About 50 s on 2 cores."""
+        return cls(
+            workdir=workdir,
+            server=server,
+            seed=seed,
+            cluster=True,
+            masters=3,
+            shards=8,
+            duration=30.0,
+            tasks=1200,
+            kills=4,
+            sigstops=1,
+            redis_restarts=1,
+            redis_pauses=1,
+            latency_spikes=1,
+            storms=1,
+            ambiguous_bursts=1,
+            tenant_pauses=1,
+            timeout=15.0,  # the never-finishing tasks time out 15 s after the last create
+        )
 
     @classmethod
     def scaled(
@@ -174,16 +218,27 @@ class RunOutcome:
     problems: list[str] = field(default_factory=list)  # runner-level violations
     timings: dict[str, float] = field(default_factory=dict)
     secret_scan: SecretScan | None = None
+    layout: dict[str, list[int]] = field(default_factory=dict)  # cluster: master -> shards
 
     def figures(self) -> dict[str, Any]:
         t = self.timings
-        return {
-            "server": self.config.server,
+        cfg = self.config
+        server = cfg.server
+        if cfg.cluster:
+            server += f" (cluster: {cfg.masters} masters, {cfg.shards} shards)"
+        out: dict[str, Any] = {
+            "server": server,
             "tasks submitted (acknowledged)": self.producers["acknowledged"],
             "load window s": round(t.get("load", 0.0), 1),
             "settle s": round(t.get("settle", 0.0), 1),
             "total s": round(t.get("total", 0.0), 1),
             "secret scan s": round(t.get("secret scan", 0.0), 1),
+        }
+        if cfg.cluster:
+            out["shards by master"] = self.layout
+            out["master restart to cluster_state:ok s (max)"] = round(t.get("recovery", 0.0), 1)
+        return {
+            **out,
             "faults": dict(sorted(self.faults.items())),
             "producers": dict(sorted(self.producers.items())),
             "daemon log lines": dict(self.log_lines.most_common(12)),
@@ -220,6 +275,92 @@ class _Vendor:
         self.proc.configure(**merged)
 
 
+class _Target:
+    """The Redis under test: one server, or (`cfg.cluster`) a local cluster of masters.
+
+    `url` is what daemons and producers use; `client()` a plain redis-py client routed by
+    key (a `RedisCluster` on a cluster); `nodes` every server process (the masters).
+    """
+
+    def __init__(self, cfg: ChaosConfig, binary: Path, acl: Path) -> None:
+        args = ("--aclfile", str(acl.resolve()))
+        self.cfg = cfg
+        self.shards = cfg.shards
+        self.cluster: LocalCluster | None = None
+        if cfg.cluster:
+            self.cluster = LocalCluster(
+                binary, cfg.workdir / "cluster", masters=cfg.masters, aof=True, extra_args=args
+            )
+            self.nodes = list(self.cluster.masters)
+        else:
+            server = ServerProcess(
+                binary, data_dir=cfg.workdir / "redis", aof=True, extra_args=args
+            )
+            self.nodes = [server]
+        self.recoveries: list[float] = []  # cluster: seconds from restart to cluster_state:ok
+
+    @property
+    def url(self) -> str:
+        return self.cluster.url if self.cluster is not None else self.nodes[0].url
+
+    def start(self) -> None:
+        if self.cluster is not None:
+            try:
+                self.cluster.start()
+            except BaseException:
+                self.cluster.stop()
+                raise
+        else:
+            self.nodes[0].start()
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def client(self, socket_timeout: float | None = None) -> Any:
+        return keyed_client(self.url, socket_timeout=socket_timeout)
+
+    def masters_of_shards(self) -> dict[int, list[int]]:
+        """Cluster: node index -> the shards whose slot it serves (all nodes, even empty)."""
+        out: dict[int, list[int]] = {i: [] for i in range(len(self.nodes))}
+        if self.cluster is None:
+            out[0] = list(range(self.shards))
+            return out
+        for shard in range(self.shards):
+            owner = self.cluster.primary_of_slot(key_slot(f"{NAMESPACE}:{{s{shard}}}".encode()))
+            out[self.nodes.index(owner)].append(shard)
+        return out
+
+    def kill_restart(self, node: ServerProcess, down_for: float) -> None:
+        """kill -9 one server and start it again on the same port and directory."""
+        node.kill()
+        time.sleep(down_for)
+        node.start()
+        if self.cluster is not None:
+            # The node rejoins with its nodes.conf; a restarted master also waits a moment
+            # before it calls its slots served again. Wait for cluster_state:ok everywhere.
+            started = time.monotonic()
+            deadline = started + 60
+            while not self.cluster.healthy():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"node {node.port} did not rejoin the cluster in 60 s")
+                time.sleep(0.05)
+            self.recoveries.append(time.monotonic() - started)
+
+    def restart_all(self) -> None:
+        """kill -9 every server at once, then start them all again."""
+        for node in self.nodes:
+            node.kill()
+        for node in self.nodes:
+            node.start()
+        if self.cluster is not None:
+            deadline = time.monotonic() + 60
+            while not self.cluster.healthy():
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the cluster did not come back in 60 s")
+                time.sleep(0.05)
+
+
 class _Chaos:
     """One run's moving parts."""
 
@@ -236,8 +377,10 @@ class _Chaos:
         self.cancels: list[tuple[float, str, str | None]] = []  # heap: (at, id, tenant)
         self.stopped: set[int] = set()  # daemons under SIGSTOP
         self.pause_windows: list[tuple[str, int, int]] = []  # (dimension, from ms, to ms)
+        self.tenant_paused: tuple[Client, int] | None = None  # (its client, from ms)
+        self.tenant_pause_gen = 0  # the latest tenant_pause fault's number
         self.expected_down: set[int] = set()
-        self.server: ServerProcess | None = None
+        self.server: _Target | None = None
         self.daemons: Daemons | None = None
         self.vendor: _Vendor | None = None
 
@@ -248,7 +391,7 @@ class _Chaos:
         assert self.server is not None
         rng = random.Random(cfg.seed * 1000 + index)
         window = cfg.duration * 0.92
-        client = Client.from_url(self.server.url, NAMESPACE)
+        client = Client.from_url(self.server.url, NAMESPACE, shards=cfg.shards)
         try:
             for k in range(count):
                 if self.stop_load.is_set():
@@ -316,7 +459,7 @@ class _Chaos:
 
     def cancel_loop(self) -> None:
         assert self.server is not None
-        client = Client.from_url(self.server.url, NAMESPACE)
+        client = Client.from_url(self.server.url, NAMESPACE, shards=self.cfg.shards)
         try:
             while True:
                 with self.lock:
@@ -416,13 +559,26 @@ class _Chaos:
             later.append((now + cfg.lease * 3.5, len(later), sigcont))
         elif kind == "tenant_pause":
             dim = f"tenant:{cfg.paused_tenant}"
-            client = Client.from_url(self.server.url, NAMESPACE)
-            _retry(lambda: client.pause(tenant=cfg.paused_tenant, note="chaos"))
-            start_ms = _server_ms(self.server.url)  # no claim of the tenant after this
+            # The server's clock (on a cluster every node runs on this host's clock).
+            time_url = self.server.nodes[0].url
+            self.tenant_pause_gen += 1
+            gen = self.tenant_pause_gen
+            if self.tenant_paused is None:
+                client = Client.from_url(self.server.url, NAMESPACE, shards=cfg.shards)
+                _retry(lambda: client.pause(tenant=cfg.paused_tenant, note="chaos"))
+                start_ms = _server_ms(time_url)  # no claim of the tenant after this
+                self.tenant_paused = (client, start_ms)
+            else:
+                # Still paused by an earlier fault: hold it longer (one window), or that
+                # fault's resume would lift this one's pause inside its window.
+                self.faults["tenant pauses extended"] += 1
 
-            def unpause() -> None:
-                assert self.server is not None
-                end_ms = _server_ms(self.server.url)  # claims may start again after this
+            def unpause(gen: int = gen) -> None:
+                if gen != self.tenant_pause_gen or self.tenant_paused is None:
+                    return  # a later tenant_pause holds the tenant longer
+                client, start_ms = self.tenant_paused
+                self.tenant_paused = None
+                end_ms = _server_ms(time_url)  # claims may start again after this
                 moved = _retry(lambda: client.resume(tenant=cfg.paused_tenant))
                 client.close()
                 self.pause_windows.append((dim, start_ms, end_ms))
@@ -430,11 +586,10 @@ class _Chaos:
 
             later.append((now + cfg.tenant_pause_for, len(later), unpause))
         elif kind == "redis_restart":
-            self.server.kill()
-            time.sleep(cfg.redis_down_for)
-            self.server.start()
+            node = self._pick_node(kind)
+            self.server.kill_restart(node, cfg.redis_down_for)
         elif kind == "redis_pause":
-            pause_redis(self.server.url, round(cfg.lease * 2500))
+            pause_redis(self._pick_node(kind).url, round(cfg.lease * 2500))
         else:
             changes = {
                 "latency_spike": {
@@ -453,13 +608,14 @@ class _Chaos:
         """The running daemon that holds the most leases right now, and how many."""
         assert self.daemons is not None and self.server is not None
         owners: Counter[str] = Counter()
-        client: Any = Redis.from_url(self.server.url, socket_timeout=5)
+        client: Any = self.server.client(socket_timeout=5)
         try:
-            tag = f"{NAMESPACE}:{{s0}}:"
-            for member in client.zrange(tag + "leases", 0, -1):
-                owner = client.hget(tag + "task:" + member.decode(), "owner")
-                if owner is not None:
-                    owners[owner.decode()] += 1
+            for shard in range(self.cfg.shards):
+                tag = f"{NAMESPACE}:{{s{shard}}}:"
+                for member in client.zrange(tag + "leases", 0, -1):
+                    owner = client.hget(tag + "task:" + member.decode(), "owner")
+                    if owner is not None:
+                        owners[owner.decode()] += 1
         finally:
             client.close()
         host = socket.gethostname()
@@ -470,6 +626,15 @@ class _Chaos:
                 if held > best[1]:
                     best = (i, held)
         return best
+
+    def _pick_node(self, kind: str) -> ServerProcess:
+        """The server a Redis fault hits: the only one, or a random master of a cluster."""
+        assert self.server is not None
+        if len(self.server.nodes) == 1:
+            return self.server.nodes[0]
+        i = self.rng.randrange(len(self.server.nodes))
+        self.faults[f"{kind} on master {i}"] += 1
+        return self.server.nodes[i]
 
     def _pick_daemon(self) -> int:
         assert self.daemons is not None
@@ -529,13 +694,16 @@ def _log_tail(daemons: Daemons, i: int, chars: int = 3000) -> str:
     return logs[-1].read_text(errors="replace")[-chars:] if logs else "<no log>"
 
 
-def _unsettled(url: str) -> int:
-    client: Any = Redis.from_url(url, socket_timeout=5)
+def _unsettled(target: _Target) -> int:
+    """Live tasks, summed over every shard's counters."""
+    client: Any = target.client(socket_timeout=5)
+    counts: Counter[str] = Counter()
     try:
-        raw = client.hgetall(f"{NAMESPACE}:{{s0}}:counts")
+        for shard in range(target.shards):
+            raw = client.hgetall(f"{NAMESPACE}:{{s{shard}}}:counts")
+            counts.update({k.decode(): int(v) for k, v in raw.items()})
     finally:
         client.close()
-    counts = {k.decode(): int(v) for k, v in raw.items()}
     return sum(counts.get(s, 0) for s in LIVE)
 
 
@@ -569,12 +737,9 @@ def run_chaos(cfg: ChaosConfig, *, log: Callable[[str], None] | None = None) -> 
     timings: dict[str, float] = {}
     t_begin = time.monotonic()
     acl = write_acl_file(cfg.workdir / "users.acl", cfg.redis_user, cfg.secret)
-    server = ServerProcess(
-        binary,
-        data_dir=cfg.workdir / "redis",
-        aof=True,
-        extra_args=("--aclfile", str(acl.resolve())),
-    ).start()
+    server = _Target(cfg, binary, acl)
+    server.start()
+    layout: dict[str, list[int]] = {}
     chaos.server = server
     scan = SecretScan(cfg.secret)
     try:
@@ -592,9 +757,15 @@ def run_chaos(cfg: ChaosConfig, *, log: Callable[[str], None] | None = None) -> 
             "never_finish_fraction": cfg.never_finish_fraction,
         }
         # Keep the whole events stream: the checker reads every transition.
-        side = Redis.from_url(server.url)
-        side.hset(f"{NAMESPACE}:{{s0}}:settings", "events_maxlen", 50_000_000)
+        side = server.client()
+        for shard in range(cfg.shards):
+            side.hset(f"{NAMESPACE}:{{s{shard}}}:settings", "events_maxlen", 50_000_000)
         side.close()
+        if cfg.cluster:
+            layout = {f"master {i}": s for i, s in server.masters_of_shards().items()}
+            idle = [name for name, shards in layout.items() if not shards]
+            if idle:  # the faults on those masters would test nothing
+                chaos.problems.append(f"{idle} serve no shard: {layout}")
         with FakeVendorProcess.start(Behaviour(**base, seed=cfg.seed)) as vendor_proc:
             chaos.vendor = _Vendor(vendor_proc, base)
             config = chaos_daemon_config(
@@ -603,6 +774,7 @@ def run_chaos(cfg: ChaosConfig, *, log: Callable[[str], None] | None = None) -> 
                 vendor_proc.url,
                 lease=f"{cfg.lease}s",
                 max_inflight=cfg.max_inflight,
+                shards=cfg.shards,
             )
             credentials = {"REDIS_USERNAME": cfg.redis_user, "REDIS_PASSWORD": cfg.secret}
             daemons = Daemons(config, cfg.daemons, env=credentials)
@@ -610,8 +782,8 @@ def run_chaos(cfg: ChaosConfig, *, log: Callable[[str], None] | None = None) -> 
             exit_codes: list[int] = []
             try:
                 daemons.start_all()
-                _wait_for_handlers(server.url, time.monotonic() + 30)
-                chaos.problems.extend(_check_logins(server.url, cfg.redis_user, scan))
+                _wait_for_handlers(server, time.monotonic() + 30)
+                chaos.problems.extend(_check_logins(server, cfg.redis_user, scan))
                 say(f"{cfg.server} {server.url}, vendor {vendor_proc.url}, {cfg.daemons} daemons")
                 _load_and_faults(chaos, timings, say)
                 _settle(chaos, timings, say)
@@ -623,28 +795,32 @@ def run_chaos(cfg: ChaosConfig, *, log: Callable[[str], None] | None = None) -> 
                             proc.send_signal(signal.SIGCONT)
                     exit_codes = daemons.stop_all()
             vendor_log = vendor_proc.submit_log()
-        history = _read(server.url)
-        # Durability: everything acknowledged survives one more kill -9 (AOF, fsync always).
-        server.restart()
-        again = _read(server.url)
+        history = _read(server)
+        # Durability: everything acknowledged survives one more kill -9 (AOF, fsync always);
+        # on a cluster, of every master at once.
+        server.restart_all()
+        again = _read(server)
         chaos.problems.extend(_differences(history, again))
         chaos.faults["redis_restart (final, compared)"] += 1
         t_scan = time.monotonic()
-        side = Redis.from_url(server.url, socket_timeout=30)
-        try:
-            scan_redis(side, scan)
-        finally:
-            side.close()
+        for i, node in enumerate(server.nodes):
+            side = Redis.from_url(node.url, socket_timeout=30)
+            try:
+                scan_redis(side, scan, label=f"Redis master {i}" if cfg.cluster else "Redis")
+            finally:
+                side.close()
         timings["secret scan"] = time.monotonic() - t_scan
     finally:
         server.stop()
     # After the stop: the append-only files and the server's log are complete.
     files = [(f"daemon log {p.name}", p) for p in sorted(daemons.log_dir.glob("daemon-*.log"))]
-    files += [
-        (f"Redis file {p.relative_to(server.data_dir)}", p)
-        for p in sorted(server.data_dir.rglob("*"))
-        if p.is_file()
-    ]
+    for node in server.nodes:
+        root = node.data_dir.parent if cfg.cluster else node.data_dir  # m0/..., m1/...
+        files += [
+            (f"Redis file {p.relative_to(root)}", p)
+            for p in sorted(node.data_dir.rglob("*"))
+            if p.is_file()
+        ]
     t_scan = time.monotonic()
     scan_files(files, scan)
     timings["secret scan"] = timings.get("secret scan", 0.0) + time.monotonic() - t_scan
@@ -653,6 +829,8 @@ def run_chaos(cfg: ChaosConfig, *, log: Callable[[str], None] | None = None) -> 
     history.idempotent_handlers = frozenset({IDEMPOTENT_HANDLER})
     history.pause_windows = list(chaos.pause_windows)
     timings["total"] = time.monotonic() - t_begin
+    if server.recoveries:
+        timings["recovery"] = max(server.recoveries)
     if any(code != 0 for code in exit_codes):
         chaos.problems.append(f"daemons did not all exit 0 on SIGTERM: {exit_codes}")
     return RunOutcome(
@@ -665,6 +843,7 @@ def run_chaos(cfg: ChaosConfig, *, log: Callable[[str], None] | None = None) -> 
         problems=chaos.problems,
         timings=timings,
         secret_scan=scan,
+        layout=layout,
     )
 
 
@@ -691,6 +870,7 @@ def _load_and_faults(chaos: _Chaos, timings: dict[str, float], say: Callable[[st
             item[2]()
         if plan and plan[0][0] <= now:
             _, kind = plan.pop(0)
+            chaos.check_daemons()  # a crash is seen before a kill restarts that daemon
             chaos.inject(kind, later)
             say(f"  t+{time.monotonic() - t_load:5.1f}s {kind}")
             continue
@@ -715,7 +895,7 @@ def _settle(chaos: _Chaos, timings: dict[str, float], say: Callable[[str], None]
     while time.monotonic() < give_up:
         chaos.check_daemons()
         try:
-            left = _unsettled(chaos.server.url)
+            left = _unsettled(chaos.server)
         except Exception as exc:  # keep waiting; the checker will tell what is wrong
             say(f"  settle poll failed: {exc}")
         if left == 0:
@@ -725,10 +905,11 @@ def _settle(chaos: _Chaos, timings: dict[str, float], say: Callable[[str], None]
     say(f"settle phase {timings['settle']:.1f}s, live tasks left: {left}")
 
 
-def _read(url: str) -> History:
-    client = Redis.from_url(url, socket_timeout=30)
+def _read(target: _Target) -> History:
+    """The history, read by the checker: every shard, on every primary of a cluster."""
+    client = target.client(socket_timeout=30)
     try:
-        return read_history(client, NAMESPACE, 1)
+        return read_history(client, NAMESPACE, target.shards)
     finally:
         client.close()
 
@@ -741,6 +922,8 @@ def _differences(before: History, after: History) -> list[str]:
         out.append(f"kill -9 changed {len(changed)} task hashes, e.g. {changed[:3]}")
     if before.counts != after.counts:
         out.append(f"kill -9 changed the counters: {before.counts} -> {after.counts}")
+    elif len(before.shard_counts) > 1 and before.shard_counts != after.shard_counts:
+        out.append("kill -9 moved counts between shards")
     n_before = sum(len(e) for e in before.events.values())
     n_after = sum(len(e) for e in after.events.values())
     if n_before != n_after:
@@ -748,29 +931,39 @@ def _differences(before: History, after: History) -> list[str]:
     return out
 
 
-def _check_logins(url: str, user: str, scan: SecretScan) -> list[str]:
+def _check_logins(target: _Target, user: str, scan: SecretScan) -> list[str]:
     """The daemons use the password: each connection is `user`'s (else the scan is moot).
 
     Right after start-up only daemons are connected; a client the runner just closed may
-    still be listed for a moment, so wait for the default user's connections to go.
+    still be listed for a moment, so wait for the default user's connections to go. On a
+    cluster, every master must have the daemons' connections, and only theirs.
     """
     deadline = time.monotonic() + 3
     while True:
-        users = connection_users(url)
-        if set(users) <= {user} or time.monotonic() > deadline:
+        per_node = [connection_users(node.url) for node in target.nodes]
+        done = all(set(users) <= {user} and users[user] for users in per_node)
+        if done or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    scan.checked["secret scan: daemon connections logged in with it"] = users[user]
-    if not users[user]:
-        return [f"no connection logged in as {user!r}: the daemons did not use the password"]
-    others = {u: n for u, n in users.items() if u != user}
-    if others:
-        return [f"connections of other users while only daemons were connected: {others}"]
-    return []
+    total = sum(users[user] for users in per_node)
+    scan.checked["secret scan: daemon connections logged in with it"] = total
+    out = []
+    for i, users in enumerate(per_node):
+        node = f" on master {i}" if target.cluster is not None else ""
+        if not users[user]:
+            out.append(
+                f"no connection logged in as {user!r}{node}: the daemons did not use the password"
+            )
+        others = {u: n for u, n in users.items() if u != user}
+        if others:
+            out.append(
+                f"connections of other users while only daemons were connected{node}: {others}"
+            )
+    return out
 
 
-def _wait_for_handlers(url: str, deadline: float) -> None:
-    client: Any = Redis.from_url(url)
+def _wait_for_handlers(target: _Target, deadline: float) -> None:
+    client: Any = target.client()
     try:
         while time.monotonic() < deadline:
             live = client.hgetall(f"{NAMESPACE}:handlers")
@@ -809,10 +1002,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=int(time.time()) % 100_000)
     parser.add_argument("--workdir", type=Path, help="default: a fresh temporary directory")
     parser.add_argument("--keep", action="store_true", help="keep the workdir on success")
+    parser.add_argument(
+        "--cluster", action="store_true", help="a local Redis Cluster instead of one server"
+    )
+    parser.add_argument("--masters", type=int, default=3, help="with --cluster")
+    parser.add_argument("--shards", type=int, default=8, help="with --cluster")
     args = parser.parse_args(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="asynctaskd-chaos-"))
     cfg = ChaosConfig.scaled(args.duration, workdir, args.server, args.seed)  # 60 s = ci()
     cfg = replace(cfg, daemons=args.daemons, tasks=args.tasks or cfg.tasks)
+    if args.cluster:
+        cfg = replace(cfg, cluster=True, masters=args.masters, shards=args.shards)
     print(f"chaos run: {cfg}", flush=True)  # noqa: T201 - a command-line tool
     outcome = run_chaos(cfg, log=lambda m: print(m, flush=True))  # noqa: T201
     report = judge(outcome)

@@ -2,7 +2,8 @@
 
 Synthetic histories need no Redis; the last tests read a real one written by the real
 scripts (fast: no daemons), then tamper with it, and plant a secret in a real server,
-in log files and in a run's report for the secret scan to find.
+in log files and in a run's report for the secret scan to find; one reads all 8 shards
+of a local 3-master cluster and catches a count moved between shards.
 """
 
 from __future__ import annotations
@@ -393,3 +394,81 @@ def test_judge_reports_leaks_and_a_secret_in_the_report_itself(tmp_path: Path) -
         "the secret is in daemon log daemon-2-9.log",
         "the secret is in this report",
     ]
+
+
+# --- On Redis Cluster: every shard on every primary ------------------------------------------
+
+
+async def drive_on(store: Store, shard: int, outcome: Status) -> str:
+    """`drive` on one shard of several."""
+    tid = new_task_id(shard)
+    await store.run(store.ops.create(tid, "demo", encode_json({"n": 1}), timeout_ms=60_000))
+    [c] = (await store.claim(shard, "submit", 1, 10_000, "w")).claimed
+    r = await store.start(c.lease, False)
+    lease = Lease(tid, c.lease.fence, r.version)
+    handle = encode_json({"external_id": "job_1", "query": {}})
+    fields: dict[str, str | bytes | int | float] = {"external_id": "job_1", "handle": handle}
+    await store.save(lease, Status.SUBMITTED, fields=fields)
+    [c] = (await store.claim(shard, "query", 1, 10_000, "w")).claimed
+    await store.save(c.lease, outcome, fields={"result": encode_json({"output": {"n": 1}})})
+    return tid
+
+
+@pytest.mark.slow
+def test_reads_every_shard_of_a_cluster_and_catches_tampering(tmp_path: Path) -> None:
+    import anyio
+    from redis.cluster import ClusterNode, RedisCluster
+
+    from asynctaskd.embedded import find_binary
+    from asynctaskd.store import open_redis
+    from tests.cluster import LocalCluster
+
+    binary = find_binary("redis-server") or find_binary("valkey-server")
+    if binary is None:
+        pytest.skip("no redis-server or valkey-server")
+    shards = 8
+    keys = Keys("atd", shards)
+    with LocalCluster(binary, tmp_path / "cluster") as c:
+
+        async def write() -> list[str]:
+            client = open_redis(c.url)
+            store = Store(client, keys)
+            try:
+                await store.prepare()
+                return [await drive_on(store, s, Status.SUCCEEDED) for s in range(shards)]
+            finally:
+                await store.close()
+                await client.aclose()
+
+        ids = anyio.run(write)
+        r: Any = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", m.port) for m in c.masters])
+        try:
+            history = read_history(r, "atd", shards)
+            report = check(history, check_results=False)
+            assert report.ok, report.format()
+            assert set(history.tasks) == set(ids) and history.stream_complete
+            assert history.task_shards == {tid: s for s, tid in enumerate(ids)}
+            assert report.checked["shard counters"] > 0
+            # A count moved from one shard to another: the sums agree, the shards do not.
+            r.hincrby(keys.counts(5), "SUCCEEDED", 1)
+            r.hincrby(keys.counts(2), "SUCCEEDED", -1)
+            r.zadd(keys.leases(7), {ids[7]: 1})
+            moved = r.hgetall(keys.task(6, ids[6]))  # a hash on a shard its id does not name
+            r.delete(keys.task(6, ids[6]))
+            r.hset(keys.task(3, ids[6]), mapping=moved)
+            tampered = check(read_history(r, "atd", shards), check_results=False)
+            drift = [v.message for v in tampered.violations if v.kind == "counter_drift"]
+            assert any(m.startswith("shard 5:") for m in drift), drift
+            assert any(m.startswith("shard 2:") for m in drift), drift
+            assert not any(m.startswith("counts[") for m in drift)  # the sums still agree
+            assert {"lease_left", "wrong_shard"} <= set(tampered.kinds())
+            # The secret scan, node by node, finds a secret on whichever master holds it.
+            r.set("atd:{s4}:note", SECRET)
+            scan = SecretScan(SECRET)
+            for i, m in enumerate(c.masters):
+                with Redis(port=m.port) as node:
+                    scan_redis(node, scan, label=f"Redis master {i}")
+            owner = c.masters.index(c.primary_of_slot(r.keyslot("atd:{s4}:note")))
+            assert scan.found == [f"Redis master {owner} db0: string 'atd:{{s4}}:note'"]
+        finally:
+            r.close()

@@ -3,26 +3,31 @@
 All of them are fixed (8720864; docs/reliability.md section 6): a vendor handle dropped
 by a drain, a refused submit parked after a Redis blink, uvloop's closed-transport
 RuntimeError unmapped by the store, a failed lease release killing the worker, and a
-must-land save that could never land holding SIGTERM. Each test fails if its bug returns.
+must-land save that could never land holding SIGTERM; and, found by the cluster run,
+CLUSTERDOWN/MOVED/... replies taken for script errors and redis-py's AttributeError on a
+connection its cluster client closed. Each test fails if its bug returns.
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
 import pytest
 import redis.asyncio
+from redis import Redis as SyncRedis
 
 from asynctaskd.codec import encode_json
 from asynctaskd.config import parse_config
+from asynctaskd.embedded import ServerProcess, find_binary
 from asynctaskd.errors import StoreUnavailable
 from asynctaskd.handlers import HandlerContext, HandlerEntry, Submitted, Succeeded
 from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.model import Status
-from asynctaskd.store import Store
+from asynctaskd.store import Store, SyncStore, _mapped
 from asynctaskd.worker import Worker
 from tests.conftest import wait_until
 
@@ -250,3 +255,61 @@ async def test_a_failed_release_does_not_kill_the_worker(
         monkeypatch.setattr(worker.batcher, "call", start_fails)
         with anyio.fail_after(10):
             await worker.run_until_idle()  # raised an ExceptionGroup(RuntimeError) before
+
+
+# --- Found by the cluster chaos run (a master kill -9 + restart on a 3-master cluster) ---
+#
+# A restarted master answers CLUSTERDOWN for its first ~2 s. redis-py strips the code off
+# the reply (ClusterDownError("The cluster is down")), so the store's text match missed it
+# and called it a ScriptError: producers' submits were refused, and a daemon gave up the
+# save of a vendor handle ("saving SUBMITTED failed"; the task was parked in SUBMIT_UNKNOWN
+# although its job existed). And redis-py's async cluster client, on CLUSTERDOWN, closes
+# every connection of every node, those other tasks are writing on included: their write
+# raised AttributeError ('NoneType' object has no attribute 'writelines'), which the store
+# did not map, and the daemon exited 1.
+
+NOT_NOW_REPLIES = [
+    "CLUSTERDOWN The cluster is down",
+    "CLUSTERDOWN Hash slot not served",
+    "MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.",
+    "TRYAGAIN Multiple keys request during rehashing of slot",
+    "MOVED 3999 127.0.0.1:6381",
+    "ASK 3999 127.0.0.1:6381",
+    "READONLY You can't write against a read only replica.",
+]
+
+
+@pytest.mark.parametrize("reply", NOT_NOW_REPLIES)
+def test_a_not_now_reply_is_store_unavailable_not_a_script_error(reply: str) -> None:
+    from redis._parsers import _RESP2Parser
+
+    exc = _RESP2Parser(socket_read_size=65536).parse_error(reply)  # as redis-py raises it
+    assert reply.split()[0] not in str(exc)  # the code is gone from the text
+    with pytest.raises(StoreUnavailable), _mapped("claim"):
+        raise exc
+
+
+def test_a_cluster_node_serving_no_slot_is_store_unavailable(tmp_path: Path) -> None:
+    binary = find_binary("redis-server") or find_binary("valkey-server")
+    if binary is None:
+        pytest.skip("no redis-server or valkey-server")
+    args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
+    with ServerProcess(binary, data_dir=tmp_path, extra_args=args) as node:
+        client = SyncRedis(port=node.port)
+        try:
+            store = SyncStore(client, Keys())
+            with pytest.raises(StoreUnavailable, match="ClusterDownError"):
+                store.get(new_task_id())  # CLUSTERDOWN Hash slot not served
+        finally:
+            client.close()
+
+
+async def test_a_connection_closed_under_a_write_is_store_unavailable() -> None:
+    conn = redis.asyncio.Connection()  # never connected: _writer is None, as after a close
+    with pytest.raises(StoreUnavailable, match="connection closed"), _mapped("claim"):
+        await conn._send_packed_command([b"PING\r\n"])
+
+
+def test_our_own_attribute_error_is_not_swallowed() -> None:
+    with pytest.raises(AttributeError), _mapped("claim"):
+        None.missing  # type: ignore[attr-defined]  # noqa: B018 - the point of the test
