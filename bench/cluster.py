@@ -36,7 +36,7 @@ from asynctaskd.store import Store
 from asynctaskd.worker import Worker
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.lifecycle import Instant  # noqa: E402 - after the path fix for `python bench/...`
+from bench.lifecycle import Instant
 
 
 async def seed(url: str, n: int, shards: int) -> list[str]:
@@ -88,7 +88,7 @@ def run_target(url: str, n: int, daemons: int, shards: int) -> dict[str, Any]:
             [sys.executable, __file__, "--daemon", url, "--shards", str(shards)],
             stdout=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+        )
         for _ in range(daemons)
     ]
     reports = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
@@ -126,10 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as d, LocalCluster(binary, Path(d), aof=False) as c:
         results["cluster_3_masters"] = run_target(c.url, args.tasks, args.daemons, args.shards)
     for name, r in results.items():
-        print(
-            f"{name:<18} {r['tasks_per_s']:>8.0f} lifecycles/s  ({r['daemons']} daemons, "  # noqa: T201
+        line = (
+            f"{name:<18} {r['tasks_per_s']:>8.0f} lifecycles/s  ({r['daemons']} daemons, "
             f"{r['shards']} shards, {r['wall_s']:.1f} s, ok={r['all_succeeded_once']})"
         )
+        print(line)  # noqa: T201
     ratio = results["cluster_3_masters"]["tasks_per_s"] / results["single_node"]["tasks_per_s"]
     print(f"cluster / single node: {ratio:.2f}")  # noqa: T201
     print(json.dumps({"bench": "cluster", **results, "ratio": ratio}))  # noqa: T201
