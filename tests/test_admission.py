@@ -91,13 +91,17 @@ def test_three_daemons_never_exceed_a_shared_submit_rate(
     assert codes == [0, 0, 0], daemons.logs()
     times = sorted(e["at"] for e in log)
     assert len(times) == n  # each task submitted once
+    # The bound holds for R*(t + d) + B, d the time from taking a token to the vendor
+    # seeing its submit (a claim round trip, a refund of unused tokens taken just before
+    # the window, the HTTP path on two shared cores): allow d = 50 ms.
+    jitter = rate * 0.05
     worst = 0.0
     for window in (1.0, 2.0, 3.0):
         j = 0
         for i, start in enumerate(times):
             while j < len(times) and times[j] < start + window:
                 j += 1
-            excess = (j - i) - (rate * window + burst)
+            excess = (j - i) - (rate * window + burst + jitter)
             worst = max(worst, excess)
     assert worst <= 0, f"{worst:.0f} submits over R*t + B in some window"
     achieved = (n - burst) / (times[-1] - times[0])

@@ -9,6 +9,7 @@ replaced by its replica without any task submitted twice.
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -175,9 +176,13 @@ max_in_flight = 40
     assert codes == [0, 0], logs[-3000:]
     assert Counter(e["ref"] for e in created) == Counter(ids)  # each submitted once
     times = sorted(e["at"] for e in created)
+    # The bound holds for R*(t + d) + B, d the time from taking a token to the vendor
+    # seeing its submit (a claim round trip, a refund of unused tokens taken just before
+    # the window, the HTTP path on two shared cores): allow d = 50 ms.
+    jitter = math.ceil(rate * 0.05)
     for i, t0 in enumerate(times):  # the shared bucket held across daemons and shards
         within = sum(1 for t in times[i:] if t < t0 + 1.0)
-        assert within <= rate + burst
+        assert within <= rate + burst + jitter
     assert leftovers(cluster) == {}
 
 

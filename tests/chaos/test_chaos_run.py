@@ -7,8 +7,9 @@ ALL`, a tenant paused for 12 s, vendor latency spikes beyond the lease, 5xx/429 
 an ambiguous burst, and a steady 10% vendor errors and 5% ambiguous submits. The daemons
 log in to Redis with a password from their environment; afterwards every key and value
 in the server, its append-only files, every daemon log and the report are searched for
-it (a second or two). Zero violations allowed. About 85 s per server, under 3 minutes
-for both (so both run).
+it (a second or two). Zero violations allowed. About 85 s. It runs on valkey-server, and
+the cluster run below on redis-server, so every commit puts both servers under faults
+within the suite's ten minutes; `make chaos SERVER=redis-server` runs the other pairing.
 
 On a local 3-master Redis Cluster (redis-server, 8 shards, AOF always, no replicas): 1,200
 tasks in 30 s, 3 daemons, 4 daemon SIGKILLs, 1 SIGSTOP, a random master kill -9 and
@@ -32,10 +33,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("server", ["redis-server", "valkey-server"])
-def test_ci_sized_chaos_run_has_no_violations(tmp_path: Path, server: str) -> None:
+def test_ci_sized_chaos_run_has_no_violations(tmp_path: Path) -> None:
+    server = "valkey-server" if find_binary("valkey-server") else "redis-server"
     if find_binary(server) is None:
-        pytest.skip(f"{server} is not installed")
+        pytest.skip("neither valkey-server nor redis-server is installed")
     cfg = ChaosConfig.ci(tmp_path, server)
     assert cfg.daemons >= 3 and cfg.tasks >= 3000
     assert cfg.error_rate >= 0.10 and cfg.ambiguous_rate >= 0.05
