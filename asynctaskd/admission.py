@@ -33,7 +33,7 @@ from .config import Duration, HandlerConfig, LimitConfig
 from .errors import InvalidTask, ScriptError, StoreUnavailable
 from .keys import HANDLER_KEY_RE, Keys
 from .plans import Reads, SimplePlan, read
-from .store import Ops, Store
+from .store import Ops, Store, read_many
 
 if TYPE_CHECKING:
     from .client import AsyncClient
@@ -294,6 +294,9 @@ async def run_sync(client: AsyncClient, store: Store, metrics: Metrics) -> None:
         except (StoreUnavailable, ScriptError) as exc:
             metrics.store_errors.labels("admission").inc()
             logger.warning("admission sync failed: %s", exc)
+        except Exception:  # a background loop must never end the daemon
+            metrics.store_errors.labels("admission").inc()
+            logger.exception("admission sync failed unexpectedly; trying again in a second")
         passes += 1
         await anyio.sleep(1.0)
 
@@ -307,7 +310,8 @@ async def observe(store: Store, metrics: Metrics) -> None:
     waiting: dict[tuple[str, str], int] = {}
     in_use: dict[str, int] = {}
     prefix = store.keys.admission()
-    stored = limits_entries(await store.redis.hgetall(prefix + "limits"))
+    (raw,) = await read_many(store, [read("hgetall", prefix + "limits")])
+    stored = limits_entries(raw)
     caps = {
         scope: int(entry.limit["max_in_flight"])
         for scope, entry in stored.items()
@@ -315,21 +319,23 @@ async def observe(store: Store, metrics: Metrics) -> None:
     }
     for shard in range(store.keys.shards):
         tag = store.keys.tag(shard) + ":"
-        async with store.redis.pipeline(transaction=False) as pipe:
-            pipe.smembers(tag + "lanes")
-            pipe.srandmember(tag + "capholds", 1000)
-            pipe.hkeys(tag + "paused")
-            lanes, capholds, paused = await pipe.execute()
+        lanes, capholds, paused = await read_many(
+            store,
+            [
+                read("smembers", tag + "lanes"),
+                read("srandmember", tag + "capholds", 1000),
+                read("hkeys", tag + "paused"),
+            ],
+        )
         dims = [("rate", "rate:" + _text(x)) for x in lanes]
         dims += [("cap", _text(x)) for x in capholds]
         dims += [("pause", _text(x)) for x in paused]
         explicit = [s for s in caps if not s.endswith(":*")]
-        async with store.redis.pipeline(transaction=False) as pipe:
-            for _, dim in dims:
-                pipe.zcard(tag + "held:" + dim)
-            for scope in explicit:
-                pipe.scard(tag + "inflight:" + scope)
-            counts = await pipe.execute()
+        counts = await read_many(
+            store,
+            [read("zcard", tag + "held:" + dim) for _, dim in dims]
+            + [read("scard", tag + "inflight:" + scope) for scope in explicit],
+        )
         for (kind, dim), n in zip(dims, counts, strict=False):
             scope = dim.split(":", 1)[1] if kind != "pause" else dim
             key = (kind, _scope_label(scope))

@@ -321,3 +321,21 @@ async def test_no_token_leaks_when_claims_find_less_than_was_taken(
     assert len(handler.submits) <= claims
     assert len(set(handler.submits)) == len(handler.submits)
     await check_invariants(redis_client, Keys())
+
+
+@pytest.mark.anyio
+async def test_admission_gauges_report_redis_away_as_unavailable() -> None:
+    """observe() read Redis outside the store's error mapping: a Redis restart raised a
+    raw ConnectionError out of the daemon's admission loop, and the daemon exited 1."""
+    from asynctaskd import admission
+    from asynctaskd.embedded import free_port
+    from asynctaskd.errors import StoreUnavailable
+    from asynctaskd.metrics import Metrics
+    from asynctaskd.store import open_redis
+
+    redis = open_redis(f"redis://127.0.0.1:{free_port()}/0", socket_timeout=1)
+    try:
+        with pytest.raises(StoreUnavailable):
+            await admission.observe(Store(redis, Keys()), Metrics())
+    finally:
+        await redis.aclose()
