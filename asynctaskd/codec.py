@@ -89,13 +89,18 @@ def encode_json(value: Any) -> bytes:
     return _ENCODER.encode(value)
 
 
-def _text(raw: Mapping[str, bytes], name: str) -> str | None:
-    v = raw.get(name)
+# The task hash decoder runs for every claimed task (a busy daemon decodes thousands a
+# second), so it reads the hash by its bytes field names, without building a second dict
+# with str keys, and keeps the per-field work inline. What counts as corrupt is exactly
+# what docs/protocol.md section 4 says.
+_STATUSES: Final = {s.value.encode(): s for s in Status}
+
+
+def _text(v: bytes | None) -> str | None:
     return None if v is None else v.decode("utf-8", "replace")
 
 
-def _int(raw: Mapping[str, bytes], task_id: str, name: str, default: int = 0) -> int:
-    v = raw.get(name)
+def _int(v: bytes | None, task_id: str, name: str, default: int = 0) -> int:
     if v is None or v == b"":
         return default
     try:
@@ -104,8 +109,7 @@ def _int(raw: Mapping[str, bytes], task_id: str, name: str, default: int = 0) ->
         raise CorruptTask(task_id, f"field {name} is {v[:40]!r}, not an integer") from None
 
 
-def _float(raw: Mapping[str, bytes], task_id: str, name: str) -> float | None:
-    v = raw.get(name)
+def _float(v: bytes | None, task_id: str, name: str) -> float | None:
     if v is None or v == b"":
         return None
     try:
@@ -117,8 +121,7 @@ def _float(raw: Mapping[str, bytes], task_id: str, name: str) -> float | None:
     return out
 
 
-def _json(raw: Mapping[str, bytes], task_id: str, name: str) -> Any:
-    v = raw.get(name)
+def _json(v: bytes | None, task_id: str, name: str) -> Any:
     if v is None or v == b"":
         return None
     try:
@@ -127,9 +130,9 @@ def _json(raw: Mapping[str, bytes], task_id: str, name: str) -> Any:
         raise CorruptTask(task_id, f"field {name} is not valid JSON ({exc})") from None
 
 
-def _ms(raw: Mapping[str, bytes], task_id: str, name: str) -> float | None:
-    v = _int(raw, task_id, name, -1)
-    return None if v < 0 else v / 1000.0
+def _ms(v: bytes | None, task_id: str, name: str) -> float | None:
+    n = _int(v, task_id, name, -1)
+    return None if n < 0 else n / 1000.0
 
 
 def decode_task(hash_: Mapping[bytes, bytes], task_id: str | None = None) -> Task:
@@ -149,63 +152,67 @@ def decode_task(hash_: Mapping[bytes, bytes], task_id: str | None = None) -> Tas
 
 
 def _decode_task(hash_: Mapping[bytes, bytes], task_id: str | None) -> Task:
-    try:
-        raw = {k.decode(): v for k, v in hash_.items()}
-    except UnicodeDecodeError:
-        raise CorruptTask(task_id or "?", "a field name is not UTF-8") from None
-    tid = _text(raw, "id") or task_id or "?"
+    # Every field name must be UTF-8. NUL cannot complete a multi-byte sequence, so the
+    # joined names decode exactly when each name does; ASCII (the usual case) needs no decode.
+    names = b"\0".join(hash_)
+    if not names.isascii():
+        try:
+            names.decode()
+        except UnicodeDecodeError:
+            raise CorruptTask(task_id or "?", "a field name is not UTF-8") from None
+    get = hash_.get
+    tid = _text(get(b"id")) or task_id or "?"
     if task_id is not None and tid != task_id:
         raise CorruptTask(task_id, f"field id is {tid!r}")
-    handler = _text(raw, "handler")
+    handler = _text(get(b"handler"))
     if not handler:
         raise CorruptTask(tid, "field handler is missing")
-    status_text = _text(raw, "status")
-    try:
-        status = Status(status_text)
-    except ValueError:
-        raise CorruptTask(tid, f"field status is {status_text!r}, not a status") from None
-    handle = _json(raw, tid, "handle")
+    raw_status = get(b"status")
+    status = None if raw_status is None else _STATUSES.get(raw_status)
+    if status is None:
+        raise CorruptTask(tid, f"field status is {_text(raw_status)!r}, not a status")
+    handle = _json(get(b"handle"), tid, "handle")
     if handle is not None and not isinstance(handle, dict):
         raise CorruptTask(tid, "field handle is not a JSON object")
-    code = _text(raw, "error_code")
-    error = None if code is None else TaskError(code, _text(raw, "error_message") or "")
-    created = _ms(raw, tid, "created_ms")
-    deadline = _ms(raw, tid, "deadline_ms")
+    code = _text(get(b"error_code"))
+    error = None if code is None else TaskError(code, _text(get(b"error_message")) or "")
+    created = _ms(get(b"created_ms"), tid, "created_ms")
+    deadline = _ms(get(b"deadline_ms"), tid, "deadline_ms")
     if created is None or deadline is None:
         raise CorruptTask(tid, "created_ms or deadline_ms is missing")
     return Task(
         id=tid,
         handler=handler,
         status=status,
-        params=_json(raw, tid, "params"),
-        metadata=_json(raw, tid, "metadata"),
-        tenant=_text(raw, "tenant") or "",
-        account=_text(raw, "account") or "",
-        provider=_text(raw, "provider") or handler,
-        priority=_int(raw, tid, "priority"),
-        external_id=_text(raw, "external_id"),
+        params=_json(get(b"params"), tid, "params"),
+        metadata=_json(get(b"metadata"), tid, "metadata"),
+        tenant=_text(get(b"tenant")) or "",
+        account=_text(get(b"account")) or "",
+        provider=_text(get(b"provider")) or handler,
+        priority=_int(get(b"priority"), tid, "priority"),
+        external_id=_text(get(b"external_id")),
         handle=handle,
-        result=_json(raw, tid, "result"),
+        result=_json(get(b"result"), tid, "result"),
         error=error,
-        progress=_float(raw, tid, "progress"),
-        stage=_text(raw, "stage"),
-        message=_text(raw, "message"),
+        progress=_float(get(b"progress"), tid, "progress"),
+        stage=_text(get(b"stage")),
+        message=_text(get(b"message")),
         created_at=created,
-        updated_at=_ms(raw, tid, "updated_ms") or created,
+        updated_at=_ms(get(b"updated_ms"), tid, "updated_ms") or created,
         deadline_at=deadline,
-        due_at=_ms(raw, tid, "due_ms"),
-        finished_at=_ms(raw, tid, "finished_ms"),
-        version=_int(raw, tid, "version"),
-        submit_attempts=_int(raw, tid, "submit_attempts"),
-        poll_count=_int(raw, tid, "poll_count"),
-        consecutive_errors=_int(raw, tid, "consecutive_errors"),
-        cancel_requested=_text(raw, "cancel_requested") == "1",
-        dedup_key=_dedup_key(_text(raw, "dedup")),
-        fence=_int(raw, tid, "fence"),
-        owner=_text(raw, "owner"),
-        started_fence=_int(raw, tid, "started_fence"),
-        reclaims=_int(raw, tid, "reclaims"),
-        idempotent=_text(raw, "idempotent") == "1",
+        due_at=_ms(get(b"due_ms"), tid, "due_ms"),
+        finished_at=_ms(get(b"finished_ms"), tid, "finished_ms"),
+        version=_int(get(b"version"), tid, "version"),
+        submit_attempts=_int(get(b"submit_attempts"), tid, "submit_attempts"),
+        poll_count=_int(get(b"poll_count"), tid, "poll_count"),
+        consecutive_errors=_int(get(b"consecutive_errors"), tid, "consecutive_errors"),
+        cancel_requested=get(b"cancel_requested") == b"1",
+        dedup_key=_dedup_key(_text(get(b"dedup"))),
+        fence=_int(get(b"fence"), tid, "fence"),
+        owner=_text(get(b"owner")),
+        started_fence=_int(get(b"started_fence"), tid, "started_fence"),
+        reclaims=_int(get(b"reclaims"), tid, "reclaims"),
+        idempotent=get(b"idempotent") == b"1",
     )
 
 
@@ -221,4 +228,5 @@ def _dedup_key(stored: str | None) -> str | None:
 
 def pairs_to_dict(flat: list[bytes]) -> dict[bytes, bytes]:
     """HGETALL as returned inside a Lua reply (a flat list) -> dict."""
-    return dict(zip(flat[::2], flat[1::2], strict=True))
+    pairs = iter(flat)
+    return dict(zip(pairs, pairs, strict=True))  # an odd count raises ValueError

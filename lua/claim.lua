@@ -139,8 +139,8 @@ local function consider(id, score, from)
       used[lane] = (used[lane] or 0) + 1
     end
     local fence = redis.call('HINCRBY', tk, 'fence', 1)
-    local v = bump(tk)
-    redis.call('HSET', tk, 'owner', owner)
+    local v = redis.call('HINCRBY', tk, 'version', 1)  -- bump(), its updated_ms with owner
+    redis.call('HSET', tk, 'updated_ms', NOW, 'owner', owner)
     if phase == 'submit' then
       move_status(tk, id, status, 'SUBMITTING', handler)
       redis.call('HDEL', tk, 'started_fence')

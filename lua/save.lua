@@ -9,7 +9,8 @@
 -- ARGV[5] delay_ms         next due time from now for a non-terminal status, integer >= 0
 -- ARGV[6..] field, value   pairs to write; only handle, external_id, result, error_code,
 --                          error_message, progress, stage, message, consecutive_errors,
---                          poll_count; an empty value deletes the field
+--                          poll_count; an empty value deletes the field; a field given
+--                          twice takes its last value
 --
 -- Returns {1, new_version, final_status} saved, or one of
 --   {-1} NOT_FOUND  {-2} STALE_FENCE  {-3} WRONG_VERSION  {-4} NO_LEASE
@@ -63,30 +64,43 @@ if not TERMINAL[final] and final ~= 'SUBMIT_UNKNOWN' and (tonumber(t[6]) or 0) <
   final = 'TRACKING_TIMED_OUT'
 end
 
+-- The version bump (as the prelude's bump), the fields, updated_ms, due_ms, and the
+-- removal of owner, started_fence and emptied fields: one HINCRBY, one HSET, one HDEL.
+-- Each call a script makes costs Redis far more than the command itself; saves run for
+-- every task several times, so they are batched here.
+local v = redis.call('HINCRBY', tk, 'version', 1)
+local sets, dels = {'HSET', tk, 'updated_ms', NOW}, {'HDEL', tk, 'owner'}
+local last = {}
+for i = 6, #ARGV, 2 do last[ARGV[i]] = i end
 for i = 6, #ARGV, 2 do
-  if ARGV[i + 1] == '' then
-    redis.call('HDEL', tk, ARGV[i])
-  else
-    redis.call('HSET', tk, ARGV[i], ARGV[i + 1])
+  if last[ARGV[i]] == i then
+    if ARGV[i + 1] == '' then
+      dels[#dels + 1] = ARGV[i]
+    else
+      sets[#sets + 1] = ARGV[i]
+      sets[#sets + 1] = ARGV[i + 1]
+    end
   end
 end
-local v = bump(tk)
+if old == 'SUBMITTING' or old == 'SUBMIT_UNKNOWN' then dels[#dels + 1] = 'started_fence' end
+if final == 'SUBMIT_UNKNOWN' then
+  dels[#dels + 1] = 'due_ms'
+elseif not TERMINAL[final] then
+  sets[#sets + 1] = 'due_ms'
+  sets[#sets + 1] = NOW + delay_ms  -- what schedule() below returns
+end
+redis.call(unpack(sets))
+redis.call(unpack(dels))
 local handler = t[8]
 redis.call('ZREM', P .. 'leases', id)
-redis.call('HDEL', tk, 'owner')
-if old == 'SUBMITTING' or old == 'SUBMIT_UNKNOWN' then
-  redis.call('HDEL', tk, 'started_fence')
-end
 if TERMINAL[final] then
   finish(tk, id, old, final, handler)
 else
   move_status(tk, id, old, final, handler)
   if final == 'SUBMIT_UNKNOWN' then
     redis.call('ZREM', P .. 'deadlines', id)
-    redis.call('HDEL', tk, 'due_ms')
   else
-    local due_ms = schedule(id, PHASE[final], NOW + delay_ms, tonumber(t[9]) or 0)
-    redis.call('HSET', tk, 'due_ms', due_ms)
+    schedule(id, PHASE[final], NOW + delay_ms, tonumber(t[9]) or 0)
     if old == 'SUBMIT_UNKNOWN' then
       redis.call('ZADD', P .. 'deadlines', tonumber(t[6]) or NOW, id)
     end

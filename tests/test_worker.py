@@ -275,6 +275,46 @@ async def test_deadline_times_out_a_running_task(store: Store) -> None:
     assert task is not None and task.status is Status.TRACKING_TIMED_OUT
 
 
+def call_count(worker: Worker, op: str, outcome: str) -> float:
+    value = worker.metrics.registry.get_sample_value(
+        "asynctaskd_handler_call_seconds_count",
+        {"handler": "demo", "op": op, "outcome": outcome},
+    )
+    return value or 0.0
+
+
+async def test_a_query_hanging_past_the_deadline_is_cut_and_times_out(store: Store) -> None:
+    h = Scripted()
+
+    async def hang(ctx: HandlerContext) -> Running:
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    h.on_query = hang
+    [tid] = await submit_many(store, 1, timeout_ms=400)
+    worker = await run(store, h)
+    task = await store.get(tid)
+    assert task is not None and task.status is Status.TRACKING_TIMED_OUT
+    assert h.queries == [tid]
+    assert call_count(worker, "query", "deadline") == 1
+
+
+async def test_a_timeout_error_raised_by_the_handler_is_a_query_error(store: Store) -> None:
+    """Only the task's deadline cuts a query; a handler's own TimeoutError (a vendor read
+    timeout) is an ordinary query error with its backoff."""
+    h = Scripted()
+    h.on_query = lambda ctx: (
+        TimeoutError("read timed out") if len(h.queries) == 1 else Succeeded({"ok": True})
+    )
+    [tid] = await submit_many(store, 1)
+    worker = await run(store, h)
+    task = await store.get(tid)
+    assert task is not None and task.status is Status.SUCCEEDED
+    assert len(h.queries) == 2
+    assert call_count(worker, "query", "error") == 1
+    assert call_count(worker, "query", "deadline") == 0
+
+
 async def test_cancel_in_flight_calls_remote_cancel(store: Store) -> None:
     h = Scripted()
     inside = anyio.Event()
@@ -334,6 +374,41 @@ async def test_lost_lease_cancels_the_query_call(
             await cancelled.wait()
         assert worker.metrics.leases_lost._value.get() == 1
         worker.stop(now=True)
+
+
+async def test_a_newer_fence_cancels_a_started_submit(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    """A started submit survives a lease that merely expired (the late save may land),
+    but not a newer fence: someone else holds the task now."""
+    h = Scripted()
+    inside = anyio.Event()
+    cancelled = anyio.Event()
+
+    async def hang(ctx: HandlerContext) -> Submitted:
+        inside.set()
+        try:
+            await anyio.sleep_forever()
+        finally:
+            cancelled.set()
+        raise AssertionError("unreachable")
+
+    h.on_submit = hang
+    [tid] = await submit_many(store, 1)
+    async with httpx.AsyncClient() as http, anyio.create_task_group() as tg:
+        worker = Worker(store, entry(h), make_config(worker={"lease": "1s"}), http=http)
+        tg.start_soon(worker.run)
+        with anyio.fail_after(10):
+            await inside.wait()
+            await redis_client.hincrby(keys.task(0, tid), "fence", 1)
+            await cancelled.wait()
+        assert worker.metrics.leases_lost._value.get() == 1
+        await wait_until(lambda: _no_calls(worker), "the call to end")
+        worker.stop(now=True)
+
+
+async def _no_calls(worker: Worker) -> bool:
+    return worker.inflight == 0
 
 
 async def test_stop_drains_in_flight_calls(store: Store) -> None:

@@ -286,6 +286,35 @@ async def test_illegal_worker_transitions_are_refused(store: Store) -> None:
         assert (await store.save(c2.lease, target)).code is Code.ILLEGAL, target
 
 
+async def test_save_writes_and_deletes_fields_together(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    await submitted(store)
+    c = await claim_one(store, "query")
+    first = await store.save(c.lease, Status.RUNNING,
+                             fields={"stage": "a", "message": "m", "progress": "0.5"})  # fmt: skip
+    assert first.code is Code.OK
+    task_key = keys.task(0, c.lease.task_id)
+    raw = await redis_client.hgetall(task_key)
+    assert raw[b"stage"] == b"a" and b"owner" not in raw
+    assert raw[b"due_ms"] == raw[b"updated_ms"]  # delay 0: due at once
+    # next poll: one field replaced, one emptied, one given twice (the last value wins)
+    c = await claim_one(store, "query")
+    assert (await redis_client.hget(task_key, "owner")) == b"w1"
+    prefix, _ = store.ops._task(c.lease.task_id)
+    args = [c.lease.task_id, c.lease.fence, c.lease.version, "RUNNING", 5000,
+            "stage", "b", "message", "", "poll_count", "1", "poll_count", "2"]  # fmt: skip
+    reply = await redis_client.evalsha(store.scripts["save"].sha, 2, prefix, task_key, *args)
+    assert reply[0] == 1 and int(reply[1]) == c.lease.version + 1
+    raw = await redis_client.hgetall(task_key)
+    assert raw[b"stage"] == b"b" and b"message" not in raw and raw[b"poll_count"] == b"2"
+    assert raw[b"progress"] == b"0.5" and raw[b"version"] == str(c.lease.version + 1).encode()
+    assert b"owner" not in raw and int(raw[b"due_ms"]) == int(raw[b"updated_ms"]) + 5000
+    events = await redis_client.xrange(keys.events(0))
+    assert events[-1][1][b"stage"] == b"b" and b"message" not in events[-1][1]
+    await check_invariants(redis_client, keys)
+
+
 async def test_save_refuses_fields_it_does_not_own(store: Store) -> None:
     await create(store)
     c = await claim_one(store)
