@@ -685,6 +685,11 @@ class Store(_Base):
                     got: list[Any] = await pipe.execute(raise_on_error=False)
             except (rex.RedisError, OSError, RuntimeError) as exc:
                 got = [exc] * (len(indexes) + (trailer is not None))
+            except AttributeError as exc:  # a connection closed under the write
+                if not _closed_under_io(exc):
+                    raise
+                got = [exc] * (len(indexes) + (trailer is not None))
+                stale = True
             end = got.pop() if trailer is not None else None
             for i, reply in zip(indexes, got, strict=True):
                 replies[i], trailers[i] = reply, end
