@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Final
 import anyio
 import msgspec
 
-from .config import Duration, HandlerConfig, LimitConfig
+from .config import HandlerConfig, LimitConfig, decode_hook
 from .errors import InvalidTask, ScriptError, StoreUnavailable
 from .keys import HANDLER_KEY_RE, Keys
 from .plans import Reads, SimplePlan, read
@@ -167,13 +167,7 @@ def limit_from_stored(scope: str, stored: Stored) -> LimitConfig:
         who["provider"], _, who["account"] = name.partition("/")
     else:
         who["provider"] = name
-    return msgspec.convert({**who, **stored.limit}, LimitConfig, dec_hook=_dec_duration)
-
-
-def _dec_duration(type_: type, value: object) -> object:
-    if type_ is Duration:
-        return Duration.parse(value)
-    raise NotImplementedError
+    return msgspec.convert({**who, **stored.limit}, LimitConfig, dec_hook=decode_hook)
 
 
 def limit_from_options(**options: Any) -> LimitConfig:
@@ -182,7 +176,7 @@ def limit_from_options(**options: Any) -> LimitConfig:
         limit = msgspec.convert(
             {k: v for k, v in options.items() if v is not None},
             LimitConfig,
-            dec_hook=_dec_duration,
+            dec_hook=decode_hook,
         )
     except (msgspec.ValidationError, ValueError) as exc:
         message, _, where = str(exc).partition(" - at `$.")

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from .config import load_config
+from .config import LimitConfig, load_config
 from .errors import AsyncTaskdError, ConfigError, IllegalTransition, InvalidTask, TaskNotFound
 from .model import Status, Task
 from .routing import POLICIES, Group, MemberSpec
@@ -422,10 +422,7 @@ def _group(client: Any, args: argparse.Namespace) -> int:
     raise AssertionError(f"unhandled group action {action}")
 
 
-_LIMIT_OPTIONS = (
-    "provider", "account", "tenant", "submit_rate", "submit_burst", "query_rate",
-    "query_burst", "max_in_flight", "quota", "quota_period", "note",
-)  # fmt: skip
+_LIMIT_OPTIONS = tuple(f.name for f in msgspec.structs.fields(LimitConfig))
 
 
 def _plain(value: Any) -> Any:

@@ -28,6 +28,7 @@ __all__ = [
     "RedisConfig",
     "RetryConfig",
     "WorkerConfig",
+    "decode_hook",
     "line_of",
     "load_config",
     "parse_config",
@@ -70,7 +71,8 @@ class Duration(float):
         return cls(seconds)
 
 
-def _decode_custom(type_: type, value: object) -> object:
+def decode_hook(type_: type, value: object) -> object:
+    """msgspec dec_hook for the config types (Duration), for every decoder of config data."""
     if type_ is Duration:
         return Duration.parse(value)
     raise NotImplementedError(f"no decoder for {type_!r}")
@@ -286,7 +288,7 @@ def load_config(path: Path) -> Config:
 def parse_config(text: str, source: str = "<string>") -> Config:
     """Decode and validate TOML text; `source` names it in ConfigError messages."""
     try:
-        config = msgspec.toml.decode(text, type=Config, dec_hook=_decode_custom)
+        config = msgspec.toml.decode(text, type=Config, dec_hook=decode_hook)
     except msgspec.ValidationError as exc:
         path, message = _explain(str(exc))
         raise ConfigError(_format(source, text, [path], message)) from exc

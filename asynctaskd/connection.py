@@ -152,7 +152,7 @@ class _Target(msgspec.Struct, kw_only=True):
     tls: dict[str, Any]  # ssl_* arguments for redis-py, from TlsOptions and the URL
     files: list[tuple[str, str]]  # (field, path) of each TLS file, read before connecting
     # Sentinel only:
-    sentinels: list[tuple[str, int]] = []
+    hosts: list[tuple[str, int]] = []  # the sentinels, or the cluster's seed nodes
     service: str = ""
     db: int = 0
     userinfo: dict[str, str] = {}
@@ -197,12 +197,11 @@ def open_async(
     target = _checked(url, tls)
     options = _options(credentials, socket_timeout)
     if target.cluster:
-        nodes = [redis.asyncio.cluster.ClusterNode(h, p) for h, p in target.sentinels]
-        kwargs: dict[str, Any] = {**options, **target.userinfo}
-        if target.tls:
-            kwargs.update(target.tls, ssl=True)
+        nodes = [redis.asyncio.cluster.ClusterNode(h, p) for h, p in target.hosts]
         cluster: redis.asyncio.Redis = redis.asyncio.RedisCluster(  # type: ignore[assignment]  # same commands, own class
-            startup_nodes=nodes, max_connections=CLUSTER_MAX_CONNECTIONS, **kwargs
+            startup_nodes=nodes,
+            max_connections=CLUSTER_MAX_CONNECTIONS,
+            **_cluster_options(target, options),
         )
         return cluster
     if not target.sentinel:
@@ -222,7 +221,7 @@ def open_async(
         return redis.asyncio.Redis(connection_pool=pool)
     node, sentinel = _sentinel_options(target, options, redis.asyncio.retry.Retry(NoBackoff(), 0))
     manager = redis.asyncio.sentinel.Sentinel(  # type: ignore[no-untyped-call]  # unannotated in redis-py
-        target.sentinels, sentinel_kwargs=sentinel, **node
+        target.hosts, sentinel_kwargs=sentinel, **node
     )
     client: redis.asyncio.Redis = manager.master_for(
         target.service,
@@ -245,12 +244,9 @@ def open_sync(
     target = _checked(url, tls)
     options = _options(credentials, socket_timeout)
     if target.cluster:
-        nodes = [redis.cluster.ClusterNode(h, p) for h, p in target.sentinels]  # type: ignore[no-untyped-call]  # unannotated in redis-py
-        kwargs_sync: dict[str, Any] = {**options, **target.userinfo}
-        if target.tls:
-            kwargs_sync.update(target.tls, ssl=True)
+        nodes = [redis.cluster.ClusterNode(h, p) for h, p in target.hosts]  # type: ignore[no-untyped-call]  # unannotated in redis-py
         cluster_sync: redis.Redis = redis.cluster.RedisCluster(  # type: ignore[assignment]  # same commands, own class
-            startup_nodes=nodes, **kwargs_sync
+            startup_nodes=nodes, **_cluster_options(target, options)
         )
         return cluster_sync
     if not target.sentinel:
@@ -260,7 +256,7 @@ def open_sync(
         return redis.Redis.from_url(url, **options, **target.tls)
     node, sentinel = _sentinel_options(target, options, redis.retry.Retry(NoBackoff(), 0))
     manager = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]  # unannotated in redis-py
-        target.sentinels, sentinel_kwargs=sentinel, **node
+        target.hosts, sentinel_kwargs=sentinel, **node
     )
     client: redis.Redis = manager.master_for(  # type: ignore[no-untyped-call]  # unannotated
         target.service, redis_class=_SyncSentinelRedis
@@ -376,6 +372,14 @@ def _options(credentials: Mapping[str, str] | None, socket_timeout: float | None
         "health_check_interval": HEALTH_CHECK_INTERVAL_S,
         **(credentials or {}),
     }
+
+
+def _cluster_options(target: _Target, options: dict[str, Any]) -> dict[str, Any]:
+    """Connection arguments for every node of a cluster: TLS to each node when asked."""
+    kwargs = {**options, **target.userinfo}
+    if target.tls:
+        kwargs.update(target.tls, ssl=True)
+    return kwargs
 
 
 def _sentinel_options(
@@ -580,7 +584,7 @@ def _sentinel_target(parts: Any, query: dict[str, str]) -> _Target:
         scheme="",
         tls={},
         files=[],
-        sentinels=sentinels,
+        hosts=sentinels,
         service=path[0],
         db=db,
         userinfo=credentials,
@@ -605,7 +609,7 @@ def _cluster_target(parts: Any) -> _Target:
         raise _Problem("url", f"Redis Cluster has only database 0: expected {CLUSTER_SHAPE}")
     if parts.fragment:
         raise _Problem("url", f"unexpected fragment '#{parts.fragment}'")
-    return _Target(scheme="", tls={}, files=[], sentinels=seeds, userinfo=credentials)
+    return _Target(scheme="", tls={}, files=[], hosts=seeds, userinfo=credentials)
 
 
 def _address(
