@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -57,6 +58,20 @@ def server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
         yield proc
     finally:
         proc.stop()
+
+
+@pytest.fixture(params=["redis-server", "valkey-server"])
+def aof_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ServerProcess]:
+    """A private server of its own with AOF and `appendfsync always`, for fault tests that
+    kill or restart it (the session servers must not be touched that way)."""
+    binary = find_binary(request.param)
+    if binary is None:
+        pytest.skip(f"{request.param} is not installed")
+    server = ServerProcess(binary, data_dir=tmp_path / "redis", aof=True).start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture

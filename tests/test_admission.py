@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import random
 import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import anyio
 import httpx
@@ -21,13 +18,12 @@ import redis.asyncio
 from redis import Redis
 
 from asynctaskd import AsyncClient, QuotaExceeded, Status
-from asynctaskd.codec import encode_json
-from asynctaskd.embedded import ServerProcess, find_binary
+from asynctaskd.embedded import ServerProcess
 from asynctaskd.fakevendor import Behaviour, FakeVendorProcess
 from asynctaskd.keys import Keys, new_task_id
-from asynctaskd.store import Store, SyncStore
+from asynctaskd.store import Store
 from asynctaskd.worker import Worker
-from tests.chaos.harness import Daemons, daemon_config, settled
+from tests.chaos.harness import Daemons, create_tasks, daemon_config, settled
 from tests.clients import Api
 from tests.conftest import wait_until, wait_until_sync
 from tests.lua.helpers import check_invariants
@@ -36,37 +32,9 @@ from tests.test_worker import Scripted, entry, make_config
 IN_FLIGHT = ("SUBMITTING", "SUBMITTED", "RUNNING", "SUBMIT_UNKNOWN")
 
 
-@pytest.fixture(params=["redis-server", "valkey-server"])
-def aof_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ServerProcess]:
-    binary = find_binary(request.param)
-    if binary is None:
-        pytest.skip(f"{request.param} is not installed")
-    server = ServerProcess(binary, data_dir=tmp_path / "redis", aof=True).start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 def with_limits(path: Path, limits: str) -> Path:
     path.write_text(path.read_text() + "\n" + limits)
     return path
-
-
-def create(url: str, n: int, **fields: Any) -> list[str]:
-    client = Redis.from_url(url)
-    store = SyncStore(client, Keys())
-    ids = [new_task_id() for _ in range(n)]
-    sha = client.script_load(store.scripts["create"].source)
-    pipe = client.pipeline(transaction=False)
-    for i, tid in enumerate(ids):
-        call = store.ops.create(tid, "demo", encode_json({"i": i}), timeout_ms=300_000, **fields)
-        pipe.evalsha(sha, len(call.keys), *call.keys, *call.args)
-        if len(pipe) >= 1000:
-            pipe.execute()
-    pipe.execute()
-    client.close()
-    return ids
 
 
 @pytest.mark.slow
@@ -83,7 +51,7 @@ def test_three_daemons_never_exceed_a_shared_submit_rate(
         daemons.start_all()
         try:
             daemons.wait_heartbeats(timeout=15)
-            ids = create(aof_server.url, n)
+            ids = create_tasks(aof_server.url, n)
             wait_until_sync(lambda: settled(aof_server.url, ids), "every task to finish", 60)
             log = [e for e in vendor.submit_log() if e["outcome"] == "created"]
         finally:
@@ -122,9 +90,9 @@ def test_an_account_cap_holds_across_daemons_and_kills(
         daemons = Daemons(config, 3)
         daemons.start_all()
         daemons.wait_heartbeats(timeout=15)
-        ids = create(aof_server.url, n, account="acct")
-        others = create(aof_server.url, 20, account="other")  # not capped
-        peak, samples, stop = [0], [0], threading.Event()
+        ids = create_tasks(aof_server.url, n, account="acct")
+        others = create_tasks(aof_server.url, 20, account="other")  # not capped
+        peak, now_in_flight, samples, stop = [0], [0], [0], threading.Event()
 
         def sample() -> None:
             client = Redis.from_url(aof_server.url)
@@ -134,7 +102,7 @@ def test_an_account_cap_holds_across_daemons_and_kills(
                 for k in keys:
                     pipe.hget(k, "status")
                 now = sum(1 for s in pipe.execute() if s and s.decode() in IN_FLIGHT)
-                peak[0] = max(peak[0], now)
+                peak[0], now_in_flight[0] = max(peak[0], now), now
                 samples[0] += 1
             client.close()
 
@@ -142,9 +110,8 @@ def test_an_account_cap_holds_across_daemons_and_kills(
         sampler.start()
         try:
             rng = random.Random(5)
-            for _ in range(2):
-                wait_until_sync(lambda: peak[0] > 0, "work to start")
-                time.sleep(0.3)  # let submits be in flight, then kill one daemon
+            for _ in range(2):  # kill a daemon while the account's cap is in use
+                wait_until_sync(lambda: now_in_flight[0] >= cap - 1, "the cap to fill", 30)
                 daemons.kill_random_and_restart(rng)
             wait_until_sync(
                 lambda: settled(aof_server.url, ids + others), "every task to finish", 90

@@ -142,7 +142,8 @@ class Daemons:
         )
 
 
-def create_tasks(url: str, n: int, *, timeout_ms: int = 300_000) -> list[str]:
+def create_tasks(url: str, n: int, *, timeout_ms: int = 300_000, **fields: Any) -> list[str]:
+    """n `demo` tasks, created in pipelines; `fields` go to `Ops.create` (tenant, account)."""
     client = Redis.from_url(url)
     store = SyncStore(client, Keys())
     ids = [new_task_id() for _ in range(n)]
@@ -150,7 +151,7 @@ def create_tasks(url: str, n: int, *, timeout_ms: int = 300_000) -> list[str]:
     sha = store.scripts["create"].sha
     pipe = client.pipeline(transaction=False)
     for i, tid in enumerate(ids):
-        call = store.ops.create(tid, "demo", encode_json({"i": i}), timeout_ms=timeout_ms)
+        call = store.ops.create(tid, "demo", encode_json({"i": i}), timeout_ms=timeout_ms, **fields)
         pipe.evalsha(sha, len(call.keys), *call.keys, *call.args)
         if len(pipe) >= 500:
             pipe.execute()

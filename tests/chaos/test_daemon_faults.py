@@ -9,25 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from asynctaskd.embedded import ServerProcess, find_binary
+from asynctaskd.embedded import ServerProcess
 from asynctaskd.fakevendor import Behaviour, FakeVendorProcess
 from asynctaskd.model import Status
 from tests.chaos.harness import Daemons, check_history, create_tasks, daemon_config, settled
 from tests.conftest import wait_until_sync
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
-
-
-@pytest.fixture(params=["redis-server", "valkey-server"])
-def aof_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ServerProcess]:
-    binary = find_binary(request.param)
-    if binary is None:
-        pytest.skip(f"{request.param} is not installed")
-    server = ServerProcess(binary, data_dir=tmp_path / "redis", aof=True).start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
