@@ -179,8 +179,12 @@ end
 -- Report the rate lanes of this phase: tokens used, tasks waiting.
 local lanes = {}
 for _, lane in ipairs(granted) do lanes[lane] = true end
-for _, lane in ipairs(redis.call('SMEMBERS', P .. 'lanes')) do
-  if string.sub(lane, 1, #phase + 1) == phase .. '|' then lanes[lane] = true end
+-- No admission table: no rate lanes to report (sync_limits moves back what waited in
+-- lanes when the limits go), so a deployment without limits pays nothing here.
+if admission_on() then
+  for _, lane in ipairs(redis.call('SMEMBERS', P .. 'lanes')) do
+    if string.sub(lane, 1, #phase + 1) == phase .. '|' then lanes[lane] = true end
+  end
 end
 for lane in pairs(lanes) do
   local waiting = redis.call('ZCARD', P .. 'held:rate:' .. lane)
