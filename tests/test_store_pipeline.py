@@ -1,0 +1,136 @@
+"""The store's pipeline: many script calls (and a trailer) in one round trip, on a real server.
+
+The single-node path writes RESP itself on a pooled connection; these tests pin what it
+must keep from redis-py's pipeline: replies in order with errors in place, arguments
+encoded the same way, NOSCRIPT recovered, and a connection that fails mid-batch never
+handed out again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio
+
+from asynctaskd.errors import ScriptError, StoreUnavailable
+from asynctaskd.keys import new_task_id
+from asynctaskd.model import Status
+from asynctaskd.store import Batcher, Created, Gate, Result, Store
+
+from .conftest import wait_until
+from .lua.helpers import create
+
+
+async def _status(store: Store, task_id: str) -> Status | None:
+    task = await store.get(task_id)
+    return None if task is None else task.status
+
+
+async def _blocked_in(client: redis.asyncio.Redis, command: str) -> bool:
+    clients = await client.client_list()
+    return any(c.get("cmd") == command for c in clients)
+
+
+async def test_replies_come_back_in_order_with_an_error_in_its_place(
+    store: Store, redis_client: redis.asyncio.Redis
+) -> None:
+    first, second = await create(store), await create(store)
+    broken = new_task_id()
+    await redis_client.set(store.ops._task(broken)[1], "not a hash")
+    calls = [store.ops.cancel(first.task_id), store.ops.cancel(broken)]
+    calls.append(store.ops.cancel(second.task_id))
+    results, rerun, trailers = await store.pipeline(calls, ("ECHO", "after"))
+    assert isinstance(results[0], Result) and results[0].ok
+    assert isinstance(results[1], ScriptError) and "WRONGTYPE" in str(results[1])
+    assert isinstance(results[2], Result) and results[2].ok
+    assert [await _status(store, c.task_id) for c in (first, second)] == [Status.CANCELED] * 2
+    assert rerun == [False, False, False]
+    assert trailers == [b"after"] * 3
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["plain", "ünïcödé ✓", "with\r\nCRLF and $3\r\n", "", 0, -17, 2**63 - 1, 0.25, -1e-300],
+)
+async def test_arguments_reach_redis_as_redis_py_would_send_them(
+    store: Store, redis_client: redis.asyncio.Redis, value: object
+) -> None:
+    created = await create(store)
+    _, _, trailers = await store.pipeline([store.ops.cancel(created.task_id)], ("ECHO", value))
+    assert trailers[0] == await redis_client.echo(value)  # type: ignore[arg-type]
+
+
+async def test_an_argument_redis_cannot_take_fails_the_batch_before_anything_is_sent(
+    store: Store, redis_client: redis.asyncio.Redis
+) -> None:
+    created = await create(store)
+    with pytest.raises(StoreUnavailable, match="pass bytes, str, int or float"):
+        await store.pipeline([store.ops.cancel(created.task_id)], ("ECHO", True))
+    task = await store.get(created.task_id)
+    assert task is not None and task.status is Status.PENDING_SUBMIT
+
+
+async def test_a_flushed_script_cache_is_reloaded_and_the_call_run_again(
+    store: Store, redis_client: redis.asyncio.Redis
+) -> None:
+    created = await create(store)
+    await redis_client.script_flush()
+    results, rerun, _ = await store.pipeline([store.ops.cancel(created.task_id)])
+    assert rerun == [True]
+    assert isinstance(results[0], Result) and results[0].ok
+    assert await _status(store, created.task_id) is Status.CANCELED
+
+
+async def test_a_connection_killed_mid_batch_is_unavailable_and_never_reused(
+    store: Store, redis_client: redis.asyncio.Redis, redis_url: str
+) -> None:
+    created = await create(store)
+    # WAIT for a replica that does not exist blocks for its timeout: time to kill it.
+    batch = asyncio.create_task(
+        store.pipeline([store.ops.cancel(created.task_id)], ("WAIT", 1, 30_000))
+    )
+    await wait_until(lambda: _blocked_in(redis_client, "wait"), "the pipeline blocked in WAIT")
+    killer = redis.asyncio.Redis.from_url(redis_url)
+    try:
+        assert await killer.client_kill_filter(_type="normal", skipme=True) >= 1
+    finally:
+        await killer.aclose()
+    with pytest.raises(StoreUnavailable):
+        await batch
+    # The cancel itself ran before the kill; the next batch gets a healthy connection.
+    results, _, trailers = await store.pipeline(
+        [store.ops.cancel(created.task_id)], ("ECHO", "fresh")
+    )
+    assert isinstance(results[0], Result) and trailers == [b"fresh"]
+
+
+async def test_a_stopped_batcher_answers_its_waiting_callers(
+    store: Store, redis_client: redis.asyncio.Redis
+) -> None:
+    created = await create(store)
+    batcher = Batcher(store, Gate("WAIT", 0, 1, 30_000))
+    runner = asyncio.create_task(batcher.run())
+    caller = asyncio.create_task(batcher.call(store.ops.cancel(created.task_id), gated=True))
+    await wait_until(lambda: _blocked_in(redis_client, "wait"), "the batch blocked in WAIT")
+    runner.cancel()
+    with pytest.raises(StoreUnavailable, match="stopped before Redis answered"):
+        await caller
+    with pytest.raises(asyncio.CancelledError):
+        await runner
+
+
+async def test_a_caller_that_stops_waiting_does_not_disturb_the_others(store: Store) -> None:
+    made: list[Created] = [await create(store) for _ in range(3)]
+    batcher = Batcher(store)
+    runner = asyncio.create_task(batcher.run())
+    try:
+        callers = [asyncio.create_task(batcher.call(store.ops.cancel(c.task_id))) for c in made]
+        callers[1].cancel()
+        done = await asyncio.gather(callers[0], callers[2])
+        assert [r.ok for r, _ in done] == [True, True]
+        assert callers[1].cancelled()
+    finally:
+        runner.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await runner
