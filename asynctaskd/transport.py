@@ -12,8 +12,11 @@ wrong "never sent" is a duplicate vendor job, so this module claims it only with
 independent pieces of evidence:
 
 1. the aiohttp exception class is one aiohttp raises only while obtaining a connection, and
-2. a per-request trace (aiohttp's public `TraceConfig` signals) shows the request was still
-   waiting for a pool slot or opening a connection: none was ever handed to it.
+2. the request was still inside the connector's `connect()` (waiting for a pool slot or
+   opening a connection) when it failed: none was ever handed to it. A connector of our
+   own records that per request (aiohttp's `TraceConfig` signals could too, but any trace
+   config makes aiohttp build and send a dozen trace events per request: a third more
+   CPU per request, measured).
 
 Everything else maps to an ambiguous error, including failures that in fact happened before
 any byte was written but cannot be proved so (a reused keep-alive connection that the
@@ -30,13 +33,16 @@ too).
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import datetime
 import enum
 import functools
 import http.cookiejar
+import logging
 import ssl
+import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterator, Mapping
 from contextlib import contextmanager
-from types import SimpleNamespace
 from typing import Any, Final
 
 import aiohttp
@@ -44,6 +50,8 @@ import httpx
 import yarl
 
 __all__ = ["AiohttpTransport", "make_http_client"]
+
+_log: Final = logging.getLogger("httpx")  # the line httpx's own send would log
 
 # aiohttp < 3.10 has no SocketTimeoutError (read timeouts are plain ServerTimeoutErrors).
 _SOCKET_TIMEOUT: Final[Any] = getattr(aiohttp, "SocketTimeoutError", ())
@@ -77,37 +85,27 @@ class _Progress:
             self.phase = phase
 
 
-def _progress_of(ctx: SimpleNamespace) -> _Progress | None:
-    progress = getattr(ctx, "trace_request_ctx", None)
-    return progress if isinstance(progress, _Progress) else None
+# The request being sent by the current task: `_Connector.connect` runs in that task.
+_PROGRESS: Final[contextvars.ContextVar[_Progress | None]] = contextvars.ContextVar(
+    "asynctaskd_http_progress", default=None
+)
 
 
-async def _on_queued(_session: aiohttp.ClientSession, ctx: SimpleNamespace, _params: Any) -> None:
-    if (progress := _progress_of(ctx)) is not None:
-        progress.reach(_Phase.QUEUED)
+class _Connector(aiohttp.TCPConnector):
+    """Records, per request, whether it is still obtaining a connection."""
 
-
-async def _on_create_start(
-    _session: aiohttp.ClientSession, ctx: SimpleNamespace, _params: Any
-) -> None:
-    if (progress := _progress_of(ctx)) is not None:
-        progress.reach(_Phase.CONNECTING)
-
-
-async def _on_connected(
-    _session: aiohttp.ClientSession, ctx: SimpleNamespace, _params: Any
-) -> None:
-    if (progress := _progress_of(ctx)) is not None:
+    async def connect(
+        self, req: aiohttp.ClientRequest, traces: list[Any], timeout: aiohttp.ClientTimeout
+    ) -> aiohttp.connector.Connection:
+        progress = _PROGRESS.get()
+        if progress is None:
+            return await super().connect(req, traces, timeout)
+        # The same test aiohttp makes before it waits for a free slot.
+        full = self._available_connections(req.connection_key) <= 0
+        progress.reach(_Phase.QUEUED if full else _Phase.CONNECTING)
+        connection = await super().connect(req, traces, timeout)
         progress.reach(_Phase.CONNECTED)
-
-
-def _trace_config() -> aiohttp.TraceConfig:
-    config = aiohttp.TraceConfig()
-    config.on_connection_queued_start.append(_on_queued)
-    config.on_connection_create_start.append(_on_create_start)
-    config.on_connection_create_end.append(_on_connected)
-    config.on_connection_reuseconn.append(_on_connected)
-    return config
+        return connection
 
 
 def _never_sent(
@@ -265,7 +263,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         if self._closed:
             raise RuntimeError("AiohttpTransport is closed")
         limits = self._limits
-        connector = aiohttp.TCPConnector(
+        connector = _Connector(
             limit=limits.max_connections or 0,  # None means unlimited; aiohttp spells it 0
             limit_per_host=0,  # httpx has no per-host limit
             keepalive_timeout=limits.keepalive_expiry,
@@ -278,7 +276,6 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             auto_decompress=False,  # httpx decodes Content-Encoding itself
             cookie_jar=aiohttp.DummyCookieJar(),  # httpx keeps the cookies
             skip_auto_headers=_NO_AUTO_HEADERS,
-            trace_configs=[_trace_config()],
             trust_env=False,
         )
         # aiohttp silently resends GET/HEAD/OPTIONS/TRACE/PUT/DELETE once when the
@@ -292,6 +289,37 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         """Send `request` and return a response whose body streams from the connection."""
+        response, progress = await self._open(request)
+        return self._response(response, _ResponseBody(response, progress, request))
+
+    async def handle_buffered(self, request: httpx.Request) -> httpx.Response:
+        """Send `request` and read the whole body before returning (still encoded, as a
+        stream would give it): one read instead of a chain of async iterators."""
+        response, progress = await self._open(request)
+        try:
+            with _mapped_errors(progress, request):
+                body = await response.read()
+        finally:
+            response.release()
+        return self._response(response, httpx.ByteStream(body))
+
+    @staticmethod
+    def _response(response: aiohttp.ClientResponse, stream: Any) -> httpx.Response:
+        version = response.version
+        return httpx.Response(
+            status_code=response.status,
+            headers=response.raw_headers,
+            stream=stream,
+            extensions={
+                "http_version": (
+                    f"HTTP/{version.major}.{version.minor}" if version else "HTTP/1.1"
+                ).encode("ascii"),
+                "reason_phrase": (response.reason or "").encode("latin-1", "replace"),
+            },
+        )
+
+    async def _open(self, request: httpx.Request) -> tuple[aiohttp.ClientResponse, _Progress]:
+        """Send the request; return the response with its body not read yet."""
         session = self._session_here()
         timeouts: Mapping[str, float | None] = request.extensions.get("timeout", {})
         timeout = _client_timeout(
@@ -311,33 +339,28 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                 # already carries the header: let it write the header and the chunks.
                 headers = [(k, v) for k, v in headers if k.lower() != "transfer-encoding"]
                 chunked = True
+        url = request.url
+        if url.userinfo:
+            # Credentials in the URL already became an Authorization header in httpx;
+            # aiohttp refuses both at once, so the URL goes without them.
+            url = url.copy_with(username=None, password=None)
         progress = _Progress()
-        with _mapped_errors(progress, request):
-            response = await session.request(
-                request.method,
-                # encoded=True: httpx already percent-encoded the URL; send it byte for byte.
-                # Credentials in the URL already became an Authorization header in httpx;
-                # aiohttp refuses both at once, so the URL goes without them.
-                yarl.URL(str(request.url.copy_with(username=None, password=None)), encoded=True),
-                headers=headers,
-                data=data,
-                chunked=chunked,
-                allow_redirects=False,
-                timeout=timeout,
-                trace_request_ctx=progress,
-            )
-        version = response.version
-        return httpx.Response(
-            status_code=response.status,
-            headers=response.raw_headers,
-            stream=_ResponseBody(response, progress, request),
-            extensions={
-                "http_version": (
-                    f"HTTP/{version.major}.{version.minor}" if version else "HTTP/1.1"
-                ).encode("ascii"),
-                "reason_phrase": (response.reason or "").encode("latin-1", "replace"),
-            },
-        )
+        token = _PROGRESS.set(progress)
+        try:
+            with _mapped_errors(progress, request):
+                response = await session.request(
+                    request.method,
+                    # encoded=True: httpx already percent-encoded the URL; send it as is.
+                    yarl.URL(str(url), encoded=True),
+                    headers=headers,
+                    data=data,
+                    chunked=chunked,
+                    allow_redirects=False,
+                    timeout=timeout,
+                )
+        finally:
+            _PROGRESS.reset(token)
+        return response, progress
 
     async def aclose(self) -> None:
         """Close the session and every pooled connection."""
@@ -345,6 +368,73 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         session, self._session = self._session, None
         if session is not None:
             await session.close()
+
+
+class _Client(httpx.AsyncClient):
+    """httpx's `AsyncClient` with a direct path for the requests handlers nearly always make.
+
+    `send` costs httpx several generator and wrapper layers per request (auth flow,
+    redirect loop, cookie extraction, a bound stream around the body) that do nothing for
+    a plain request on this client: no auth, no event hooks, no redirect to follow, no
+    cookie jar, body read at once. Such a request goes straight to the transport, with
+    the body read in one piece, and gets the same response: `request`, `elapsed`,
+    `next_request` for a redirect, the encoding default, and httpx's log line. Anything
+    else (streaming, auth, hooks, followed redirects, a cookie jar set later) takes
+    httpx's own path unchanged.
+    """
+
+    def __init__(self, *, transport: AiohttpTransport, **kwargs: Any) -> None:
+        super().__init__(transport=transport, **kwargs)
+        self._aiohttp = transport
+        self._jar = self.cookies.jar  # the no-cookie jar; replacing it leaves the fast path
+
+    async def send(
+        self,
+        request: httpx.Request,
+        *,
+        stream: bool = False,
+        auth: Any = httpx.USE_CLIENT_DEFAULT,
+        follow_redirects: Any = httpx.USE_CLIENT_DEFAULT,
+    ) -> httpx.Response:
+        follows = (
+            self.follow_redirects
+            if follow_redirects is httpx.USE_CLIENT_DEFAULT
+            else follow_redirects
+        )
+        hooks = self.event_hooks
+        if (
+            stream
+            or follows
+            or auth is not httpx.USE_CLIENT_DEFAULT
+            or self.auth is not None
+            or request.url.userinfo  # httpx turns URL credentials into BasicAuth
+            or hooks["request"]
+            or hooks["response"]
+            or self.cookies.jar is not self._jar
+            or self.is_closed
+        ):
+            return await super().send(
+                request, stream=stream, auth=auth, follow_redirects=follow_redirects
+            )
+        if "timeout" not in request.extensions:
+            request.extensions["timeout"] = self.timeout.as_dict()
+        started = time.perf_counter()
+        response = await self._aiohttp.handle_buffered(request)
+        response.request = request
+        response.default_encoding = self._default_encoding
+        _log.info(
+            'HTTP Request: %s %s "%s %d %s"',
+            request.method,
+            request.url,
+            response.http_version,
+            response.status_code,
+            response.reason_phrase,
+        )
+        if response.has_redirect_location:
+            response.next_request = self._build_redirect_request(request, response)
+        await response.aread()  # decodes Content-Encoding; the bytes are already here
+        response.elapsed = datetime.timedelta(seconds=time.perf_counter() - started)
+        return response
 
 
 def make_http_client(
@@ -365,7 +455,7 @@ def make_http_client(
         keepalive_expiry=30,
     )
     no_cookies = http.cookiejar.CookieJar(http.cookiejar.DefaultCookiePolicy(allowed_domains=[]))
-    return httpx.AsyncClient(
+    return _Client(
         transport=AiohttpTransport(limits=limits),
         timeout=timeout,
         headers=headers,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import gzip
 import json
 import shutil
@@ -258,6 +259,62 @@ async def test_cookies_are_kept_by_httpx_only(echo_url: str) -> None:
         second = await own.get(f"{echo_url}/cookie")
 
     assert second.json() == {"cookie": ["session=s1"]}  # once: aiohttp keeps no jar
+
+
+def _seen(response: httpx.Response) -> dict[str, object]:
+    """Everything a handler can read from a response, for comparing two send paths."""
+    return {
+        "status": response.status_code,
+        "version": response.http_version,
+        "reason": response.reason_phrase,
+        "headers": [(k, v) for k, v in response.headers.multi_items() if k != "date"],
+        "content": response.content,
+        "text": response.text,
+        "encoding": response.encoding,
+        "request": (response.request.method, str(response.request.url)),
+        "next": None if response.next_request is None else str(response.next_request.url),
+        "history": response.history,
+        "closed": response.is_closed,
+    }
+
+
+@pytest.mark.parametrize("path", ["/echo/a?b=c", "/redirect", "/gzip", "/status/204", "/cookie"])
+async def test_the_direct_send_path_answers_exactly_as_httpx_own_path(
+    client: httpx.AsyncClient, echo_url: str, path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def own_path(request: httpx.Request) -> None:  # any event hook: httpx's path
+        pass
+
+    caplog.set_level("INFO", logger="httpx")
+    direct = await client.get(f"{echo_url}{path}")
+    client.event_hooks = {"request": [own_path], "response": []}
+    reference = await client.get(f"{echo_url}{path}")
+
+    assert _seen(direct) == _seen(reference)
+    assert direct.elapsed > datetime.timedelta(0)
+    lines = [r.getMessage() for r in caplog.records if r.name == "httpx"]
+    assert len(lines) == 2 and lines[0] == lines[1]
+
+
+async def test_what_the_direct_path_cannot_do_goes_through_httpx(echo_url: str) -> None:
+    async with make_http_client() as http:
+        # Credentials in the URL become a Basic Authorization header.
+        echoed = (await http.get(f"{echo_url.replace('//', '//user:pw@')}/echo/auth")).json()
+        assert ["Authorization", "Basic dXNlcjpwdw=="] in echoed["headers"]
+        # A client-wide auth, a redirect to follow, a cookie jar set later.
+        http.auth = httpx.BasicAuth("other", "pw")
+        echoed = (await http.get(f"{echo_url}/echo/auth")).json()
+        assert ["Authorization", "Basic b3RoZXI6cHc="] in echoed["headers"]
+        http.auth = None
+        followed = await http.get(f"{echo_url}/redirect", follow_redirects=True)
+        assert followed.json()["path"] == "/echo/after-redirect"
+        http.cookies = httpx.Cookies()
+        await http.get(f"{echo_url}/cookie")
+        assert (await http.get(f"{echo_url}/cookie")).json() == {"cookie": ["session=s1"]}
+    closed = make_http_client()
+    await closed.aclose()
+    with pytest.raises(RuntimeError, match="client has been closed"):
+        await closed.get(f"{echo_url}/echo/late")
 
 
 async def test_head_request(client: httpx.AsyncClient, echo_url: str) -> None:
