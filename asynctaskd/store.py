@@ -650,9 +650,13 @@ class Store(_Base):
         return results
 
     async def pipeline(
-        self, calls: Sequence[Call[Any]], trailer: tuple[Any, ...] | None = None
+        self,
+        calls: Sequence[Call[Any]],
+        trailer: tuple[Any, ...] | None = None,
+        trailer_wait: float = 0.0,
     ) -> tuple[list[Any], list[bool], Any]:
         """Run calls in one round trip, then `trailer` (e.g. WAITAOF) on the same connection.
+        The replies may take the socket timeout plus `trailer_wait` (the trailer's own wait).
 
         Returns (results, rerun, trailer reply): each result is a value or the exception;
         rerun[i] is True when call i hit NOSCRIPT and was run again on its own, after the
@@ -666,7 +670,7 @@ class Store(_Base):
             replies, trailers = await self._pipeline_by_node(calls, trailer)
         else:
             with _mapped("pipeline"):
-                replies = await self._send_packed(calls, trailer)
+                replies = await self._send_packed(calls, trailer, trailer_wait)
             trailers = [replies.pop() if trailer is not None else None] * len(calls)
         self._timed("pipeline", started)
         out: list[Any] = []
@@ -689,7 +693,7 @@ class Store(_Base):
         return out, rerun, trailers
 
     async def _send_packed(
-        self, calls: Sequence[Call[Any]], trailer: tuple[Any, ...] | None
+        self, calls: Sequence[Call[Any]], trailer: tuple[Any, ...] | None, trailer_wait: float
     ) -> list[Any]:
         """One write of every EVALSHA (and the trailer) on one pooled connection, then one
         reply per command; an error reply is returned in its place, not raised.
@@ -704,14 +708,21 @@ class Store(_Base):
             commands.append(_packed(trailer))
         pool = self.redis.connection_pool
         connection = await pool.get_connection()  # type: ignore[no-untyped-call]
+        budget = connection.socket_timeout
         try:
             await connection.send_packed_command(b"".join(commands))
-            replies: list[Any] = []
-            for _ in commands:
-                try:
-                    replies.append(await connection.read_response())
-                except rex.ResponseError as exc:
-                    replies.append(exc)
+            # Replies straight from the connection's parser, which returns error replies
+            # as values: `read_response` would raise them, and arm a timer per reply
+            # (together a sixth of the daemon's CPU per task). One timer bounds them all.
+            parser: Any = connection._parser
+            async with asyncio.timeout(None if budget is None else budget + trailer_wait):
+                replies = [await parser.read_response() for _ in commands]
+            if connection.health_check_interval:  # what read_response would note
+                loop_time = asyncio.get_running_loop().time()
+                connection.next_health_check = loop_time + connection.health_check_interval
+        except TimeoutError as exc:
+            await connection.disconnect(nowait=True)
+            raise rex.TimeoutError(f"no reply from Redis within {budget} s") from exc
         except BaseException:
             # Replies may still be on the wire: never hand this connection out again as is.
             await connection.disconnect(nowait=True)
@@ -1043,7 +1054,10 @@ class Batcher:
         trailer = self.gate.command() if gated and self.gate is not None else None
         try:
             t0 = time.perf_counter()
-            results, rerun, replies = await self.store.pipeline([p.call for p in batch], trailer)
+            wait = self.gate.timeout_ms / 1000 if trailer is not None and self.gate else 0.0
+            results, rerun, replies = await self.store.pipeline(
+                [p.call for p in batch], trailer, wait
+            )
             if gated and self.gate is not None:
                 self.gate_seconds = time.perf_counter() - t0
                 for p, again, reply in zip(batch, rerun, replies, strict=True):

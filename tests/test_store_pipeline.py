@@ -14,9 +14,9 @@ import pytest
 import redis.asyncio
 
 from asynctaskd.errors import ScriptError, StoreUnavailable
-from asynctaskd.keys import new_task_id
+from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.model import Status
-from asynctaskd.store import Batcher, Created, Gate, Result, Store
+from asynctaskd.store import Batcher, Created, Gate, Result, Store, open_redis
 
 from .conftest import wait_until
 from .lua.helpers import create
@@ -103,6 +103,26 @@ async def test_a_connection_killed_mid_batch_is_unavailable_and_never_reused(
         [store.ops.cancel(created.task_id)], ("ECHO", "fresh")
     )
     assert isinstance(results[0], Result) and trailers == [b"fresh"]
+
+
+async def test_replies_may_take_the_socket_timeout_plus_the_trailer_wait(
+    redis_url: str, keys: Keys
+) -> None:
+    client = open_redis(redis_url, socket_timeout=0.2)
+    try:
+        store = Store(client, keys)
+        await store.prepare()
+        created = await create(store)
+        # WAIT for a replica that does not exist answers 0 after its own timeout (0.4 s).
+        wait = ("WAIT", 1, 400)
+        _, _, trailers = await store.pipeline([store.ops.cancel(created.task_id)], wait, 0.5)
+        assert trailers == [0]
+        with pytest.raises(StoreUnavailable, match=r"no reply from Redis within 0\.2 s"):
+            await store.pipeline([store.ops.cancel(created.task_id)], wait)
+        _, _, trailers = await store.pipeline([store.ops.cancel(created.task_id)], ("ECHO", "next"))
+        assert trailers == [b"next"]  # the timed-out connection was not handed out again
+    finally:
+        await client.aclose()
 
 
 async def test_a_stopped_batcher_answers_its_waiting_callers(
