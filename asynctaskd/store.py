@@ -146,8 +146,27 @@ def _bulk(value: Any) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(data), data)
 
 
-def _packed(args: Sequence[Any]) -> bytes:
-    return b"*%d\r\n" % len(args) + b"".join(map(_bulk, args))
+def _packed(args: Sequence[Any], head: bytes = b"", head_count: int = 0) -> bytes:
+    """A command as RESP: `head` (already packed, `head_count` items), then `args`."""
+    parts = [b"*%d\r\n" % (head_count + len(args)), head]
+    add = parts.append
+    for value in args:
+        # The exact common types inline (the hot path packs ~10 per save); anything
+        # else, subclasses included, through _bulk.
+        kind = type(value)
+        if kind is str:
+            data = value.encode()
+        elif kind is bytes:
+            data = value
+        elif kind is int:
+            data = b"%d" % value
+        else:
+            add(_bulk(value))
+            continue
+        add(b"$%d\r\n" % len(data))
+        add(data)
+        add(b"\r\n")
+    return b"".join(parts)
 
 
 _EVALSHA: Final = _bulk("EVALSHA")
@@ -155,8 +174,7 @@ _EVALSHA: Final = _bulk("EVALSHA")
 
 def _packed_evalsha(head: bytes, keys: Sequence[Any], args: Sequence[Any]) -> bytes:
     """EVALSHA as RESP; `head` is the packed "EVALSHA <sha>"."""
-    count = b"*%d\r\n" % (3 + len(keys) + len(args))
-    return b"".join((count, head, _bulk(len(keys)), *map(_bulk, keys), *map(_bulk, args)))
+    return _packed((len(keys), *keys, *args), head, 2)
 
 
 def _s(v: Any) -> str:
