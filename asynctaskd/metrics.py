@@ -2,11 +2,132 @@
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Generic, TypeVar
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from . import __version__
 
 __all__ = ["Metrics"]
+
+
+C = TypeVar("C")
+
+
+class _HistogramChild:
+    __slots__ = ("_bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self._bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # per bucket, not cumulative; the last is +Inf
+        self.sum = 0.0
+
+    def observe(self, amount: float) -> None:
+        self.counts[bisect.bisect_left(self._bounds, amount)] += 1  # le: amount <= bound
+        self.sum += amount
+
+
+class _CounterChild:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1) -> None:
+        if amount < 0:
+            raise ValueError("counters can only be incremented by non-negative amounts")
+        self.value += amount
+
+
+class _LoopCollector(Collector, Generic[C]):
+    """A labelled metric updated on every task, from the event loop's thread only.
+
+    prometheus_client's children take a lock on every update (a histogram two), which
+    showed at ~6% of the daemon's CPU per task. These children are plain numbers; the
+    scrape (`collect`) runs on the same event loop, so nothing races. Same names, labels,
+    buckets and samples as prometheus_client's, without the `_created` series.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        registry: CollectorRegistry,
+        make: Callable[[], C],
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self._make = make
+        self._children: dict[tuple[str, ...], C] = {}
+        registry.register(self)
+
+    def labels(self, *values: object) -> C:
+        key = tuple(map(str, values))
+        child = self._children.get(key)
+        if child is None:
+            if len(key) != len(self.labelnames):
+                raise ValueError(f"{self.name} takes labels {self.labelnames}, got {key}")
+            child = self._children[key] = self._make()
+        return child
+
+    def describe(self) -> Iterable[Metric]:
+        return self.collect()
+
+
+class _LoopHistogram(_LoopCollector[_HistogramChild]):
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        *,
+        buckets: Sequence[float],
+        registry: CollectorRegistry,
+    ) -> None:
+        bounds = tuple(float(b) for b in buckets)
+        super().__init__(name, documentation, labelnames, registry, lambda: _HistogramChild(bounds))
+        self._les = [_go_float(b) for b in (*bounds, math.inf)]
+
+    def collect(self) -> Iterable[Metric]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for key, child in list(self._children.items()):
+            cumulative = list(itertools.accumulate(child.counts))
+            family.add_metric(list(key), list(zip(self._les, cumulative, strict=True)), child.sum)
+        return [family]
+
+
+class _LoopCounter(_LoopCollector[_CounterChild]):
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        *,
+        registry: CollectorRegistry,
+    ) -> None:
+        super().__init__(name, documentation, labelnames, registry, _CounterChild)
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for key, child in list(self._children.items()):
+            family.add_metric(list(key), child.value)
+        return [family]
+
+
+def _go_float(value: float) -> str:
+    """A bucket bound as Prometheus prints it (`le="0.005"`, `le="+Inf"`)."""
+    text: str = floatToGoString(value)  # type: ignore[no-untyped-call]
+    return text
+
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
@@ -36,13 +157,13 @@ class Metrics:
             registry=r,
         )
         self.build_info.labels(__version__).set(1)
-        self.transitions = Counter(
+        self.transitions = _LoopCounter(
             "asynctaskd_transitions_total",
             "Task status changes saved by this daemon.",
             ["handler", "status"],
             registry=r,
         )
-        self.calls = Histogram(
+        self.calls = _LoopHistogram(
             "asynctaskd_handler_call_seconds",
             "Handler call latency by operation and outcome.",
             ["handler", "op", "outcome"],
@@ -52,14 +173,14 @@ class Metrics:
         self.inflight = Gauge(
             "asynctaskd_inflight_calls", "Handler calls in flight in this daemon.", registry=r
         )
-        self.due_lag = Histogram(
+        self.due_lag = _LoopHistogram(
             "asynctaskd_due_lag_seconds",
             "How late a claimed task started compared with its due time.",
             ["phase"],
             buckets=_LAG_BUCKETS,
             registry=r,
         )
-        self.claimed = Counter(
+        self.claimed = _LoopCounter(
             "asynctaskd_claimed_total", "Tasks claimed, by phase.", ["phase"], registry=r
         )
         self.rejected_writes = Counter(
@@ -123,7 +244,7 @@ class Metrics:
             "1 while the claim loop keeps up with due work, 0 when it stalls.",
             registry=r,
         )
-        self.redis_calls = Histogram(
+        self.redis_calls = _LoopHistogram(
             "asynctaskd_redis_call_seconds",
             "Round-trip time of one Redis script call (or pipeline), by script.",
             ["script"],
@@ -188,7 +309,7 @@ class Metrics:
             ["scope"],
             registry=r,
         )
-        self._redis_children: dict[str, Histogram] = {}
+        self._redis_children: dict[str, _HistogramChild] = {}
 
     def observe_redis_call(self, script: str, seconds: float) -> None:
         """`Store.on_call` hook: one Redis round trip of `script` took `seconds`."""
