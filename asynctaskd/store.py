@@ -561,7 +561,7 @@ class _Base:
         self.ops = Ops(keys)
         self.scripts: dict[str, Script] = load_scripts()
         # "EVALSHA <sha>" as RESP, per script name: the fixed head of every packed call
-        self._evalsha = {name: _EVALSHA + _bulk(s.sha) for name, s in self.scripts.items()}
+        self._evalsha_heads = {name: _EVALSHA + _bulk(s.sha) for name, s in self.scripts.items()}
         # Any: redis-py's hset wants a Mapping over its own invariant key union.
         self.settings: dict[Any, Any] = dict(settings or {})
         self.round_trips: dict[str, int] = {}
@@ -618,14 +618,23 @@ class Store(_Base):
         started = time.perf_counter()
         with _mapped(call.script):
             try:
-                reply = await self.redis.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+                reply = await self._evalsha(call)
             except rex.NoScriptError:
                 # The server lost its script cache (restart, failover): NOSCRIPT means it
                 # did not run, so loading and running again is safe.
                 await self._load(script)
-                reply = await self.redis.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+                reply = await self._evalsha(call)
         self._timed(call.script, started)
         return call.decode(reply)
+
+    async def _evalsha(self, call: Call[Any]) -> Any:
+        if self.cluster:  # redis-py routes it to the node of its slot
+            script = self.scripts[call.script]
+            return await self.redis.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
+        reply = (await self._send_packed((call,), None, 0.0))[0]
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
 
     async def _load(self, script: Script) -> None:
         if self.cluster:  # every primary: a script may run on any shard's node
@@ -720,7 +729,7 @@ class Store(_Base):
         (half the daemon's save cost). No retry: a dropped connection fails the whole
         batch as unavailable, and the callers retry (a save is fenced and versioned).
         """
-        heads = self._evalsha
+        heads = self._evalsha_heads
         commands = [_packed_evalsha(heads[c.script], c.keys, c.args) for c in calls]
         if trailer is not None:
             commands.append(_packed(trailer))
