@@ -19,6 +19,7 @@ import httpx
 import pytest
 import redis.asyncio
 from redis import Redis as SyncRedis
+from redis.asyncio.connection import AbstractConnection
 
 from asynctaskd.codec import encode_json
 from asynctaskd.config import parse_config
@@ -212,17 +213,18 @@ UVLOOP_CLOSED = (
 
 
 def break_script(store: Store, monkeypatch: pytest.MonkeyPatch, script: str) -> None:
-    """Make every EVALSHA of `script` fail the way uvloop does when Redis restarts under a
-    connection that redis-py is reconnecting (seen in the CI chaos run, daemon exit 1)."""
-    sha = store.scripts[script].sha
-    real = store.redis.evalsha
+    """Make every write carrying `script` fail the way uvloop does when Redis restarts under
+    a connection that redis-py is reconnecting (seen in the CI chaos run, daemon exit 1)."""
+    sha = store.scripts[script].sha.encode()
+    real = AbstractConnection.send_packed_command
 
-    async def evalsha(name: str, numkeys: int, *args: Any) -> Any:
-        if name == sha:
+    async def send(self: AbstractConnection, command: Any, check_health: bool = True) -> None:
+        packed = command if isinstance(command, bytes) else b"".join(command)
+        if sha in packed:
             raise RuntimeError(UVLOOP_CLOSED)
-        return await real(name, numkeys, *args)
+        await real(self, command, check_health)
 
-    monkeypatch.setattr(store.redis, "evalsha", evalsha)
+    monkeypatch.setattr(AbstractConnection, "send_packed_command", send)
 
 
 async def test_a_closed_transport_is_store_unavailable(
