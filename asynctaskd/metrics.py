@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -60,15 +60,17 @@ class _LoopCollector(Collector, Generic[C]):
         name: str,
         documentation: str,
         labelnames: Sequence[str],
+        *,
         registry: CollectorRegistry,
-        make: Callable[[], C],
     ) -> None:
         self.name = name
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
-        self._make = make
         self._children: dict[tuple[str, ...], C] = {}
         registry.register(self)
+
+    def _new_child(self) -> C:
+        raise NotImplementedError
 
     def labels(self, *values: object) -> C:
         key = tuple(map(str, values))
@@ -76,7 +78,7 @@ class _LoopCollector(Collector, Generic[C]):
         if child is None:
             if len(key) != len(self.labelnames):
                 raise ValueError(f"{self.name} takes labels {self.labelnames}, got {key}")
-            child = self._children[key] = self._make()
+            child = self._children[key] = self._new_child()
         return child
 
     def describe(self) -> Iterable[Metric]:
@@ -93,9 +95,12 @@ class _LoopHistogram(_LoopCollector[_HistogramChild]):
         buckets: Sequence[float],
         registry: CollectorRegistry,
     ) -> None:
-        bounds = tuple(float(b) for b in buckets)
-        super().__init__(name, documentation, labelnames, registry, lambda: _HistogramChild(bounds))
-        self._les = [_go_float(b) for b in (*bounds, math.inf)]
+        self._bounds = tuple(float(b) for b in buckets)
+        self._les = [_go_float(b) for b in (*self._bounds, math.inf)]
+        super().__init__(name, documentation, labelnames, registry=registry)
+
+    def _new_child(self) -> _HistogramChild:
+        return _HistogramChild(self._bounds)
 
     def collect(self) -> Iterable[Metric]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
@@ -106,15 +111,8 @@ class _LoopHistogram(_LoopCollector[_HistogramChild]):
 
 
 class _LoopCounter(_LoopCollector[_CounterChild]):
-    def __init__(
-        self,
-        name: str,
-        documentation: str,
-        labelnames: Sequence[str],
-        *,
-        registry: CollectorRegistry,
-    ) -> None:
-        super().__init__(name, documentation, labelnames, registry, _CounterChild)
+    def _new_child(self) -> _CounterChild:
+        return _CounterChild()
 
     def collect(self) -> Iterable[Metric]:
         family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
