@@ -16,6 +16,7 @@ import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from redis.cluster import ClusterNode, RedisCluster
@@ -26,6 +27,7 @@ from asynctaskd.fakevendor import Behaviour, FakeVendorProcess
 from asynctaskd.keys import Keys
 from asynctaskd.model import shard_of
 from tests.cluster import LocalCluster
+from tests.configs import write_daemon_config
 from tests.conftest import wait_until_sync
 
 pytestmark = pytest.mark.slow
@@ -51,34 +53,15 @@ def admin(c: LocalCluster) -> RedisCluster:
     return RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", m.port) for m in c.masters])
 
 
-def write_config(tmp: Path, url: str, vendor_url: str, extra: str = "") -> Path:
-    path = tmp / "daemon.toml"
-    path.write_text(f"""
-[redis]
-url = "{url}"
-shards = {SHARDS}
-socket_timeout = "2s"
-{extra}
-[worker]
-lease = "2s"
-shutdown_grace = "2s"
-max_inflight = 200
-[retry]
-poll_interval = "100ms"
-first_error_delay = "50ms"
-max_error_delay = "500ms"
-[reaper]
-interval = "200ms"
-[metrics]
-enabled = false
-[log]
-level = "warning"
-[[handlers]]
-key = "demo"
-factory = "asynctaskd.demo:make_handler"
-options = {{ base_url = "{vendor_url}", key = "demo" }}
-""")
-    return path
+def write_config(tmp: Path, url: str, vendor_url: str, **redis: Any) -> Path:
+    return write_daemon_config(
+        tmp / "daemon.toml",
+        url,
+        vendor_url,
+        redis={"shards": SHARDS, "socket_timeout": "2s", **redis},
+        worker={"lease": "2s", "shutdown_grace": "2s", "max_inflight": 200},
+        log={"level": "warning"},
+    )
 
 
 def start(config: Path, n: int, log_dir: Path) -> list[subprocess.Popen[bytes]]:
@@ -200,7 +183,7 @@ def test_a_master_failover_loses_no_task_and_submits_none_twice(
         LocalCluster(binary, tmp_path / "cluster", replicas=1) as c,
         FakeVendorProcess.start(behaviour) as vendor,
     ):
-        config = write_config(tmp_path, c.url, vendor.url, 'durability = "wait"\nwait_replicas = 1')
+        config = write_config(tmp_path, c.url, vendor.url, durability="wait", wait_replicas=1)
         procs = start(config, 1, tmp_path)
         client = Client.from_url(c.url, shards=SHARDS)
         try:

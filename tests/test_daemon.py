@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -24,37 +23,21 @@ from asynctaskd.fakevendor import Behaviour, FakeVendorProcess
 from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.model import Status
 from asynctaskd.store import SyncStore
+from tests.configs import write_daemon_config
 from tests.conftest import wait_until_sync
 
 pytestmark = pytest.mark.slow
 
 
 def write_config(tmp: Path, url: str, vendor_url: str, *, metrics_port: int, **worker: Any) -> Path:
-    worker = {"lease": "2s", "shutdown_grace": "10s", **worker}
-    worker_lines = "\n".join(f"{k} = {json.dumps(v)}" for k, v in worker.items())
-    path = tmp / "config.toml"
-    path.write_text(f"""
-[redis]
-url = "{url}"
-[worker]
-{worker_lines}
-[retry]
-poll_interval = "100ms"
-first_error_delay = "50ms"
-max_error_delay = "500ms"
-[reaper]
-interval = "200ms"
-[metrics]
-listen = "127.0.0.1:{metrics_port}"
-[log]
-format = "json"
-[[handlers]]
-key = "demo"
-type = "python"
-factory = "asynctaskd.demo:make_handler"
-options = {{ base_url = "{vendor_url}", key = "demo" }}
-""")
-    return path
+    return write_daemon_config(
+        tmp / "config.toml",
+        url,
+        vendor_url,
+        worker={"lease": "2s", "shutdown_grace": "10s", **worker},
+        metrics={"listen": f"127.0.0.1:{metrics_port}"},
+        log={"format": "json"},
+    )
 
 
 class Notify:

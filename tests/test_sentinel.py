@@ -19,6 +19,7 @@ from asynctaskd.daemon import Daemon
 from asynctaskd.embedded import find_binary, free_port
 from asynctaskd.errors import StoreUnavailable
 from asynctaskd.fakevendor import Behaviour, FakeVendorProcess, run_server
+from tests.configs import write_daemon_config
 from tests.conftest import SERVER_BINARIES, wait_until_sync
 from tests.servers import SERVICE, Pki, PrivateServer, SentinelProcess, make_pki, start_server
 from tests.test_daemon import start_daemon
@@ -115,27 +116,14 @@ def test_daemon_and_client_carry_on_through_a_failover(binary: Path, tmp_path: P
 
         vendor = stack.enter_context(FakeVendorProcess.start(Behaviour(polls_to_done=20)))
         metrics_port = free_port()
-        config = tmp_path / "config.toml"
-        config.write_text(f"""
-[redis]
-url = "{url}"
-wait_replicas = 1
-[worker]
-lease = "2s"
-shutdown_grace = "5s"
-[retry]
-poll_interval = "100ms"
-first_error_delay = "50ms"
-max_error_delay = "500ms"
-[reaper]
-interval = "200ms"
-[metrics]
-listen = "127.0.0.1:{metrics_port}"
-[[handlers]]
-key = "demo"
-factory = "asynctaskd.demo:make_handler"
-options = {{ base_url = "{vendor.url}", key = "demo" }}
-""")
+        config = write_daemon_config(
+            tmp_path / "config.toml",
+            url,
+            vendor.url,
+            redis={"wait_replicas": 1},
+            worker={"lease": "2s", "shutdown_grace": "5s"},
+            metrics={"listen": f"127.0.0.1:{metrics_port}"},
+        )
         daemon = start_daemon(config)
         stack.callback(lambda: daemon.poll() is None and daemon.kill())
         wait_until_sync(lambda: ready(metrics_port), "the daemon to be ready", timeout=20)

@@ -21,6 +21,7 @@ from asynctaskd.daemon import Daemon
 from asynctaskd.errors import StoreUnavailable
 from asynctaskd.fakevendor import Behaviour, run_server
 from tests.clients import Api
+from tests.configs import daemon_toml
 from tests.conftest import SERVER_BINARIES
 from tests.servers import Pki, PrivateServer, make_pki, start_server
 
@@ -42,26 +43,15 @@ def tls_server(request: pytest.FixtureRequest, pki: Pki) -> Iterator[PrivateServ
         server.stop()
 
 
-def daemon_config(url: str, pki: Pki, vendor_url: str) -> str:
-    return f"""
-[redis]
-url = "{url}"
-tls_ca = "{pki.ca}"
-tls_cert = "{pki.client_cert}"
-tls_key = "{pki.client_key}"
-[worker]
-lease = "2s"
-[retry]
-poll_interval = "50ms"
-[reaper]
-interval = "200ms"
-[metrics]
-enabled = false
-[[handlers]]
-key = "demo"
-factory = "asynctaskd.demo:make_handler"
-options = {{ base_url = "{vendor_url}", key = "demo" }}
-"""
+def daemon_config(url: str, pki: Pki, vendor_url: str, **redis: str) -> str:
+    tls = {"tls_ca": str(pki.ca), "tls_cert": str(pki.client_cert), "tls_key": str(pki.client_key)}
+    return daemon_toml(
+        url,
+        vendor_url,
+        redis={**tls, **redis},
+        worker={"lease": "2s"},
+        retry={"poll_interval": "50ms"},
+    )
 
 
 async def test_producers_and_a_daemon_work_over_tls(tls_server: PrivateServer, pki: Pki) -> None:
@@ -158,8 +148,11 @@ async def test_the_daemon_verifies_with_tls_verify_ca(tls_server: PrivateServer,
 
     config = parse_config(
         daemon_config(
-            f"rediss://127.0.0.1:{tls_server.tls_port}/0", pki, "http://127.0.0.1:9"
-        ).replace("[worker]", 'tls_verify = "ca"\n[worker]')
+            f"rediss://127.0.0.1:{tls_server.tls_port}/0",
+            pki,
+            "http://127.0.0.1:9",
+            tls_verify="ca",
+        )
     )
     client = open_async(config.redis.url, config.redis.tls)
     try:
@@ -172,8 +165,11 @@ async def test_the_daemon_verifies_with_tls_verify_ca(tls_server: PrivateServer,
 def test_the_daemon_exits_2_naming_a_missing_tls_file(tmp_path: Path, pki: Pki) -> None:
     config = tmp_path / "config.toml"
     config.write_text(
-        daemon_config("rediss://localhost:6380/0", pki, "http://127.0.0.1:9").replace(
-            f'tls_ca = "{pki.ca}"', f'tls_ca = "{tmp_path / "missing-ca.pem"}"'
+        daemon_config(
+            "rediss://localhost:6380/0",
+            pki,
+            "http://127.0.0.1:9",
+            tls_ca=str(tmp_path / "missing-ca.pem"),
         )
     )
     proc = subprocess.run(

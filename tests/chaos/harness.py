@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,39 +24,35 @@ from asynctaskd.config import load_config
 from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.model import Status
 from asynctaskd.store import SyncStore
+from tests.configs import FAST_RETRY, demo_handler, write_daemon_config
 
 
 def daemon_config(
-    tmp: Path, url: str, vendor_url: str, *, idempotent: bool = False, lease: str = "1s"
+    tmp: Path,
+    url: str,
+    vendor_url: str,
+    *,
+    idempotent: bool = False,
+    lease: str = "1s",
+    shards: int = 1,
+    max_inflight: int = 300,
+    max_reclaims: int | None = None,
+    extra_handlers: Sequence[Mapping[str, Any]] = (),
 ) -> Path:
-    path = tmp / "daemon.toml"
-    path.write_text(f"""
-[redis]
-url = "{url}"
-socket_timeout = "2s"
-[worker]
-lease = "{lease}"
-shutdown_grace = "2s"
-max_inflight = 300
-[retry]
-poll_interval = "100ms"
-first_error_delay = "50ms"
-max_error_delay = "1s"
-max_consecutive_errors = 50
-[reaper]
-interval = "200ms"
-[metrics]
-enabled = false
-[log]
-format = "json"
-level = "warning"
-[[handlers]]
-key = "demo"
-type = "python"
-factory = "asynctaskd.demo:make_handler"
-options = {{ base_url = "{vendor_url}", key = "demo", idempotent = {json.dumps(idempotent)} }}
-""")
-    return path
+    redis: dict[str, Any] = {"socket_timeout": "2s"} | ({"shards": shards} if shards != 1 else {})
+    worker: dict[str, Any] = {"lease": lease, "shutdown_grace": "2s", "max_inflight": max_inflight}
+    if max_reclaims is not None:
+        worker["max_reclaims"] = max_reclaims
+    return write_daemon_config(
+        tmp / "daemon.toml",
+        url,
+        vendor_url,
+        redis=redis,
+        worker=worker,
+        retry={**FAST_RETRY, "max_error_delay": "1s", "max_consecutive_errors": 50},
+        log={"format": "json", "level": "warning"},
+        handlers=[demo_handler(vendor_url, idempotent=idempotent), *extra_handlers],
+    )
 
 
 class Daemons:
@@ -232,22 +228,21 @@ def chaos_daemon_config(
     polled through all of them; the reclaim limit is a poison-task guard, not a chaos one.
     `shards` other than 1 is written as `[redis] shards` (a cluster run).
     """
-    path = daemon_config(tmp, url, vendor_url, lease=lease)
-    text = path.read_text()
-    if shards != 1:
-        text = text.replace(f'url = "{url}"\n', f'url = "{url}"\nshards = {shards}\n', 1)
-    text = text.replace("max_inflight = 300", f"max_inflight = {max_inflight}")
-    text = text.replace("[worker]\n", f"[worker]\nmax_reclaims = {max_reclaims}\n", 1)
-    if idempotent_key is not None:
-        text += f"""
-[[handlers]]
-key = "{idempotent_key}"
-type = "python"
-factory = "asynctaskd.demo:make_handler"
-options = {{ base_url = "{vendor_url}", key = "{idempotent_key}", idempotent = true }}
-"""
-    path.write_text(text)
-    return path
+    extra = (
+        []
+        if idempotent_key is None
+        else [demo_handler(vendor_url, idempotent_key, idempotent=True)]
+    )
+    return daemon_config(
+        tmp,
+        url,
+        vendor_url,
+        lease=lease,
+        shards=shards,
+        max_inflight=max_inflight,
+        max_reclaims=max_reclaims,
+        extra_handlers=extra,
+    )
 
 
 def keyed_client(url: str, **kwargs: Any) -> Any:
