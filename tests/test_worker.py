@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import anyio
@@ -347,22 +347,26 @@ async def test_unknown_handler_fails_in_submit_phase(store: Store) -> None:
     assert task.error is not None and task.error.code == "UNKNOWN_HANDLER"
 
 
-async def test_lost_lease_cancels_the_query_call(
-    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
-) -> None:
-    h = Scripted()
+def _hang() -> tuple[Callable[[HandlerContext], Awaitable[Any]], anyio.Event, anyio.Event]:
+    """A handler call that waits until cancelled; events for "inside" and "cancelled"."""
     inside = anyio.Event()
     cancelled = anyio.Event()
 
-    async def hang(ctx: HandlerContext) -> Running:
+    async def hang(ctx: HandlerContext) -> Any:
         inside.set()
         try:
             await anyio.sleep_forever()
         finally:
             cancelled.set()
-        raise AssertionError("unreachable")
 
-    h.on_query = hang
+    return hang, inside, cancelled
+
+
+async def test_lost_lease_cancels_the_query_call(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    h = Scripted()
+    h.on_query, inside, cancelled = _hang()
     [tid] = await submit_many(store, 1)
     async with httpx.AsyncClient() as http, anyio.create_task_group() as tg:
         worker = Worker(store, entry(h), make_config(worker={"lease": "1s"}), http=http)
@@ -382,18 +386,7 @@ async def test_a_newer_fence_cancels_a_started_submit(
     """A started submit survives a lease that merely expired (the late save may land),
     but not a newer fence: someone else holds the task now."""
     h = Scripted()
-    inside = anyio.Event()
-    cancelled = anyio.Event()
-
-    async def hang(ctx: HandlerContext) -> Submitted:
-        inside.set()
-        try:
-            await anyio.sleep_forever()
-        finally:
-            cancelled.set()
-        raise AssertionError("unreachable")
-
-    h.on_submit = hang
+    h.on_submit, inside, cancelled = _hang()
     [tid] = await submit_many(store, 1)
     async with httpx.AsyncClient() as http, anyio.create_task_group() as tg:
         worker = Worker(store, entry(h), make_config(worker={"lease": "1s"}), http=http)
