@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tests.servers import Pki
+
 FAST_RETRY: Mapping[str, Any] = {
     "poll_interval": "100ms",
     "first_error_delay": "50ms",
@@ -64,6 +66,18 @@ def daemon_toml(
     entries = handlers if handlers is not None else [demo_handler(vendor_url)]
     tables += [_table("[[handlers]]", entry) for entry in entries]
     return "\n".join(tables) + "\n"
+
+
+def tls_daemon_toml(url: str, pki: Pki, vendor_url: str, **redis: str) -> str:
+    """A daemon config with the client side of `pki` in its [redis] TLS keys."""
+    tls = {"tls_ca": str(pki.ca), "tls_cert": str(pki.client_cert), "tls_key": str(pki.client_key)}
+    return daemon_toml(
+        url,
+        vendor_url,
+        redis={**tls, **redis},
+        worker={"lease": "2s"},
+        retry={"poll_interval": "50ms"},
+    )
 
 
 def write_daemon_config(path: Path, url: str, vendor_url: str, **sections: Any) -> Path:

@@ -19,7 +19,7 @@ from asynctaskd.daemon import Daemon
 from asynctaskd.embedded import find_binary, free_port
 from asynctaskd.errors import StoreUnavailable
 from asynctaskd.fakevendor import Behaviour, FakeVendorProcess, run_server
-from tests.configs import write_daemon_config
+from tests.configs import tls_daemon_toml, write_daemon_config
 from tests.conftest import SERVER_BINARIES, wait_until_sync
 from tests.servers import SERVICE, Pki, PrivateServer, SentinelProcess, make_pki, start_server
 from tests.test_daemon import start_daemon
@@ -221,21 +221,7 @@ async def test_tls_through_sentinel(pki: Pki) -> None:
         sentinel.start()
         url = f"rediss+sentinel://127.0.0.1:{sentinel.tls_port}/{SERVICE}/0"
         async with run_server(Behaviour(polls_to_done=1)) as vendor_url:
-            config = parse_config(f"""
-[redis]
-url = "{url}"
-tls_ca = "{pki.ca}"
-tls_cert = "{pki.client_cert}"
-tls_key = "{pki.client_key}"
-[retry]
-poll_interval = "50ms"
-[metrics]
-enabled = false
-[[handlers]]
-key = "demo"
-factory = "asynctaskd.demo:make_handler"
-options = {{ base_url = "{vendor_url}", key = "demo" }}
-""")
+            config = parse_config(tls_daemon_toml(url, pki, vendor_url))
             daemon = Daemon(config)
             async with anyio.create_task_group() as tg:
                 await tg.start(daemon.serve)

@@ -21,7 +21,7 @@ from asynctaskd.daemon import Daemon
 from asynctaskd.errors import StoreUnavailable
 from asynctaskd.fakevendor import Behaviour, run_server
 from tests.clients import Api
-from tests.configs import daemon_toml
+from tests.configs import tls_daemon_toml
 from tests.conftest import SERVER_BINARIES
 from tests.servers import Pki, PrivateServer, make_pki, start_server
 
@@ -43,24 +43,13 @@ def tls_server(request: pytest.FixtureRequest, pki: Pki) -> Iterator[PrivateServ
         server.stop()
 
 
-def daemon_config(url: str, pki: Pki, vendor_url: str, **redis: str) -> str:
-    tls = {"tls_ca": str(pki.ca), "tls_cert": str(pki.client_cert), "tls_key": str(pki.client_key)}
-    return daemon_toml(
-        url,
-        vendor_url,
-        redis={**tls, **redis},
-        worker={"lease": "2s"},
-        retry={"poll_interval": "50ms"},
-    )
-
-
 async def test_producers_and_a_daemon_work_over_tls(tls_server: PrivateServer, pki: Pki) -> None:
     # The daemon takes its TLS files from [redis] keys, the producers from URL options.
     client_url = f"{tls_server.url}?{pki.client_query()}"
     with Client.from_url(client_url) as setup:
         setup.redis.flushdb()  # our own private server: safe
     async with run_server(Behaviour(polls_to_done=2)) as vendor_url:
-        daemon = Daemon(parse_config(daemon_config(tls_server.url, pki, vendor_url)))
+        daemon = Daemon(parse_config(tls_daemon_toml(tls_server.url, pki, vendor_url)))
         async with anyio.create_task_group() as tg:
             await tg.start(daemon.serve)
             assert daemon.worker is not None
@@ -147,7 +136,7 @@ async def test_the_daemon_verifies_with_tls_verify_ca(tls_server: PrivateServer,
     from asynctaskd.connection import open_async
 
     config = parse_config(
-        daemon_config(
+        tls_daemon_toml(
             f"rediss://127.0.0.1:{tls_server.tls_port}/0",
             pki,
             "http://127.0.0.1:9",
@@ -165,7 +154,7 @@ async def test_the_daemon_verifies_with_tls_verify_ca(tls_server: PrivateServer,
 def test_the_daemon_exits_2_naming_a_missing_tls_file(tmp_path: Path, pki: Pki) -> None:
     config = tmp_path / "config.toml"
     config.write_text(
-        daemon_config(
+        tls_daemon_toml(
             "rediss://localhost:6380/0",
             pki,
             "http://127.0.0.1:9",
