@@ -73,12 +73,16 @@ class _LoopCollector(Collector, Generic[C]):
         raise NotImplementedError
 
     def labels(self, *values: object) -> C:
-        key = tuple(map(str, values))
-        child = self._children.get(key)
+        """The child for these label values: a dict lookup, cheap enough per task that
+        callers need no cache of their own."""
+        child = self._children.get(values)  # type: ignore[arg-type]  # str labels: found as is
         if child is None:
-            if len(key) != len(self.labelnames):
-                raise ValueError(f"{self.name} takes labels {self.labelnames}, got {key}")
-            child = self._children[key] = self._new_child()
+            key = tuple(map(str, values))
+            child = self._children.get(key)
+            if child is None:
+                if len(key) != len(self.labelnames):
+                    raise ValueError(f"{self.name} takes labels {self.labelnames}, got {key}")
+                child = self._children[key] = self._new_child()
         return child
 
     def describe(self) -> Iterable[Metric]:
@@ -307,12 +311,8 @@ class Metrics:
             ["scope"],
             registry=r,
         )
-        self._redis_children: dict[str, _HistogramChild] = {}
 
     def observe_redis_call(self, script: str, seconds: float) -> None:
         """`Store.on_call` hook: one Redis round trip of `script` took `seconds`."""
-        child = self._redis_children.get(script)
-        if child is None:
-            # Script names are a fixed set (lua/*.lua plus a few op names): bounded labels.
-            child = self._redis_children[script] = self.redis_calls.labels(script)
-        child.observe(seconds)
+        # Script names are a fixed set (lua/*.lua plus a few op names): bounded labels.
+        self.redis_calls.labels(script).observe(seconds)

@@ -123,10 +123,6 @@ class Worker:
         self.gate = gate
         self.batcher = Batcher(store, gate)
         # Label lookups cost more than the increments; resolve the hot ones once.
-        self._m_claimed = {p: self.metrics.claimed.labels(p) for p in PHASES}
-        self._m_due_lag = {p: self.metrics.due_lag.labels(p) for p in PHASES}
-        self._m_transitions: dict[tuple[str, str], Any] = {}
-        self._m_calls: dict[tuple[str, str, str], Any] = {}
         # Read at scrape time rather than set twice per call.
         self.metrics.inflight.set_function(lambda: len(self._active))
         self._loggers: dict[str, logging.Logger] = {}
@@ -250,8 +246,8 @@ class Worker:
                     more = more or lanes_next <= now
                     next_due = min(next_due, lanes_next)
                     if result.claimed:
-                        self._m_claimed[phase].inc(len(result.claimed))
-                        due_lag = self._m_due_lag[phase]
+                        self.metrics.claimed.labels(phase).inc(len(result.claimed))
+                        due_lag = self.metrics.due_lag.labels(phase)
                         for claimed in result.claimed:
                             self._launch(calls, claimed, phase, now, due_lag)
                     got += len(result.claimed)
@@ -531,13 +527,6 @@ class Worker:
             metadata=task.metadata,
         )
 
-    def _observe_call(self, handler: str, op: str, outcome: str, seconds: float) -> None:
-        label = (handler, op, outcome)
-        child = self._m_calls.get(label)
-        if child is None:
-            child = self._m_calls[label] = self.metrics.calls.labels(*label)
-        child.observe(seconds)
-
     # --- saving ---------------------------------------------------------------------------
 
     async def _save(
@@ -645,11 +634,7 @@ class Worker:
                 active.saved = True
                 self._forget(active)
                 final = result.status or status
-                label = (active.handler, final.value)
-                counter = self._m_transitions.get(label)
-                if counter is None:
-                    counter = self._m_transitions[label] = self.metrics.transitions.labels(*label)
-                counter.inc()
+                self.metrics.transitions.labels(active.handler, final.value).inc()
                 if not final.is_settled:
                     self._scheduled(delay if final is status else 0.0)
                 return result
@@ -708,7 +693,9 @@ class Worker:
             await self._submit_failed(entry, task, active, exc)
             return
         finally:
-            self._observe_call(task.handler, "submit", outcome, time.perf_counter() - t0)
+            self.metrics.calls.labels(task.handler, "submit", outcome).observe(
+                time.perf_counter() - t0
+            )
         if (
             not isinstance(out, Submitted)
             or not isinstance(out.external_id, str)
@@ -817,7 +804,9 @@ class Worker:
             failure = exc
         finally:
             active.set_deadline(None)
-            self._observe_call(task.handler, "query", outcome, time.perf_counter() - t0)
+            self.metrics.calls.labels(task.handler, "query", outcome).observe(
+                time.perf_counter() - t0
+            )
         if failure is not None:
             await self._query_failed(task, active, failure)
             return
