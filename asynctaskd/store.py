@@ -694,7 +694,7 @@ class Store(_Base):
         self._count("pipeline")
         started = time.perf_counter()
         if self.cluster:
-            replies, trailers = await self._pipeline_by_node(calls, trailer)
+            replies, trailers = await self._pipeline_by_node(calls, trailer, trailer_wait)
         else:
             with _mapped("pipeline"):
                 replies = await self._send_packed(calls, trailer, trailer_wait)
@@ -720,10 +720,15 @@ class Store(_Base):
         return out, rerun, trailers
 
     async def _send_packed(
-        self, calls: Sequence[Call[Any]], trailer: tuple[Any, ...] | None, trailer_wait: float
+        self,
+        calls: Sequence[Call[Any]],
+        trailer: tuple[Any, ...] | None,
+        trailer_wait: float,
+        client: redis.asyncio.Redis | None = None,
     ) -> list[Any]:
-        """One write of every EVALSHA (and the trailer) on one pooled connection, then one
-        reply per command; an error reply is returned in its place, not raised.
+        """One write of every EVALSHA (and the trailer) on one pooled connection of
+        `client` (a cluster node's own client; by default ours), then one reply per
+        command; an error reply is returned in its place, not raised.
 
         What redis-py's `Pipeline` does, without its per-command packing and bookkeeping
         (half the daemon's save cost). No retry: a dropped connection fails the whole
@@ -733,7 +738,7 @@ class Store(_Base):
         commands = [_packed_evalsha(heads[c.script], c.keys, c.args) for c in calls]
         if trailer is not None:
             commands.append(_packed(trailer))
-        pool = self.redis.connection_pool
+        pool = (client or self.redis).connection_pool
         connection = await pool.get_connection()  # type: ignore[no-untyped-call]
         budget = connection.socket_timeout
         try:
@@ -759,7 +764,7 @@ class Store(_Base):
         return replies
 
     async def _pipeline_by_node(
-        self, calls: Sequence[Call[Any]], trailer: tuple[Any, ...] | None
+        self, calls: Sequence[Call[Any]], trailer: tuple[Any, ...] | None, trailer_wait: float
     ) -> tuple[list[Any], list[Any]]:
         """Cluster: one pipeline per primary, concurrently, each with its own trailer."""
         groups: dict[str, tuple[redis.asyncio.Redis, list[int]]] = {}
@@ -773,13 +778,9 @@ class Store(_Base):
         async def one(client: redis.asyncio.Redis, indexes: list[int]) -> None:
             nonlocal stale
             try:
-                async with client.pipeline(transaction=False) as pipe:
-                    for i in indexes:
-                        call, script = calls[i], self.scripts[calls[i].script]
-                        pipe.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
-                    if trailer is not None:
-                        pipe.execute_command(*trailer)
-                    got: list[Any] = await pipe.execute(raise_on_error=False)
+                got = await self._send_packed(
+                    [calls[i] for i in indexes], trailer, trailer_wait, client
+                )
             except (rex.RedisError, OSError, RuntimeError) as exc:
                 got = [exc] * (len(indexes) + (trailer is not None))
             except AttributeError as exc:  # a connection closed under the write
