@@ -8,13 +8,13 @@ alike. Every node is a `ServerProcess` on a free loopback port, stopped by PID;
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from redis import Redis
 from redis.exceptions import RedisError
 
 from asynctaskd.embedded import ServerProcess, free_port
+from tests.conftest import wait_until_sync
 
 SLOTS = 16384
 
@@ -65,14 +65,14 @@ class LocalCluster:
         for node in self.nodes[1:]:
             with Redis(port=node.port) as r:
                 r.execute_command("CLUSTER", "MEET", "127.0.0.1", first_port, self.bus[first_port])
-        self._wait(lambda: all(self._knows_all(n) for n in self.nodes), "nodes to meet")
+        wait_until_sync(lambda: all(self._knows_all(n) for n in self.nodes), "nodes to meet", 30)
         for i, replica in enumerate(self.replicas):
             master = self.masters[i % len(self.masters)]
             with Redis(port=master.port) as r:
                 master_id = r.execute_command("CLUSTER", "MYID")
             with Redis(port=replica.port) as r:
                 r.execute_command("CLUSTER", "REPLICATE", master_id)
-        self._wait(self.healthy, "cluster_state:ok on every node")
+        wait_until_sync(self.healthy, "cluster_state:ok on every node", 30)
         return self
 
     def _knows_all(self, node: ServerProcess) -> bool:
@@ -107,14 +107,6 @@ class LocalCluster:
                     port = int(primary[1])
                     return next(n for n in self.nodes if n.port == port)
         raise LookupError(slot)
-
-    @staticmethod
-    def _wait(predicate: object, what: str, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not predicate():  # type: ignore[operator]
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out waiting for {what}")
-            time.sleep(0.05)
 
     def stop(self) -> None:
         for node in self.nodes:
