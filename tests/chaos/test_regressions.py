@@ -23,7 +23,7 @@ from redis.asyncio.connection import AbstractConnection
 
 from asynctaskd.codec import encode_json
 from asynctaskd.config import parse_config
-from asynctaskd.embedded import ServerProcess, find_binary
+from asynctaskd.embedded import ServerProcess, find_binary, free_port
 from asynctaskd.errors import StoreUnavailable
 from asynctaskd.handlers import HandlerContext, HandlerEntry, Submitted, Succeeded
 from asynctaskd.keys import Keys, new_task_id
@@ -295,7 +295,10 @@ def test_a_cluster_node_serving_no_slot_is_store_unavailable(tmp_path: Path) -> 
     binary = find_binary("redis-server") or find_binary("valkey-server")
     if binary is None:
         pytest.skip("no redis-server or valkey-server")
-    args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
+    # An explicit bus port: the default (port + 10,000) is out of range for a free port
+    # above 55535, and the server refuses to start.
+    bus = ("--cluster-port", str(free_port()))
+    args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", *bus)
     with ServerProcess(binary, data_dir=tmp_path, extra_args=args) as node:
         client = SyncRedis(port=node.port)
         try:
