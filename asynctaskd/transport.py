@@ -39,6 +39,7 @@ import enum
 import functools
 import http.cookiejar
 import logging
+import re
 import ssl
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterator, Mapping
@@ -59,6 +60,19 @@ _SOCKET_TIMEOUT: Final[Any] = getattr(aiohttp, "SocketTimeoutError", ())
 # httpx's client sets every header it means to send; aiohttp must not add its own
 # (a second User-Agent, an Accept-Encoding httpx cannot decode, a guessed Content-Type).
 _NO_AUTO_HEADERS: Final = ("Accept", "Accept-Encoding", "Content-Type", "User-Agent")
+_NEEDED_WITHOUT_BODY: Final = frozenset(("accept", "accept-encoding", "user-agent"))
+_NEEDED_WITH_BODY: Final = _NEEDED_WITHOUT_BODY | {"content-type"}
+
+
+def _skip_auto_headers(headers: list[tuple[str, str]], has_body: bool) -> tuple[str, ...] | None:
+    """`_NO_AUTO_HEADERS` when aiohttp would add one of them, else None.
+
+    httpx's client sends its own Accept, Accept-Encoding and User-Agent, and a JSON or
+    form body its Content-Type, so aiohttp usually adds nothing; telling it what to skip
+    costs it a header-dict copy per request, so it is told only when it matters.
+    """
+    needed = _NEEDED_WITH_BODY if has_body else _NEEDED_WITHOUT_BODY
+    return _NO_AUTO_HEADERS if needed - {name.lower() for name, _ in headers} else None
 
 
 class _Phase(enum.IntEnum):
@@ -180,16 +194,26 @@ def _ambiguous(exc: BaseException, request: httpx.Request) -> httpx.TransportErr
     return httpx.TransportError(message, request=request)
 
 
+# What aiohttp raises. TimeoutError: aiohttp's timeouts subclass it; a bare one can only
+# come from an aiohttp timer here (CancelledError, anyio's and asyncio's cancel scopes, is
+# not a TimeoutError inside the scope).
+_AIOHTTP_ERRORS: Final = (aiohttp.ClientError, TimeoutError)
+
+
+def _mapped(
+    exc: aiohttp.ClientError | TimeoutError, progress: _Progress, request: httpx.Request
+) -> httpx.TransportError:
+    """httpx's exception for one of `_AIOHTTP_ERRORS` (raise it `from exc`)."""
+    return _never_sent(exc, progress, request) or _ambiguous(exc, request)
+
+
 @contextmanager
 def _mapped_errors(progress: _Progress, request: httpx.Request) -> Iterator[None]:
     """Re-raise aiohttp's exceptions as httpx's, keeping the original as __cause__."""
     try:
         yield
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        # TimeoutError: aiohttp's timeouts subclass it; a bare one can only come from an
-        # aiohttp timer here (CancelledError, anyio's and asyncio's cancel scopes, is not
-        # a TimeoutError inside the scope).
-        raise (_never_sent(exc, progress, request) or _ambiguous(exc, request)) from exc
+    except _AIOHTTP_ERRORS as exc:
+        raise _mapped(exc, progress, request) from exc
 
 
 @functools.lru_cache(maxsize=64)
@@ -275,7 +299,6 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             timeout=aiohttp.ClientTimeout(total=None),
             auto_decompress=False,  # httpx decodes Content-Encoding itself
             cookie_jar=aiohttp.DummyCookieJar(),  # httpx keeps the cookies
-            skip_auto_headers=_NO_AUTO_HEADERS,
             trust_env=False,
         )
         # aiohttp silently resends GET/HEAD/OPTIONS/TRACE/PUT/DELETE once when the
@@ -293,15 +316,26 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         return self._response(response, _ResponseBody(response, progress, request))
 
     async def handle_buffered(self, request: httpx.Request) -> httpx.Response:
-        """Send `request` and read the whole body before returning (still encoded, as a
-        stream would give it): one read instead of a chain of async iterators."""
+        """Send `request` and read the whole body before returning: one read instead of
+        a chain of async iterators.
+
+        A body without Content-Encoding comes back already read, as `aread()` would leave
+        it; an encoded one comes back as its stream, for httpx to decode.
+        """
         response, progress = await self._open(request)
         try:
-            with _mapped_errors(progress, request):
-                body = await response.read()
+            body = await response.read()
+        except _AIOHTTP_ERRORS as exc:
+            raise _mapped(exc, progress, request) from exc
         finally:
             response.release()
-        return self._response(response, httpx.ByteStream(body))
+        answer = self._response(response, httpx.ByteStream(body))
+        if "Content-Encoding" not in response.headers:
+            # What Response.aread() sets when the identity decoder passed the body through.
+            answer._content = body
+            answer._num_bytes_downloaded = len(body)
+            answer.is_stream_consumed = answer.is_closed = True
+        return answer
 
     @staticmethod
     def _response(response: aiohttp.ClientResponse, stream: Any) -> httpx.Response:
@@ -347,17 +381,19 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         progress = _Progress()
         token = _PROGRESS.set(progress)
         try:
-            with _mapped_errors(progress, request):
-                response = await session.request(
-                    request.method,
-                    # encoded=True: httpx already percent-encoded the URL; send it as is.
-                    yarl.URL(str(url), encoded=True),
-                    headers=headers,
-                    data=data,
-                    chunked=chunked,
-                    allow_redirects=False,
-                    timeout=timeout,
-                )
+            response = await session.request(
+                request.method,
+                # encoded=True: httpx already percent-encoded the URL; send it as is.
+                yarl.URL(str(url), encoded=True),
+                headers=headers,
+                data=data,
+                chunked=chunked,
+                allow_redirects=False,
+                timeout=timeout,
+                skip_auto_headers=_skip_auto_headers(headers, data is not None),
+            )
+        except _AIOHTTP_ERRORS as exc:
+            raise _mapped(exc, progress, request) from exc
         finally:
             _PROGRESS.reset(token)
         return response, progress
@@ -370,23 +406,139 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             await session.close()
 
 
+# A URL's path and query made only of characters httpx's parser leaves exactly as they
+# are (unreserved, sub-delims, ":", "@", "/", "?" in the query, and valid %XX escapes).
+_PLAIN_TAIL: Final = re.compile(
+    r"(/(?:[A-Za-z0-9\-._~!$&'()*+,;=:@/]|%[0-9A-Fa-f]{2})*)"
+    r"(?:\?((?:[A-Za-z0-9\-._~!$&'()*+,;=:@/?]|%[0-9A-Fa-f]{2})*))?"
+)
+_ORIGINS_MAX: Final = 256
+
+
+class _Urls:
+    """`httpx.URL(text)` for absolute http(s) URLs, parsing each origin once.
+
+    httpx parses every URL in pure Python (~8 us here, a twentieth of a whole request).
+    Handlers call few origins with many paths, so the origin (scheme, credentials, host,
+    port) is parsed by httpx once and kept; a path and query that httpx would leave as
+    they are (no dot segment, nothing to percent-encode) are attached to it as they are.
+    Anything else is parsed by httpx in full.
+    """
+
+    def __init__(self) -> None:
+        self._origins: dict[str, Any] = {}
+
+    def __call__(self, text: str) -> httpx.URL:
+        start = 8 if text.startswith("https://") else 7 if text.startswith("http://") else 0
+        cut = text.find("/", start) if start else -1
+        tail = _PLAIN_TAIL.fullmatch(text, cut) if cut > 0 else None
+        if tail is None or "/." in tail[1]:
+            return httpx.URL(text)
+        origin_text = text[:cut]
+        origin = self._origins.get(origin_text)
+        if origin is None:
+            if "?" in origin_text or "#" in origin_text:
+                return httpx.URL(text)
+            origin = httpx.URL(origin_text)._uri_reference
+            if len(self._origins) >= _ORIGINS_MAX:
+                self._origins.clear()
+            self._origins[origin_text] = origin
+        url = httpx.URL.__new__(httpx.URL)
+        url._uri_reference = origin._replace(path=tail[1], query=tail[2])
+        return url
+
+
 class _Client(httpx.AsyncClient):
     """httpx's `AsyncClient` with a direct path for the requests handlers nearly always make.
 
-    `send` costs httpx several generator and wrapper layers per request (auth flow,
-    redirect loop, cookie extraction, a bound stream around the body) that do nothing for
-    a plain request on this client: no auth, no event hooks, no redirect to follow, no
-    cookie jar, body read at once. Such a request goes straight to the transport, with
-    the body read in one piece, and gets the same response: `request`, `elapsed`,
-    `next_request` for a redirect, the encoding default, and httpx's log line. Anything
-    else (streaming, auth, hooks, followed redirects, a cookie jar set later) takes
-    httpx's own path unchanged.
+    httpx spends several layers per request that do nothing for a plain request on this
+    client: merging a base URL, query parameters and cookies it does not have; an auth
+    flow, a redirect loop, cookie extraction and a bound stream around the body in `send`.
+    A plain request (no auth, no event hooks, no redirect to follow, no cookie jar, no
+    base URL or client params, body read at once) is built with only what it needs and
+    goes straight to the transport, and gets the same request and response: `request`,
+    `elapsed`, `next_request` for a redirect, the encoding default, and httpx's log line.
+    Anything else (streaming, auth, hooks, followed redirects, a cookie jar set later)
+    takes httpx's own path unchanged.
     """
 
     def __init__(self, *, transport: AiohttpTransport, **kwargs: Any) -> None:
         super().__init__(transport=transport, **kwargs)
         self._aiohttp = transport
         self._jar = self.cookies.jar  # the no-cookie jar; replacing it leaves the fast path
+        self._no_base_url = self._base_url  # the setter makes a new URL
+        self._urls = _Urls()
+
+    def _direct(self) -> bool:
+        """Whether the client's own settings let a request take the direct path."""
+        hooks = self.event_hooks
+        return not (
+            self.follow_redirects
+            or self.auth is not None
+            or hooks["request"]
+            or hooks["response"]
+            or self.cookies.jar is not self._jar
+            or len(self._jar)  # a cookie set by hand (Cookies.set skips the jar's policy)
+            or self.is_closed
+        )
+
+    async def request(
+        self,
+        method: str,
+        url: httpx.URL | str,
+        *,
+        content: Any = None,
+        data: Any = None,
+        files: Any = None,
+        json: Any = None,
+        params: Any = None,
+        headers: Any = None,
+        cookies: Any = None,
+        auth: Any = httpx.USE_CLIENT_DEFAULT,
+        follow_redirects: Any = httpx.USE_CLIENT_DEFAULT,
+        timeout: Any = httpx.USE_CLIENT_DEFAULT,
+        extensions: Any = None,
+    ) -> httpx.Response:
+        if (
+            type(url) is not str
+            or data is not None
+            or files is not None
+            or params is not None
+            or cookies is not None
+            or auth is not httpx.USE_CLIENT_DEFAULT
+            or follow_redirects is not httpx.USE_CLIENT_DEFAULT
+            or timeout is not httpx.USE_CLIENT_DEFAULT
+            or extensions is not None
+            or self._base_url is not self._no_base_url
+            or self.params
+            or not self._direct()
+        ):
+            return await super().request(
+                method,
+                url,
+                content=content,
+                data=data,
+                files=files,
+                json=json,
+                params=params,
+                headers=headers,
+                cookies=cookies,
+                auth=auth,
+                follow_redirects=follow_redirects,
+                timeout=timeout,
+                extensions=extensions,
+            )
+        request = httpx.Request(
+            method,
+            self._urls(url),
+            content=content,
+            json=json,
+            headers=self._merge_headers(headers),
+            extensions={"timeout": self.timeout.as_dict()},
+        )
+        if request.url.userinfo:  # httpx turns URL credentials into BasicAuth
+            return await super().send(request)
+        return await self._send_direct(request)
 
     async def send(
         self,
@@ -396,28 +548,21 @@ class _Client(httpx.AsyncClient):
         auth: Any = httpx.USE_CLIENT_DEFAULT,
         follow_redirects: Any = httpx.USE_CLIENT_DEFAULT,
     ) -> httpx.Response:
-        follows = (
-            self.follow_redirects
-            if follow_redirects is httpx.USE_CLIENT_DEFAULT
-            else follow_redirects
-        )
-        hooks = self.event_hooks
         if (
             stream
-            or follows
             or auth is not httpx.USE_CLIENT_DEFAULT
-            or self.auth is not None
+            or (follow_redirects is not httpx.USE_CLIENT_DEFAULT and follow_redirects)
             or request.url.userinfo  # httpx turns URL credentials into BasicAuth
-            or hooks["request"]
-            or hooks["response"]
-            or self.cookies.jar is not self._jar
-            or self.is_closed
+            or not self._direct()
         ):
             return await super().send(
                 request, stream=stream, auth=auth, follow_redirects=follow_redirects
             )
         if "timeout" not in request.extensions:
             request.extensions["timeout"] = self.timeout.as_dict()
+        return await self._send_direct(request)
+
+    async def _send_direct(self, request: httpx.Request) -> httpx.Response:
         started = time.perf_counter()
         response = await self._aiohttp.handle_buffered(request)
         response.request = request

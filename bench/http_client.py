@@ -37,9 +37,9 @@ import aiohttp
 import httpx
 
 from asynctaskd.fakevendor import FakeVendorProcess
-from asynctaskd.transport import AiohttpTransport
+from asynctaskd.transport import AiohttpTransport, make_http_client
 
-CLIENTS = ("httpx-default", "httpx-aiohttp-transport", "aiohttp")
+CLIENTS = ("httpx-default", "httpx-aiohttp-transport", "shared-client", "aiohttp")
 Get = Callable[[], Awaitable[None]]
 
 
@@ -56,6 +56,15 @@ async def _client(name: str, url: str, max_connections: int) -> AsyncIterator[Ge
                     await response.read()
 
             yield aiohttp_get
+        return
+    if name == "shared-client":
+        async with make_http_client(max_connections=max_connections) as shared:
+
+            async def shared_get() -> None:
+                response = await shared.get(url)
+                response.raise_for_status()
+
+            yield shared_get
         return
     limits = httpx.Limits(
         max_connections=max_connections, max_keepalive_connections=max_connections

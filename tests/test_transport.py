@@ -12,6 +12,7 @@ import contextlib
 import datetime
 import gzip
 import json
+import random
 import shutil
 import socket
 import ssl
@@ -32,6 +33,7 @@ from asynctaskd.transport import (
     _mapped_errors,
     _Phase,
     _Progress,
+    _Urls,
     make_http_client,
 )
 
@@ -278,26 +280,139 @@ def _seen(response: httpx.Response) -> dict[str, object]:
     }
 
 
-@pytest.mark.parametrize("path", ["/echo/a?b=c", "/redirect", "/gzip", "/status/204", "/cookie"])
+DIRECT_CASES = {
+    "get": ("GET", "/echo/a?b=c", {}),
+    "escapes": ("GET", "/echo/a%2Fb/./c/../d?q=a+b&x=%C3%A9&y=%zz&z=\u00e9", {}),
+    "post-json": ("POST", "/echo/v1/jobs", {"json": {"input": {"é": [1, 2.5]}, "ref": "t"}}),
+    "put-bytes": ("PUT", "/echo/raw", {"content": b'{"raw": true}', "headers": {"X-A": "1"}}),
+    "delete": ("DELETE", "/echo/v1/jobs/1", {}),
+    "redirect": ("GET", "/redirect", {}),
+    "gzip": ("GET", "/gzip", {}),
+    "no-content": ("GET", "/status/204", {}),
+    "set-cookie": ("GET", "/cookie", {}),
+}
+
+
+@pytest.mark.parametrize("case", list(DIRECT_CASES))
 async def test_the_direct_send_path_answers_exactly_as_httpx_own_path(
-    client: httpx.AsyncClient, echo_url: str, path: str, caplog: pytest.LogCaptureFixture
+    client: httpx.AsyncClient, echo_url: str, case: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     async def own_path(request: httpx.Request) -> None:  # any event hook: httpx's path
         pass
 
+    method, path, kwargs = DIRECT_CASES[case]
     caplog.set_level("INFO", logger="httpx")
-    direct = await client.get(f"{echo_url}{path}")
+    direct = await client.request(method, f"{echo_url}{path}", **kwargs)
     client.event_hooks = {"request": [own_path], "response": []}
-    reference = await client.get(f"{echo_url}{path}")
+    reference = await client.request(method, f"{echo_url}{path}", **kwargs)
 
     assert _seen(direct) == _seen(reference)
+    assert type(direct.stream) is httpx.ByteStream  # read at once: the direct path
+    assert type(reference.stream) is not httpx.ByteStream  # bound to httpx's pool
+    assert direct.request.headers.multi_items() == reference.request.headers.multi_items()
+    assert direct.request.content == reference.request.content
     assert direct.elapsed > datetime.timedelta(0)
     lines = [r.getMessage() for r in caplog.records if r.name == "httpx"]
     assert len(lines) == 2 and lines[0] == lines[1]
 
 
+URL_SAMPLES = [
+    "http://127.0.0.1:8080/v1/jobs/abc-123",
+    "https://API.Example.COM/v1/jobs?x=1&y=a+b",
+    "https://api.example.com:443/a/b/",
+    "http://api.example.com:80/a",
+    "http://user:pw@api.example.com/a",
+    "http://[::1]:9000/x?y",
+    "http://h/a/./b/../c",
+    "http://h/a/.hidden/..",
+    "http://h/.",
+    "http://h/a%2fb%2F?q=%e9",
+    "http://h/a%zz/b%",
+    "http://h/é/ü?é=1",
+    "http://h/a b?c d",
+    "http://h/a#frag",
+    "http://h?x=/y",
+    "http://h#x/y",
+    "http://h",
+    "http://h/",
+    "http://h/?",
+    "http://h/a??b?",
+    "http://h/[x]|^\\",
+    "HTTP://h/a",
+    "ftp://h/a",
+    "/relative/path",
+    "http://h/a:b@c;d=e,f*g+h'(i)j!k$l&m~n_o-p.q",
+]
+
+
+@pytest.mark.parametrize("text", URL_SAMPLES)
+def test_the_url_shortcut_parses_as_httpx_does(text: str) -> None:
+    urls = _Urls()
+    for _ in range(2):  # the origin parsed, then the origin reused
+        fast = urls(text)
+        reference = httpx.URL(text)
+        assert str(fast) == str(reference)
+        assert fast.raw_path == reference.raw_path
+        assert (fast.scheme, fast.userinfo, fast.host, fast.port) == (
+            reference.scheme,
+            reference.userinfo,
+            reference.host,
+            reference.port,
+        )
+        assert (fast.path, fast.query, fast.fragment) == (
+            reference.path,
+            reference.query,
+            reference.fragment,
+        )
+
+
+def test_the_url_shortcut_agrees_with_httpx_on_random_urls() -> None:
+    rng = random.Random(7)
+    alphabet = "aZ09-._~!$&'()*+,;=:@/?#%[]| é\\"
+    urls = _Urls()
+    for _ in range(3000):
+        origin = rng.choice(["http://h", "https://h:8443", "http://u@h:80", "http://[::1]"])
+        tail = "".join(rng.choice(alphabet) for _ in range(rng.randrange(12)))
+        text = origin + "/" + tail
+        try:
+            reference = httpx.URL(text)
+        except httpx.InvalidURL:
+            with pytest.raises(httpx.InvalidURL):
+                urls(text)
+            continue
+        assert str(urls(text)) == str(reference), text
+
+
+def test_the_url_shortcut_keeps_a_bounded_number_of_origins() -> None:
+    urls = _Urls()
+    for port in range(1, 600):
+        text = f"http://h:{port}/x"
+        assert str(urls(text)) == str(httpx.URL(text))
+    assert len(urls._origins) <= 256
+
+
+async def test_aiohttp_adds_no_header_httpx_did_not_send(echo_url: str) -> None:
+    async with make_http_client() as http:
+        for name in ("User-Agent", "Accept", "Accept-Encoding"):
+            del http.headers[name]
+        echoed = (await http.post(f"{echo_url}/echo/bare", content=b'{"bare": 1}')).json()
+
+    names = {name.lower() for name, _ in echoed["headers"]}
+    assert echoed["json"] == {"bare": 1}
+    assert not names & {"user-agent", "accept", "accept-encoding", "content-type"}
+
+
 async def test_what_the_direct_path_cannot_do_goes_through_httpx(echo_url: str) -> None:
     async with make_http_client() as http:
+        # A cookie set by hand (httpx's Cookies.set bypasses the jar's policy) is sent.
+        http.cookies.set("by", "hand", domain="127.0.0.1")
+        assert (await http.get(f"{echo_url}/cookie")).json() == {"cookie": ["by=hand"]}
+        http.cookies.clear()
+        # A base URL and client-wide query parameters are merged in.
+        http.base_url = httpx.URL(f"{echo_url}/echo/")
+        http.params = httpx.QueryParams({"p": "1"})
+        assert (await http.get("relative")).json()["path"] == "/echo/relative?p=1"
+        http.base_url, http.params = httpx.URL(""), httpx.QueryParams()
         # Credentials in the URL become a Basic Authorization header.
         echoed = (await http.get(f"{echo_url.replace('//', '//user:pw@')}/echo/auth")).json()
         assert ["Authorization", "Basic dXNlcjpwdw=="] in echoed["headers"]
