@@ -82,6 +82,16 @@ async def _check_server(store: Store) -> None:
         logger.info("could not read maxmemory-policy (%s); make sure it is noeviction", exc)
 
 
+def shared_http_client(config: Config) -> httpx.AsyncClient:
+    """The client every handler call shares: a pool as large as the calls in flight.
+
+    A call makes one request at a time, so with at least `max_inflight` connections no
+    request waits for a pool slot. Waiting in aiohttp's pool costs CPU as well as time:
+    W3 at 2,000 in flight did 3,600 polls/s through 1,000 connections, 4,100 through 4,000.
+    """
+    return make_http_client(max_connections=max(1000, config.worker.max_inflight))
+
+
 class Daemon:
     """One daemon process: store, worker, reaper, health, heartbeat, signals."""
 
@@ -119,7 +129,7 @@ class Daemon:
             keys = Keys(config.redis.namespace, config.redis.shards)
             settings = {"retention_ms": round(float(config.reaper.retention) * 1000)}
             store = Store(redis, keys, settings)
-            http = make_http_client()
+            http = shared_http_client(config)
             try:
                 await self._run(store, http, task_status)
             finally:

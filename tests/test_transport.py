@@ -28,6 +28,8 @@ from aiohttp import web
 from aiohttp.client_reqrep import ConnectionKey
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from asynctaskd.config import parse_config
+from asynctaskd.daemon import shared_http_client
 from asynctaskd.transport import (
     AiohttpTransport,
     _mapped_errors,
@@ -530,6 +532,16 @@ async def test_make_http_client_wires_transport_timeout_and_headers() -> None:
         assert isinstance(http._transport, AiohttpTransport)
         assert http.timeout == timeout
         assert http.headers["x-a"] == "1"
+
+
+@pytest.mark.parametrize(("max_inflight", "pool"), [(10, 1000), (1000, 1000), (3000, 3000)])
+def test_the_shared_http_pool_holds_every_call_in_flight(max_inflight: int, pool: int) -> None:
+    config = parse_config(f"[worker]\nmax_inflight = {max_inflight}\n")
+
+    http = shared_http_client(config)
+
+    assert isinstance(http, httpx.AsyncClient)
+    assert http._transport._limits.max_connections == pool
 
 
 # --- TLS ------------------------------------------------------------------------------
