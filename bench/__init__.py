@@ -271,7 +271,7 @@ def daemon_config(
     *,
     poll_interval: str,
     max_inflight: int,
-    batch_size: int = 1000,
+    batch_size: int = 100,
     metrics_port: int | None = None,
     lease: str = "30s",
 ) -> Path:

@@ -6,7 +6,7 @@ polls_to_done=5) and one redis-server are shared by every subject. Each subject 
 flushed database, a reset vendor, and one worker process:
 
 * asynctaskd: `python -m asynctaskd run --config <tmp>` with the demo handler,
-  retry.poll_interval = 200ms, max_inflight = 4000, batch_size = 1000, metrics off;
+  retry.poll_interval = 200ms, max_inflight = 4000, batch_size = 100 (the default), metrics off;
   the tasks come from `AsyncClient.submit` in this (harness) process.
 * arq / SAQ (from the bench-only venv, bench/peers/setup.sh): bench/peers/{arq,saq}_w2.py,
   a job that submits and re-enqueues itself every 200 ms (arq `_defer_by`; SAQ

@@ -2,7 +2,8 @@
 
 One redis-server, the fake vendor in its own process (instant answers, polls_to_done so
 large that no job ends in the window), one daemon as `python -m asynctaskd run --config`
-(retry.poll_interval = 1s, max_inflight 2000, batch_size 1000, metrics on a free port).
+(retry.poll_interval = 1s, max_inflight 2000, batch_size 100 (the default), metrics on a
+free port).
 The 10,000 tasks are created in pipelined batches, all due at once; the daemon submits
 them all, then polls each every second. Once every task is submitted and has been polled
 (warm-up), a window of `--window` seconds (60 FULL, 15 quick) is measured:
