@@ -439,12 +439,15 @@ class _Urls:
         if origin is None:
             if "?" in origin_text or "#" in origin_text:
                 return httpx.URL(text)
-            origin = httpx.URL(origin_text)._uri_reference
+            parsed = httpx.URL(origin_text)._uri_reference
+            # The parse result's class and its scheme, userinfo, host and port.
+            origin = (type(parsed), *parsed[:4])
             if len(self._origins) >= _ORIGINS_MAX:
                 self._origins.clear()
             self._origins[origin_text] = origin
+        make, scheme, userinfo, host, port = origin
         url = httpx.URL.__new__(httpx.URL)
-        url._uri_reference = origin._replace(path=tail[1], query=tail[2])
+        url._uri_reference = make(scheme, userinfo, host, port, tail[1], tail[2], None)
         return url
 
 
