@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,6 +27,11 @@ def slow_vendor() -> Iterator[FakeVendorProcess]:
         yield vendor
 
 
+def vendor_calls(vendor: FakeVendorProcess) -> int:
+    """Submits and polls that reached the vendor so far."""
+    return len(vendor.submit_log()) + sum(job["polls"] for job in vendor.jobs())
+
+
 def test_sigkill_daemons_mid_submit_and_mid_poll(
     tmp_path: Path, aof_server: ServerProcess, slow_vendor: FakeVendorProcess
 ) -> None:
@@ -35,11 +39,19 @@ def test_sigkill_daemons_mid_submit_and_mid_poll(
     daemons = Daemons(daemon_config(tmp_path, aof_server.url, slow_vendor.url), 3)
     daemons.start_all()
     rng = random.Random(11)
+    # A kill each time another sixteenth of the vendor traffic (a submit and 3 polls per
+    # task) went by: kills land among submits and among polls however fast the host is.
+    step = len(ids) * 4 // 16
     try:
-        stop_at = time.monotonic() + 25
-        while time.monotonic() < stop_at and not settled(aof_server.url, ids):
-            time.sleep(rng.uniform(0.5, 1.5))
-            daemons.kill_random_and_restart(rng)
+        while not settled(aof_server.url, ids):
+            mark = vendor_calls(slow_vendor) + step
+            wait_until_sync(
+                lambda m=mark: vendor_calls(slow_vendor) >= m or settled(aof_server.url, ids),
+                "more vendor traffic",
+                timeout=60,
+            )
+            if not settled(aof_server.url, ids):
+                daemons.kill_random_and_restart(rng)
         wait_until_sync(lambda: settled(aof_server.url, ids), "every task settled", timeout=90)
     finally:
         codes = daemons.stop_all()
