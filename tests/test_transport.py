@@ -383,6 +383,7 @@ def test_the_url_shortcut_agrees_with_httpx_on_random_urls() -> None:
                 urls(text)
             continue
         assert str(urls(text)) == str(reference), text
+    assert len(urls._origins) == 4  # each origin was kept: the shortcut was taken
 
 
 def test_the_url_shortcut_keeps_a_bounded_number_of_origins() -> None:
