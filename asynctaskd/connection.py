@@ -151,11 +151,12 @@ class _Target(msgspec.Struct, kw_only=True):
     scheme: str
     tls: dict[str, Any]  # ssl_* arguments for redis-py, from TlsOptions and the URL
     files: list[tuple[str, str]]  # (field, path) of each TLS file, read before connecting
-    # Sentinel only:
+    # Sentinel and Cluster:
     hosts: list[tuple[str, int]] = []  # the sentinels, or the cluster's seed nodes
+    userinfo: dict[str, str] = {}
+    # Sentinel only:
     service: str = ""
     db: int = 0
-    userinfo: dict[str, str] = {}
     sentinel_auth: bool = False
     key_password: str = ""  # ssl_password from the URL, to read an encrypted key
 

@@ -122,7 +122,6 @@ class Worker:
         self.id = worker_id or config.worker.id or default_worker_id()
         self.gate = gate
         self.batcher = Batcher(store, gate)
-        # Label lookups cost more than the increments; resolve the hot ones once.
         # Read at scrape time rather than set twice per call.
         self.metrics.inflight.set_function(lambda: len(self._active))
         self._loggers: dict[str, logging.Logger] = {}
