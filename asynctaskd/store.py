@@ -1078,18 +1078,19 @@ class Batcher:
                     tg.start_soon(self._flush, batch)
 
     async def _flush(self, batch: list[_Pending]) -> None:
-        gated = any(p.gated for p in batch)
-        trailer = self.gate.command() if gated and self.gate is not None else None
+        # The gate rides along only when a call in the batch asked for it.
+        gate = self.gate if any(p.gated for p in batch) else None
         try:
             t0 = time.perf_counter()
-            wait = self.gate.timeout_ms / 1000 if trailer is not None and self.gate else 0.0
             results, rerun, replies = await self.store.pipeline(
-                [p.call for p in batch], trailer, wait
+                [p.call for p in batch],
+                None if gate is None else gate.command(),
+                0.0 if gate is None else gate.timeout_ms / 1000,
             )
-            if gated and self.gate is not None:
+            if gate is not None:
                 self.gate_seconds = time.perf_counter() - t0
                 for p, again, reply in zip(batch, rerun, replies, strict=True):
-                    ok = not isinstance(reply, Exception) and self.gate.satisfied(reply)
+                    ok = not isinstance(reply, Exception) and gate.satisfied(reply)
                     p.durable = ok and not again
         except Exception as exc:
             results = [exc] * len(batch)
