@@ -539,9 +539,7 @@ class _Client(httpx.AsyncClient):
             headers=self._merge_headers(headers),
             extensions={"timeout": self.timeout.as_dict()},
         )
-        if request.url.userinfo:  # httpx turns URL credentials into BasicAuth
-            return await super().send(request)
-        return await self._send_direct(request)
+        return await self.send(request)  # which sends URL credentials through httpx
 
     async def send(
         self,
