@@ -271,7 +271,6 @@ def daemon_config(
     *,
     poll_interval: str,
     max_inflight: int,
-    batch_size: int = 100,
     metrics_port: int | None = None,
     lease: str = "30s",
 ) -> Path:
@@ -286,7 +285,6 @@ url = "{redis_url}"
 durability = "auto"
 [worker]
 max_inflight = {max_inflight}
-batch_size = {batch_size}
 lease = "{lease}"
 shutdown_grace = "2s"
 [retry]

@@ -106,8 +106,7 @@ async def run(url: str, n: int, inflight: int) -> dict[str, Any]:
     for s in range(0, n, 1000):
         await store.run_many(calls[s : s + 1000])
     config = parse_config(
-        f'[worker]\nmax_inflight = {inflight}\nbatch_size = 100\nlease = "30s"\n'
-        '[retry]\npoll_interval = "1ms"\n'
+        f'[worker]\nmax_inflight = {inflight}\nlease = "30s"\n[retry]\npoll_interval = "1ms"\n'
     )
     handler = Instant()
     entry = {"instant": HandlerEntry(key="instant", handler=handler, provider="instant")}
