@@ -50,6 +50,8 @@ import aiohttp
 import httpx
 import yarl
 
+from asynctaskd.http1 import Http1Pool
+
 __all__ = ["AiohttpTransport", "make_http_client"]
 
 _log: Final = logging.getLogger("httpx")  # the line httpx's own send would log
@@ -275,17 +277,36 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         # The same trust store and TLS settings httpx's own transport would use.
         self._ssl_context = httpx.create_ssl_context(verify=verify)
         self._session: aiohttp.ClientSession | None = None
+        self._pool: Http1Pool | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
 
-    def _session_here(self) -> aiohttp.ClientSession:
+    def _bound(self) -> None:
+        """Bind to the running loop on first use; refuse any other loop, or use after close."""
         loop = asyncio.get_running_loop()
-        if self._session is not None:
-            if self._loop is not loop:
-                raise RuntimeError("AiohttpTransport used from an event loop it was not made in")
-            return self._session
+        if self._loop is None:
+            self._loop = loop
+        elif self._loop is not loop:
+            raise RuntimeError("AiohttpTransport used from an event loop it was not made in")
         if self._closed:
             raise RuntimeError("AiohttpTransport is closed")
+
+    def _pool_here(self) -> Http1Pool:
+        if self._pool is None or self._loop is not asyncio.get_running_loop():
+            self._bound()
+            limits = self._limits
+            self._pool = Http1Pool(
+                max_connections=limits.max_connections,
+                keepalive=limits.max_keepalive_connections != 0,
+                keepalive_expiry=limits.keepalive_expiry,
+                ssl_context=self._ssl_context,
+            )
+        return self._pool
+
+    def _session_here(self) -> aiohttp.ClientSession:
+        if self._session is not None and self._loop is asyncio.get_running_loop():
+            return self._session
+        self._bound()
         limits = self._limits
         connector = _Connector(
             limit=limits.max_connections or 0,  # None means unlimited; aiohttp spells it 0
@@ -307,21 +328,37 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         # decides what may be sent twice. There is no public switch; this private flag is
         # pinned by tests/test_transport.py (one PUT, one request at the server).
         session._retry_connection = False
-        self._session, self._loop = session, loop
+        self._session = session
         return session
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         """Send `request` and return a response whose body streams from the connection."""
         response, progress = await self._open(request)
-        return self._response(response, _ResponseBody(response, progress, request))
+        return httpx.Response(
+            status_code=response.status,
+            headers=response.raw_headers,
+            stream=_ResponseBody(response, progress, request),
+            extensions=self._extensions(response),
+        )
 
     async def handle_buffered(self, request: httpx.Request) -> httpx.Response:
-        """Send `request` and read the whole body before returning: one read instead of
-        a chain of async iterators.
+        """Send `request` and read the whole body before returning.
 
-        A body without Content-Encoding comes back already read, as `aread()` would leave
-        it; an encoded one comes back as its stream, for httpx to decode.
+        A request whose body is already in memory goes through `Http1Pool`, the rest
+        through aiohttp. A body without Content-Encoding comes back already read, as
+        `aread()` would leave it; an encoded one comes back as its stream, for httpx to
+        decode.
         """
+        if request.url.scheme in ("http", "https") and "Transfer-Encoding" not in request.headers:
+            try:
+                content = request.content
+            except httpx.RequestNotRead:
+                pass
+            else:
+                status, version, reason, headers, body = await self._pool_here().send(
+                    request, content
+                )
+                return _buffered(status, headers, body, version, reason)
         response, progress = await self._open(request)
         try:
             body = await response.read()
@@ -329,28 +366,24 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             raise _mapped(exc, progress, request) from exc
         finally:
             response.release()
-        answer = self._response(response, httpx.ByteStream(body))
-        if "Content-Encoding" not in response.headers:
-            # What Response.aread() sets when the identity decoder passed the body through.
-            answer._content = body
-            answer._num_bytes_downloaded = len(body)
-            answer.is_stream_consumed = answer.is_closed = True
-        return answer
+        extensions = self._extensions(response)
+        return _buffered(
+            response.status,
+            response.raw_headers,
+            body,
+            extensions["http_version"],
+            extensions["reason_phrase"],
+        )
 
     @staticmethod
-    def _response(response: aiohttp.ClientResponse, stream: Any) -> httpx.Response:
+    def _extensions(response: aiohttp.ClientResponse) -> dict[str, bytes]:
         version = response.version
-        return httpx.Response(
-            status_code=response.status,
-            headers=response.raw_headers,
-            stream=stream,
-            extensions={
-                "http_version": (
-                    f"HTTP/{version.major}.{version.minor}" if version else "HTTP/1.1"
-                ).encode("ascii"),
-                "reason_phrase": (response.reason or "").encode("latin-1", "replace"),
-            },
-        )
+        return {
+            "http_version": (
+                f"HTTP/{version.major}.{version.minor}" if version else "HTTP/1.1"
+            ).encode("ascii"),
+            "reason_phrase": (response.reason or "").encode("latin-1", "replace"),
+        }
 
     async def _open(self, request: httpx.Request) -> tuple[aiohttp.ClientResponse, _Progress]:
         """Send the request; return the response with its body not read yet."""
@@ -359,7 +392,10 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         timeout = _client_timeout(
             timeouts.get("connect"), timeouts.get("read"), timeouts.get("pool")
         )
-        headers = request.headers.multi_items()
+        # As written, not lowercased as multi_items() has them: httpx's own pool sends the
+        # names in the case they were given, and so does Http1Pool.
+        encoding = request.headers.encoding
+        headers = [(k.decode(encoding), v.decode(encoding)) for k, v in request.headers.raw]
         chunked: bool | None = None
         data: bytes | AsyncIterable[bytes] | None
         try:
@@ -399,11 +435,36 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         return response, progress
 
     async def aclose(self) -> None:
-        """Close the session and every pooled connection."""
+        """Close the session, the pool and every connection they hold."""
         self._closed = True
         session, self._session = self._session, None
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.aclose()
         if session is not None:
             await session.close()
+
+
+def _buffered(
+    status: int,
+    headers: Any,
+    body: bytes,
+    http_version: bytes,
+    reason_phrase: bytes,
+) -> httpx.Response:
+    """A response whose body was read whole: already read unless it must be decoded."""
+    response = httpx.Response(
+        status_code=status,
+        headers=headers,
+        stream=httpx.ByteStream(body),
+        extensions={"http_version": http_version, "reason_phrase": reason_phrase},
+    )
+    if "Content-Encoding" not in response.headers:
+        # What Response.aread() sets when the identity decoder passed the body through.
+        response._content = body
+        response._num_bytes_downloaded = len(body)
+        response.is_stream_consumed = response.is_closed = True
+    return response
 
 
 # A URL's path and query made only of characters httpx's parser leaves exactly as they

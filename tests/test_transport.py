@@ -115,6 +115,22 @@ def closed_port() -> int:
     return port
 
 
+# Every failure test runs both ways a shared-client request can go: a plain request
+# through Http1Pool, and a streamed one through aiohttp.
+VIA = pytest.mark.parametrize("via", ["pool", "aiohttp"])
+
+
+async def fetch(
+    http: httpx.AsyncClient, via: str, method: str, url: str, **kwargs: object
+) -> httpx.Response:
+    """`method url` through the pool (a plain request) or through aiohttp (streamed)."""
+    if via == "pool":
+        return await http.request(method, url, **kwargs)  # type: ignore[arg-type]
+    async with http.stream(method, url, **kwargs) as response:  # type: ignore[arg-type]
+        await response.aread()
+    return response
+
+
 # --- the happy path --------------------------------------------------------------------
 
 
@@ -299,14 +315,13 @@ DIRECT_CASES = {
 async def test_the_direct_send_path_answers_exactly_as_httpx_own_path(
     client: httpx.AsyncClient, echo_url: str, case: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    async def own_path(request: httpx.Request) -> None:  # any event hook: httpx's path
-        pass
-
+    """The shared client against plain httpx with its own transport: same bytes out, same
+    response in."""
     method, path, kwargs = DIRECT_CASES[case]
     caplog.set_level("INFO", logger="httpx")
     direct = await client.request(method, f"{echo_url}{path}", **kwargs)
-    client.event_hooks = {"request": [own_path], "response": []}
-    reference = await client.request(method, f"{echo_url}{path}", **kwargs)
+    async with httpx.AsyncClient(headers={"X-Client": "asynctaskd"}) as plain:
+        reference = await plain.request(method, f"{echo_url}{path}", **kwargs)
 
     assert _seen(direct) == _seen(reference)
     assert type(direct.stream) is httpx.ByteStream  # read at once: the direct path
@@ -491,7 +506,8 @@ async def test_closing_a_half_read_stream_frees_the_connection() -> None:
             await anext(response.aiter_raw())
         # The only pooled connection was closed, not handed back with a body half read.
         with anyio.fail_after(5):
-            hello_response = await http.get(f"{url}/hello")
+            async with http.stream("GET", f"{url}/hello") as hello_response:
+                await hello_response.aread()
         release.set()
 
     assert hello_response.text == "hello"
@@ -582,12 +598,16 @@ async def tls_url(certificate: tuple[str, str]) -> AsyncIterator[str]:
         await runner.cleanup()
 
 
-async def test_untrusted_certificate_is_connect_error(tls_url: str) -> None:
+@VIA
+async def test_untrusted_certificate_is_connect_error(tls_url: str, via: str) -> None:
     async with make_http_client() as http:
         with pytest.raises(httpx.ConnectError) as caught:
-            await http.get(tls_url)
+            await fetch(http, via, "GET", tls_url)
 
-    assert isinstance(caught.value.__cause__, aiohttp.ClientConnectorCertificateError)
+    cause = (
+        ssl.SSLCertVerificationError if via == "pool" else aiohttp.ClientConnectorCertificateError
+    )
+    assert isinstance(caught.value.__cause__, cause)
 
 
 async def test_verify_with_a_context_or_off(tls_url: str, certificate: tuple[str, str]) -> None:
@@ -600,12 +620,14 @@ async def test_verify_with_a_context_or_off(tls_url: str, certificate: tuple[str
 # --- failures that prove the request never left -----------------------------------------
 
 
-async def test_connect_refused_is_connect_error() -> None:
+@VIA
+async def test_connect_refused_is_connect_error(via: str) -> None:
     async with make_http_client() as http:
         with pytest.raises(httpx.ConnectError) as caught:
-            await http.get(f"http://127.0.0.1:{closed_port()}/v1/jobs")
+            await fetch(http, via, "GET", f"http://127.0.0.1:{closed_port()}/v1/jobs")
 
-    assert isinstance(caught.value.__cause__, aiohttp.ClientConnectorError)
+    cause = ConnectionRefusedError if via == "pool" else aiohttp.ClientConnectorError
+    assert isinstance(caught.value.__cause__, cause)
     assert caught.value.request.url.port is not None
 
 
@@ -633,19 +655,22 @@ def unanswered_address() -> Iterator[tuple[str, int]]:
             pytest.skip("this kernel completes handshakes despite a full accept queue")
 
 
+@VIA
 async def test_connect_timeout_on_a_full_backlog_is_connect_timeout(
-    unanswered_address: tuple[str, int],
+    unanswered_address: tuple[str, int], via: str
 ) -> None:
     host, port = unanswered_address
     timeout = httpx.Timeout(5.0, connect=0.3)
     async with make_http_client(timeout=timeout) as http:
         with anyio.fail_after(10), pytest.raises(httpx.ConnectTimeout) as caught:
-            await http.get(f"http://{host}:{port}/v1/jobs")
+            await fetch(http, via, "GET", f"http://{host}:{port}/v1/jobs")
 
-    assert isinstance(caught.value.__cause__, aiohttp.ServerTimeoutError)
+    cause = TimeoutError if via == "pool" else aiohttp.ServerTimeoutError
+    assert isinstance(caught.value.__cause__, cause)
 
 
-async def test_waiting_for_a_pool_slot_is_pool_timeout() -> None:
+@VIA
+async def test_waiting_for_a_pool_slot_is_pool_timeout(via: str) -> None:
     arrivals = Arrivals()
     release = asyncio.Event()
 
@@ -667,12 +692,12 @@ async def test_waiting_for_a_pool_slot_is_pool_timeout() -> None:
         first: list[httpx.Response] = []
 
         async def occupy() -> None:
-            first.append(await http.get(f"{url}/first", timeout=5.0))
+            first.append(await fetch(http, via, "GET", f"{url}/first"))
 
         tg.start_soon(occupy)
         await arrivals.arrived.wait()  # the only connection is busy
         with pytest.raises(httpx.PoolTimeout):
-            await http.get(f"{url}/second")
+            await fetch(http, via, "GET", f"{url}/second")
         release.set()
 
     assert len(arrivals.heads) == 1  # the second request never reached the server
@@ -682,9 +707,10 @@ async def test_waiting_for_a_pool_slot_is_pool_timeout() -> None:
 # --- failures after the request may have arrived: never Connect* -------------------------
 
 
+@VIA
 @pytest.mark.parametrize("method", ["POST", "PUT", "GET", "DELETE"])
 async def test_server_reads_request_then_closes_is_ambiguous_and_not_resent(
-    method: str,
+    method: str, via: str
 ) -> None:
     arrivals = Arrivals()
 
@@ -695,7 +721,7 @@ async def test_server_reads_request_then_closes_is_ambiguous_and_not_resent(
 
     async with raw_server(read_then_close) as url, make_http_client() as http:
         with pytest.raises(httpx.TransportError) as caught:
-            await http.request(method, f"{url}/v1/jobs", json={"input": {}})
+            await fetch(http, via, method, f"{url}/v1/jobs", json={"input": {}})
 
     assert isinstance(caught.value, httpx.RemoteProtocolError | httpx.ReadError)
     assert not isinstance(caught.value, NEVER_SENT)
@@ -703,7 +729,8 @@ async def test_server_reads_request_then_closes_is_ambiguous_and_not_resent(
     assert len(arrivals.heads) == 1
 
 
-async def test_reused_keepalive_connection_closed_by_server_is_ambiguous() -> None:
+@VIA
+async def test_reused_keepalive_connection_closed_by_server_is_ambiguous(via: str) -> None:
     arrivals = Arrivals()
 
     async def one_answer_then_drop(
@@ -719,16 +746,17 @@ async def test_reused_keepalive_connection_closed_by_server_is_ambiguous() -> No
         writer.close()
 
     async with raw_server(one_answer_then_drop) as url, make_http_client() as http:
-        assert (await http.get(f"{url}/first")).text == "ok"
+        assert (await fetch(http, via, "GET", f"{url}/first")).text == "ok"
         with pytest.raises(httpx.TransportError) as caught:
-            await http.post(f"{url}/v1/jobs", json={"input": {}})
+            await fetch(http, via, "POST", f"{url}/v1/jobs", json={"input": {}})
 
     assert not isinstance(caught.value, NEVER_SENT)
     assert arrivals.connections == 1
     assert len(arrivals.heads) == 2
 
 
-async def test_server_reads_request_never_answers_is_read_timeout() -> None:
+@VIA
+async def test_server_reads_request_never_answers_is_read_timeout(via: str) -> None:
     arrivals = Arrivals()
     done = asyncio.Event()
 
@@ -741,14 +769,16 @@ async def test_server_reads_request_never_answers_is_read_timeout() -> None:
     timeout = httpx.Timeout(5.0, read=0.2)
     async with raw_server(read_then_hang) as url, make_http_client(timeout=timeout) as http:
         with anyio.fail_after(5), pytest.raises(httpx.ReadTimeout) as caught:
-            await http.post(f"{url}/v1/jobs", json={"input": {}})
+            await fetch(http, via, "POST", f"{url}/v1/jobs", json={"input": {}})
         done.set()
 
-    assert isinstance(caught.value.__cause__, aiohttp.ServerTimeoutError)
+    if via == "aiohttp":
+        assert isinstance(caught.value.__cause__, aiohttp.ServerTimeoutError)
     assert arrivals.arrived.is_set()
 
 
-async def test_read_timeout_in_the_middle_of_the_body() -> None:
+@VIA
+async def test_read_timeout_in_the_middle_of_the_body(via: str) -> None:
     done = asyncio.Event()
 
     async def half_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -761,11 +791,12 @@ async def test_read_timeout_in_the_middle_of_the_body() -> None:
     timeout = httpx.Timeout(5.0, read=0.2)
     async with raw_server(half_body) as url, make_http_client(timeout=timeout) as http:
         with anyio.fail_after(5), pytest.raises(httpx.ReadTimeout):
-            await http.get(f"{url}/slow-body")
+            await fetch(http, via, "GET", f"{url}/slow-body")
         done.set()
 
 
-async def test_truncated_body_is_remote_protocol_error() -> None:
+@VIA
+async def test_truncated_body_is_remote_protocol_error(via: str) -> None:
     async def truncated(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly this")
@@ -774,12 +805,14 @@ async def test_truncated_body_is_remote_protocol_error() -> None:
 
     async with raw_server(truncated) as url, make_http_client() as http:
         with pytest.raises(httpx.RemoteProtocolError) as caught:
-            await http.get(f"{url}/truncated")
+            await fetch(http, via, "GET", f"{url}/truncated")
 
-    assert isinstance(caught.value.__cause__, aiohttp.ClientPayloadError)
+    if via == "aiohttp":
+        assert isinstance(caught.value.__cause__, aiohttp.ClientPayloadError)
 
 
-async def test_garbage_instead_of_http_is_remote_protocol_error() -> None:
+@VIA
+async def test_garbage_instead_of_http_is_remote_protocol_error(via: str) -> None:
     async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
         writer.write(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
@@ -788,7 +821,7 @@ async def test_garbage_instead_of_http_is_remote_protocol_error() -> None:
 
     async with raw_server(garbage) as url, make_http_client() as http:
         with pytest.raises(httpx.RemoteProtocolError):
-            await http.post(f"{url}/v1/jobs", json={"input": {}})
+            await fetch(http, via, "POST", f"{url}/v1/jobs", json={"input": {}})
 
 
 async def test_transport_is_bound_to_its_event_loop() -> None:
