@@ -187,6 +187,12 @@ class _Connection(asyncio.Protocol):
         if not self.closed:
             self.closed = True
             self.reusable = False
+            self._fail(  # an exchange in flight, when the pool closes
+                httpx.ReadError(
+                    "the connection was closed by the client while awaiting the response",
+                    request=self._request,
+                )
+            )
             if self.transport is not None:
                 self.transport.abort()
             self.pool.forget(self)  # its slot is free now, not when asyncio reports the loss
@@ -340,22 +346,29 @@ class Http1Pool:
     async def send(self, request: httpx.Request, body: bytes) -> Answer:
         """Send `request` with `body` (its content, already read) and read the answer."""
         url = request.url
-        target = url.raw_path
-        payload = b"%s %s HTTP/1.1\r\n%s\r\n" % (
+        head = b"%s %s HTTP/1.1\r\n%s\r\n" % (
             request.method.encode("ascii", "replace"),
-            target,
+            url.raw_path,
             b"".join([name + b": " + value + b"\r\n" for name, value in request.headers.raw]),
         )
-        if _REQUEST_HEAD.fullmatch(payload) is None:
+        if _REQUEST_HEAD.fullmatch(head) is None:
             raise httpx.LocalProtocolError(
                 "invalid request: the method, URL or a header holds a character HTTP/1.1 "
                 "cannot carry (CR, LF, NUL or a space in a name)",
                 request=request,
             )
+        if b"\ntransfer-encoding:" in head.lower():
+            # httpx adds Content-Length to an in-memory body; with both, the message is
+            # invalid (RFC 9112 6.3) and a server rejects it, or worse, frames it its way.
+            raise httpx.LocalProtocolError(
+                "a Transfer-Encoding header set by hand on an in-memory body: drop the "
+                "header, or pass the body as an async iterator to have it sent chunked",
+                request=request,
+            )
         timeouts = request.extensions.get("timeout") or {}
         connection = await self._acquire(request, timeouts)
         try:
-            answer = await connection.exchange(request, payload + body, timeouts.get("read"))
+            answer = await connection.exchange(request, head + body, timeouts.get("read"))
         except BaseException:
             connection.close()  # cancelled or failed mid-exchange: its state is unknown
             raise
@@ -468,6 +481,10 @@ class Http1Pool:
         if self._closed:
             connection.close()
             raise RuntimeError("the HTTP pool is closed")
+        if connection.closed:  # the server hung up at once: nothing was written yet
+            raise httpx.ConnectError(
+                f"{host}:{key[2]} closed the connection as soon as it was open", request=request
+            )
         return connection
 
     def _wake_one_if_room(self) -> None:

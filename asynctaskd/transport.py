@@ -1,15 +1,19 @@
-"""An httpx transport backed by aiohttp, with exception mapping that keeps "never sent" honest.
+"""The handlers' httpx client: plain requests over `Http1Pool`, streaming over aiohttp.
 
 Handlers get an `httpx.AsyncClient`; httpx's own connection pool degrades badly with
-hundreds of concurrent requests (SPEC section 6), so the client built by
-`make_http_client` sends through an `aiohttp.ClientSession` instead.
+hundreds of concurrent requests (SPEC section 6). The client built by `make_http_client`
+sends a request whose body is in memory and whose answer is read whole (nearly every
+vendor call) through `asynctaskd.http1.Http1Pool`, and a streamed request or response
+through an `aiohttp.ClientSession`. This module holds the aiohttp side and its error
+mapping; `Http1Pool` maps its own errors by the same rule.
 
 The worker reads the exception class to decide whether a failed submit may be sent again:
 `httpx.ConnectError`, `httpx.ConnectTimeout` and `httpx.PoolTimeout` mean "the request
 provably never reached the vendor" (safe to resubmit); every other `httpx.TransportError`
 means "it may have arrived" (ambiguous: query or reconcile, never blindly resubmit). A
-wrong "never sent" is a duplicate vendor job, so this module claims it only with two
-independent pieces of evidence:
+wrong "never sent" is a duplicate vendor job. `Http1Pool` raises those three only while
+obtaining a connection, before any byte of the request is written. On the aiohttp side,
+this module claims "never sent" only with two independent pieces of evidence:
 
 1. the aiohttp exception class is one aiohttp raises only while obtaining a connection, and
 2. the request was still inside the connector's `connect()` (waiting for a pool slot or
@@ -22,9 +26,11 @@ Everything else maps to an ambiguous error, including failures that in fact happ
 any byte was written but cannot be proved so (a reused keep-alive connection that the
 server had already closed, for example).
 
-Known gaps, by design: aiohttp has no write timeout, so ``timeout.write`` is not enforced;
+Known gaps, by design: neither side enforces ``timeout.write`` (aiohttp has no write
+timeout; `Http1Pool` hands the kernel the whole request at once); on the aiohttp side
 ``timeout.pool`` and ``timeout.connect`` become one shared budget (see `_client_timeout`);
-``max_keepalive_connections`` has no aiohttp counterpart beyond 0 (no keep-alive); the
+``max_keepalive_connections`` counts only as 0 (no keep-alive) or not; the two sides keep
+separate pools of up to ``max_connections`` each (streaming is rare); the
 ``trace``, ``sni_hostname`` and ``target`` request extensions are ignored; proxies and
 ``trust_env`` are not supported (httpx ignores environment proxies for a custom transport
 too).
@@ -42,7 +48,7 @@ import logging
 import re
 import ssl
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Final
 
@@ -349,15 +355,14 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         `aread()` would leave it; an encoded one comes back as its stream, for httpx to
         decode.
         """
-        if request.url.scheme in ("http", "https") and "Transfer-Encoding" not in request.headers:
+        if request.url.scheme in ("http", "https"):
             try:
                 content = request.content
             except httpx.RequestNotRead:
                 pass
             else:
-                status, version, reason, headers, body = await self._pool_here().send(
-                    request, content
-                )
+                answer = await self._pool_here().send(request, content)
+                status, version, reason, headers, body = answer
                 return _buffered(status, headers, body, version, reason)
         response, progress = await self._open(request)
         try:
@@ -447,7 +452,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
 
 def _buffered(
     status: int,
-    headers: Any,
+    headers: Sequence[tuple[bytes, bytes]],
     body: bytes,
     http_version: bytes,
     reason_phrase: bytes,
@@ -459,7 +464,8 @@ def _buffered(
         stream=httpx.ByteStream(body),
         extensions={"http_version": http_version, "reason_phrase": reason_phrase},
     )
-    if "Content-Encoding" not in response.headers:
+    # Scanned raw: the first lookup in httpx's Headers works out their text encoding.
+    if not any(name.lower() == b"content-encoding" for name, _ in headers):
         # What Response.aread() sets when the identity decoder passed the body through.
         response._content = body
         response._num_bytes_downloaded = len(body)

@@ -58,6 +58,8 @@ def test_import_direction() -> None:
         "plans": {"client", "admission", "worker", "daemon", "cli"},
         "admission": {"worker", "daemon", "cli", "handlers", "http_handler"},
         "connection": {"store", "client", "worker", "daemon", "cli", "handlers"},
+        "transport": {"store", "client", "worker", "daemon", "handlers", "connection"},
+        "http1": {"store", "client", "worker", "daemon", "handlers", "transport", "connection"},
     }
     for name, banned in forbidden.items():
         path = PACKAGE / f"{name}.py"

@@ -450,6 +450,23 @@ async def test_what_the_direct_path_cannot_do_goes_through_httpx(echo_url: str) 
         await closed.get(f"{echo_url}/echo/late")
 
 
+async def test_a_hand_set_transfer_encoding_on_a_bytes_body_is_refused_unsent() -> None:
+    arrivals = Arrivals()
+
+    async def record(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        arrivals.connections += 1
+        writer.close()
+
+    async with raw_server(record) as url, make_http_client() as http:
+        with pytest.raises(httpx.LocalProtocolError, match="Transfer-Encoding"):
+            await http.post(
+                f"{url}/v1/jobs", content=b"{}", headers={"Transfer-Encoding": "chunked"}
+            )
+
+    # httpx adds Content-Length too, and a message with both is invalid: nothing is sent.
+    assert arrivals.connections == 0
+
+
 async def test_head_request(client: httpx.AsyncClient, echo_url: str) -> None:
     response = await client.head(f"{echo_url}/echo/head")
 
