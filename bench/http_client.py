@@ -1,9 +1,14 @@
-"""HTTP client throughput: httpx's default transport vs our AiohttpTransport vs plain aiohttp.
+"""HTTP client throughput: httpx's default transport, our aiohttp transport, the shared client.
+
+The cells: ``httpx-default`` (httpx's own pool), ``httpx-aiohttp-transport`` (httpx over
+our `AiohttpTransport`, the path a streamed request takes), ``shared-client`` (what
+handlers get: `make_http_client`, whose plain requests go through `Http1Pool`) and plain
+``aiohttp`` for reference.
 
 Run with ``python bench/http_client.py`` (``--help`` for the knobs). The fake vendor
 (`asynctaskd.fakevendor`, aiohttp.web on uvloop) serves in its own process; each cell (one
 client at one concurrency) runs in a fresh child process that GETs one job's status 4,000
-times with 1, 100 or 1,000 requests in flight. All three clients get the same connection
+times with 1, 100 or 1,000 requests in flight. All four clients get the same connection
 limit (1,000) and run on the same event loop (uvloop when installed).
 
 A cell first warms its pool: every worker makes one request and waits for the others, so
