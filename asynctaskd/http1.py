@@ -31,13 +31,16 @@ import httpx
 
 __all__ = ["Answer", "Http1Pool"]
 
-# The request line and header block httpx built, re-checked as a whole before it is
-# written: a token method and header names, a target and values without CR, LF or NUL.
-# httpx itself lets a CR or LF through in a header value (header injection).
+# The request httpx built is re-checked before it is written; httpx itself lets a CR or
+# LF through in a header value and a colon in a name (header injection). The head must
+# be a token method, a target without spaces or controls, and lines of a value without
+# CR, LF or NUL, one line per header; the names, joined with spaces, must be tokens (a
+# space inside a name already fails the head pattern; a colon would pass it).
 _TOKEN: Final = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
 _REQUEST_HEAD: Final = re.compile(
     rb"%s [\x21-\x7e\x80-\xff]+ HTTP/1\.1\r\n(?:%s:[ \t]*[^\r\n\x00]*\r\n)*\r\n" % (_TOKEN, _TOKEN)
 )
+_HEADER_NAMES: Final = re.compile(rb"(?:%s(?: %s)*)?" % (_TOKEN, _TOKEN))
 _STATUS_LINE: Final = re.compile(rb"HTTP/1\.([01]) ([1-9][0-9]{2})(?: ([^\r\n\x00]*))?")
 _HEADER_NAME: Final = re.compile(_TOKEN)
 _CHUNK_SIZE: Final = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[^\r\n]*)?")
@@ -345,16 +348,20 @@ class Http1Pool:
 
     async def send(self, request: httpx.Request, body: bytes) -> Answer:
         """Send `request` with `body` (its content, already read) and read the answer."""
-        url = request.url
+        headers = request.headers.raw
         head = b"%s %s HTTP/1.1\r\n%s\r\n" % (
             request.method.encode("ascii", "replace"),
-            url.raw_path,
-            b"".join([name + b": " + value + b"\r\n" for name, value in request.headers.raw]),
+            request.url.raw_path,
+            b"".join([name + b": " + value + b"\r\n" for name, value in headers]),
         )
-        if _REQUEST_HEAD.fullmatch(head) is None:
+        if (
+            _REQUEST_HEAD.fullmatch(head) is None
+            or head.count(b"\n") != len(headers) + 2  # a CR LF inside a value
+            or _HEADER_NAMES.fullmatch(b" ".join([name for name, _ in headers])) is None
+        ):
             raise httpx.LocalProtocolError(
                 "invalid request: the method, URL or a header holds a character HTTP/1.1 "
-                "cannot carry (CR, LF, NUL or a space in a name)",
+                "cannot carry (CR, LF or NUL anywhere, a space or colon in a header name)",
                 request=request,
             )
         if b"\ntransfer-encoding:" in head.lower():
@@ -404,6 +411,10 @@ class Http1Pool:
                 pool_timeout = timeouts.get("pool")
                 deadline = None if pool_timeout is None else self.loop.time() + pool_timeout
             await self._wait_for_slot(request, deadline)
+            if self._closed:
+                raise RuntimeError(
+                    "the HTTP client was closed while the request waited for a connection"
+                )
 
     def _fresh(self, connection: _Connection) -> bool:
         transport = connection.transport
