@@ -50,11 +50,12 @@ import ssl
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import aiohttp
 import httpx
 import yarl
+from httpx._content import encode_request
 
 from asynctaskd.http1 import Http1Pool
 
@@ -598,13 +599,13 @@ class _Client(httpx.AsyncClient):
                 timeout=timeout,
                 extensions=extensions,
             )
-        request = httpx.Request(
+        request = _plain_request(
             method,
             self._urls(url),
-            content=content,
-            json=json,
-            headers=self._merge_headers(headers),
-            extensions={"timeout": self.timeout.as_dict()},
+            cast(httpx.Headers, self._merge_headers(headers)),  # a copy of the client's, updated
+            content,
+            json,
+            {"timeout": self.timeout.as_dict()},
         )
         return await self.send(request)  # which sends URL credentials through httpx
 
@@ -648,6 +649,54 @@ class _Client(httpx.AsyncClient):
         await response.aread()  # decodes Content-Encoding; the bytes are already here
         response.elapsed = datetime.timedelta(seconds=time.perf_counter() - started)
         return response
+
+
+_BODY_METHODS: Final = frozenset(("POST", "PUT", "PATCH"))
+
+
+def _plain_request(
+    method: str,
+    url: httpx.URL,
+    headers: httpx.Headers,
+    content: Any,
+    json: Any,
+    extensions: dict[str, Any],
+) -> httpx.Request:
+    """`httpx.Request(method, url, headers=..., content=..., json=..., extensions=...)`.
+
+    Built in one pass: `Request.__init__` copies the headers twice, looks a few up by
+    name (which works out their text encoding) and sets each body header one by one,
+    ~11 us here against ~5. The body and its headers come from httpx's own encoder, and
+    the rules are `Request._prepare`'s: body headers unless already set, then Host and,
+    for a body method without one, `Content-Length: 0` first. A body that is not in
+    memory (an iterator) is left to httpx.
+    """
+    body_headers, stream = encode_request(content=content, json=json)
+    if not isinstance(stream, httpx.ByteStream):
+        return httpx.Request(
+            method, url, headers=headers, content=content, json=json, extensions=extensions
+        )
+    raw = headers.raw
+    present = {name.lower() for name, _ in raw}
+    for name, value in body_headers.items():
+        lowered = name.lower().encode("ascii")
+        if lowered not in present:
+            present.add(lowered)
+            raw.append((name.encode("ascii"), value.encode("ascii")))
+    method = method.upper()
+    auto: list[tuple[bytes, bytes]] = []
+    if b"host" not in present and url.host:
+        auto.append((b"Host", url.netloc))
+    if method in _BODY_METHODS and not present & {b"content-length", b"transfer-encoding"}:
+        auto.append((b"Content-Length", b"0"))
+    request = httpx.Request.__new__(httpx.Request)
+    request.method = method
+    request.url = url
+    request.headers = httpx.Headers(auto + raw if auto else raw)
+    request.extensions = extensions
+    request.stream = stream
+    request.read()
+    return request
 
 
 def make_http_client(

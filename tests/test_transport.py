@@ -34,6 +34,7 @@ from asynctaskd.transport import (
     AiohttpTransport,
     _mapped_errors,
     _Phase,
+    _plain_request,
     _Progress,
     _Urls,
     make_http_client,
@@ -407,6 +408,51 @@ def test_the_url_shortcut_keeps_a_bounded_number_of_origins() -> None:
         text = f"http://h:{port}/x"
         assert str(urls(text)) == str(httpx.URL(text))
     assert len(urls._origins) <= 256
+
+
+REQUEST_CASES = [
+    ("GET", {}, {}),
+    ("get", {"X-Mixed-Case": "1"}, {}),
+    ("POST", {}, {}),  # a body method without a body: Content-Length: 0 first
+    ("PATCH", {}, {"content": b""}),
+    ("POST", {}, {"json": {"input": {"\u00e9": [1, 2.5]}}}),
+    ("PUT", {"Content-Type": "application/x-custom"}, {"json": [1]}),
+    ("PUT", {}, {"content": "text \u00e9"}),
+    ("POST", {"Content-Length": "3"}, {"content": b"abc"}),
+    ("POST", {"Host": "elsewhere.example"}, {"content": b"x"}),
+    ("DELETE", {"content-type": "text/plain"}, {}),
+    ("POST", {}, {"content": iter([b"a", b"b"])}),  # not in memory: httpx builds it
+]
+
+
+@pytest.mark.parametrize(("method", "headers", "body"), REQUEST_CASES)
+def test_a_plain_request_is_built_as_httpx_builds_it(
+    method: str, headers: dict[str, str], body: dict[str, object]
+) -> None:
+    url = httpx.URL("http://api.example.com:8080/v1/jobs?x=1")
+    client_headers = httpx.Headers({"X-Client": "asynctaskd", "User-Agent": "ua"})
+    extensions = {"timeout": {"connect": 1.0}}
+    merged = httpx.Headers(client_headers)
+    merged.update(headers)
+    kwargs: dict[str, object] = {**body}
+    if isinstance(kwargs.get("content"), Iterator):
+        kwargs["content"] = iter(list(kwargs["content"]))  # type: ignore[call-overload]
+
+    built = _plain_request(
+        method, url, merged, kwargs.get("content"), kwargs.get("json"), extensions
+    )
+    reference = httpx.Request(method, url, headers=merged, extensions=extensions, **body)  # type: ignore[arg-type]
+
+    assert set(vars(built)) == set(vars(reference))  # no attribute httpx sets is missing
+    assert (built.method, built.url, built.extensions) == (
+        reference.method,
+        reference.url,
+        reference.extensions,
+    )
+    assert built.headers.raw == reference.headers.raw  # the same names, case and order
+    assert type(built.stream) is type(reference.stream)
+    if isinstance(reference.stream, httpx.ByteStream):
+        assert built.content == reference.content
 
 
 async def test_aiohttp_adds_no_header_httpx_did_not_send(echo_url: str) -> None:
