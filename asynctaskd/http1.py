@@ -45,6 +45,7 @@ _STATUS_LINE: Final = re.compile(rb"HTTP/1\.([01]) ([1-9][0-9]{2})(?: ([^\r\n\x0
 _HEADER_NAME: Final = re.compile(_TOKEN)
 _CHUNK_SIZE: Final = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[^\r\n]*)?")
 _DIGITS: Final = re.compile(rb"[0-9]{1,19}")
+_SWEEP_S: Final = 30.0  # how often idle lists are pruned when connections never expire
 _MAX_HEAD: Final = 65536  # status line plus headers, or one chunk-size or trailer line
 
 # How the response body is delimited (RFC 9112 section 6.3).
@@ -508,8 +509,8 @@ class Http1Pool:
             return
         connection.idle_since = self.loop.time()
         self._idle.setdefault(connection.key, []).append(connection)
-        if self._expiry is not None and self._sweep is None:
-            self._sweep = self.loop.call_later(self._expiry, self._sweep_idle)
+        if self._sweep is None:
+            self._sweep = self.loop.call_later(self._expiry or _SWEEP_S, self._sweep_idle)
         self._wake_one()  # it can take this connection, or close it for another origin
 
     def forget(self, connection: _Connection) -> None:
@@ -522,15 +523,17 @@ class Http1Pool:
             self._wake_one_if_room()
 
     def _sweep_idle(self) -> None:
-        """Close connections idle past keepalive_expiry; come back while any stay idle."""
+        """Close connections idle past keepalive_expiry and forget origins with none left
+        (handlers may call many hosts once); come back while any connection stays idle."""
         self._sweep = None
-        assert self._expiry is not None
-        oldest_allowed = self.loop.time() - self._expiry
-        for idle in self._idle.values():
-            while idle and idle[0].idle_since <= oldest_allowed:
-                idle.pop(0).close()
-        if any(self._idle.values()):
-            self._sweep = self.loop.call_later(self._expiry, self._sweep_idle)
+        if self._expiry is not None:
+            oldest_allowed = self.loop.time() - self._expiry
+            for idle in self._idle.values():
+                while idle and idle[0].idle_since <= oldest_allowed:
+                    idle.pop(0).close()
+        self._idle = {key: idle for key, idle in self._idle.items() if idle}
+        if self._idle:
+            self._sweep = self.loop.call_later(self._expiry or _SWEEP_S, self._sweep_idle)
 
     async def aclose(self) -> None:
         """Close every connection; requests still in flight fail."""

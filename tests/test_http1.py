@@ -686,11 +686,13 @@ async def test_an_idle_connection_is_closed_after_keepalive_expiry() -> None:
             answered = time.monotonic()
             await seen.hung_up.wait()  # the pool's sweep closed the idle connection
             idle_for = time.monotonic() - answered
+            origins_after_sweep = dict(pool_of(http)._idle)
             second = await http.get(f"{url}/second")
 
     assert second.text == "ok"
     assert seen.accepted == 2
     assert idle_for >= 0.1  # not closed at once: it was kept alive for a while
+    assert origins_after_sweep == {}  # an origin with no idle connection is forgotten
 
 
 async def test_no_keepalive_connections_means_a_new_connection_per_request() -> None:
