@@ -45,6 +45,7 @@ _STATUS_LINE: Final = re.compile(rb"HTTP/1\.([01]) ([1-9][0-9]{2})(?: ([^\r\n\x0
 _HEADER_NAME: Final = re.compile(_TOKEN)
 _CHUNK_SIZE: Final = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[^\r\n]*)?")
 _DIGITS: Final = re.compile(rb"[0-9]{1,19}")
+_CLOSE: Final = re.compile(rb"\nconnection:[^\r]*\bclose\b")  # in a lowercased head
 _SWEEP_S: Final = 30.0  # how often idle lists are pruned when connections never expire
 _MAX_HEAD: Final = 65536  # status line plus headers, or one chunk-size or trailer line
 
@@ -365,7 +366,8 @@ class Http1Pool:
                 "cannot carry (CR, LF or NUL anywhere, a space or colon in a header name)",
                 request=request,
             )
-        if b"\ntransfer-encoding:" in head.lower():
+        lowered = head.lower()
+        if b"\ntransfer-encoding:" in lowered:
             # httpx adds Content-Length to an in-memory body; with both, the message is
             # invalid (RFC 9112 6.3) and a server rejects it, or worse, frames it its way.
             raise httpx.LocalProtocolError(
@@ -380,6 +382,8 @@ class Http1Pool:
         except BaseException:
             connection.close()  # cancelled or failed mid-exchange: its state is unknown
             raise
+        if b"\nconnection:" in lowered and _CLOSE.search(lowered):
+            connection.reusable = False  # the caller asked the server to close it
         self._release(connection)
         return answer
 

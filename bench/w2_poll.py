@@ -310,7 +310,7 @@ def run_peer(
 
 # --- HTTP floor -------------------------------------------------------------------------------
 
-FLOOR_CLIENTS = ("aiohttp", "httpx-over-aiohttp")
+FLOOR_CLIENTS = ("aiohttp", "shared-client")
 
 
 async def _floor_child(client: str, base: str, n: int, concurrency: int) -> dict[str, float]:

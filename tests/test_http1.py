@@ -334,6 +334,20 @@ async def test_the_response_decides_whether_the_connection_is_reused(case: str) 
     assert seen.accepted == connections
 
 
+@pytest.mark.parametrize(("connection", "connections"), [("close", 2), ("keep-alive", 1)])
+async def test_a_request_that_asks_to_close_is_not_reused(
+    connection: str, connections: int
+) -> None:
+    seen = Seen()  # the server answers without Connection: close and keeps the socket open
+    async with serving(replying(seen, [ok_response()])) as url, make_http_client() as http:
+        with anyio.fail_after(5):
+            first = await http.get(f"{url}/first", headers={"Connection": connection})
+            second = await http.get(f"{url}/second")
+
+    assert (first.text, second.text) == ("ok", "ok")
+    assert seen.accepted == connections
+
+
 NO_BODY = {
     "head": ("HEAD", b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n"),
     "head-chunked": ("HEAD", b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"),
