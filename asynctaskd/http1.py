@@ -404,11 +404,14 @@ class Http1Pool:
             idle = self._idle.get(key)
             while idle:
                 connection = idle.pop()
-                if self._fresh(connection):
+                transport = connection.transport
+                if connection.closed or transport is None or transport.is_closing():
+                    connection.close()  # the server closed it while it was idle
+                elif self._expired(connection):
+                    for stale in [connection, *idle]:  # the ones below went idle earlier
+                        stale.close()
+                else:
                     return connection
-                connection.close()
-                for stale in list(idle):  # the ones below it went idle even earlier
-                    stale.close()
             if self._max is None or len(self._all) + self._opening < self._max or self._evict():
                 return await self._open(request, key, secure, timeouts.get("connect"))
             if not waited:
@@ -421,16 +424,8 @@ class Http1Pool:
                     "the HTTP client was closed while the request waited for a connection"
                 )
 
-    def _fresh(self, connection: _Connection) -> bool:
-        transport = connection.transport
-        return not (
-            connection.closed
-            or transport is None
-            or transport.is_closing()
-            or (
-                self._expiry is not None and self.loop.time() - connection.idle_since > self._expiry
-            )
-        )
+    def _expired(self, connection: _Connection) -> bool:
+        return self._expiry is not None and self.loop.time() - connection.idle_since > self._expiry
 
     def _evict(self) -> bool:
         """Close the longest-idle connection of any origin to make room; False if none."""

@@ -14,7 +14,7 @@ import collections
 import contextlib
 import ssl
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import anyio
 import httpx
@@ -579,6 +579,26 @@ async def test_silence_after_part_of_the_body_is_read_timeout() -> None:
 # --- pool limits, eviction, expiry -------------------------------------------------------
 
 
+def holding(seen: Seen, release: asyncio.Event, answer: Callable[[bytes], bytes]) -> Handler:
+    """A server that reads requests one after another and answers each with
+    `answer(path)`, but only once `release` is set."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.accepted += 1
+        while True:
+            try:
+                head, _ = await read_request(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                writer.close()
+                return
+            seen.record(head)
+            await release.wait()
+            writer.write(answer(head.split(b" ")[1]))
+            await writer.drain()
+
+    return handler
+
+
 @pytest.mark.parametrize(
     ("connection_header", "connections"),
     [(b"", 1), (b"Connection: close\r\n", 2)],
@@ -592,23 +612,14 @@ async def test_one_slot_serves_concurrent_requests_in_turn(
     seen = Seen()
     release = asyncio.Event()
 
-    async def hold_first(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        seen.accepted += 1
-        while True:
-            try:
-                head, _ = await read_request(reader)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                writer.close()
-                return
-            seen.record(head)
-            await release.wait()
-            path = head.split(b" ")[1]
-            writer.write(
-                b"HTTP/1.1 200 OK\r\n%sContent-Length: %d\r\n\r\n%s"
-                % (connection_header, len(path), path)
-            )
-            await writer.drain()
+    def echo_path(path: bytes) -> bytes:
+        return b"HTTP/1.1 200 OK\r\n%sContent-Length: %d\r\n\r\n%s" % (
+            connection_header,
+            len(path),
+            path,
+        )
 
+    hold_first = holding(seen, release, echo_path)
     bodies: dict[str, bytes] = {}
 
     async def get(http: httpx.AsyncClient, url: str, path: str) -> None:
@@ -637,19 +648,7 @@ async def test_one_slot_serves_concurrent_requests_in_turn(
 async def test_a_cancelled_waiter_does_not_take_the_next_free_slot() -> None:
     seen = Seen()
     release = asyncio.Event()
-
-    async def hold_first(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        seen.accepted += 1
-        while True:
-            try:
-                head, _ = await read_request(reader)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                writer.close()
-                return
-            seen.record(head)
-            await release.wait()
-            writer.write(ok_response())
-            await writer.drain()
+    hold_first = holding(seen, release, lambda path: ok_response())
 
     async with (
         serving(hold_first) as url,
