@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import re
+import select
 import ssl
 from typing import Final, cast
 
@@ -46,6 +47,9 @@ _HEADER_NAME: Final = re.compile(_TOKEN)
 _CHUNK_SIZE: Final = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[^\r\n]*)?")
 _DIGITS: Final = re.compile(rb"[0-9]{1,19}")
 _CLOSE: Final = re.compile(rb"\nconnection:[^\r]*\bclose\b")  # in a lowercased head
+# Idle this long, a connection may have met the server's idle timeout (2-5 s is common):
+# its socket is polled before it is reused. Busier connections are not.
+_PROBE_AFTER_S: Final = 1.0
 _SWEEP_S: Final = 30.0  # how often idle lists are pruned when connections never expire
 _MAX_HEAD: Final = 65536  # status line plus headers, or one chunk-size or trailer line
 
@@ -57,6 +61,24 @@ _UNTIL_CLOSE: Final = 3
 
 Answer = tuple[int, bytes, bytes, list[tuple[bytes, bytes]], bytes]
 """status, http_version (b"HTTP/1.1"), reason phrase, raw headers, body."""
+
+
+def _stirred(transport: asyncio.Transport) -> bool:
+    """Whether bytes or an end of stream wait unread on an idle connection's socket.
+
+    The event loop reports a server's close on its next pass, and a busy loop's pass can
+    take milliseconds: a request written meanwhile races the close and fails as
+    ambiguous. One poll(2) of the socket sees what the loop has not processed yet.
+    """
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    poller = select.poll()
+    try:
+        poller.register(sock.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):  # closed under us
+        return True
 
 
 class _ProtocolError(Exception):
@@ -405,7 +427,12 @@ class Http1Pool:
             while idle:
                 connection = idle.pop()
                 transport = connection.transport
-                if connection.closed or transport is None or transport.is_closing():
+                if (
+                    connection.closed
+                    or transport is None
+                    or transport.is_closing()
+                    or (self._idle_for(connection) > _PROBE_AFTER_S and _stirred(transport))
+                ):
                     connection.close()  # the server closed it while it was idle
                 elif self._expired(connection):
                     for stale in [connection, *idle]:  # the ones below went idle earlier
@@ -424,8 +451,11 @@ class Http1Pool:
                     "the HTTP client was closed while the request waited for a connection"
                 )
 
+    def _idle_for(self, connection: _Connection) -> float:
+        return self.loop.time() - connection.idle_since
+
     def _expired(self, connection: _Connection) -> bool:
-        return self._expiry is not None and self.loop.time() - connection.idle_since > self._expiry
+        return self._expiry is not None and self._idle_for(connection) > self._expiry
 
     def _evict(self) -> bool:
         """Close the longest-idle connection of any origin to make room; False if none."""

@@ -12,14 +12,18 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import select
+import socket
 import ssl
+import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 import anyio
 import httpx
 import pytest
 
+from asynctaskd import http1
 from asynctaskd.http1 import Http1Pool, _Connection
 from asynctaskd.transport import AiohttpTransport, _Client, make_http_client
 from tests.test_transport import (
@@ -688,6 +692,77 @@ async def test_an_idle_connection_to_another_origin_is_evicted_at_the_limit() ->
         assert (first.content, second.content) == (b"a", b"b")
         assert (seen_a.accepted, seen_b.accepted) == (1, 1)
         assert seen_b.hang_ups == 0  # B's connection stays pooled
+
+
+@contextlib.contextmanager
+def closing_after_first_answer() -> Iterator[tuple[str, threading.Event, list[socket.socket]]]:
+    """A blocking server in a thread of its own, so that its close reaches the client's
+    socket while the test's event loop does not run: it answers every connection once
+    and closes the first one when the event is set. Yields (url, event, accepted)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    close_first = threading.Event()
+    accepted: list[socket.socket] = []
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):  # the listener closed at the end
+            while True:
+                conn, _ = listener.accept()
+                accepted.append(conn)
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    head += chunk
+                conn.sendall(ok_response())
+                if len(accepted) == 1:
+                    close_first.wait(5)
+                    conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", close_first, accepted
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)  # wakes the thread's accept(); close() may not
+        listener.close()
+        for conn in accepted:
+            conn.close()
+        thread.join(5)
+
+
+@pytest.mark.parametrize("probed", [True, False], ids=["idle-long-enough", "busy"])
+async def test_a_close_the_loop_has_not_seen_yet_is_caught_before_reuse(
+    probed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server's close that reached the socket but not yet the event loop: a connection
+    idle past the probe threshold is polled and dropped; a busier one is reused as is,
+    and the request fails as ambiguous (the race the probe narrows)."""
+    monkeypatch.setattr(http1, "_PROBE_AFTER_S", -1.0 if probed else 3600.0)
+    with closing_after_first_answer() as (url, close_first, accepted):
+        async with make_http_client() as http:
+            with anyio.fail_after(5):
+                assert (await http.get(f"{url}/first")).text == "ok"
+            ((idle,),) = pool_of(http)._idle.values()
+            assert idle.transport is not None
+            close_first.set()
+            # Block the event loop until the server's FIN is in our socket: the loop must
+            # not see it before the next request picks a connection.
+            sock = idle.transport.get_extra_info("socket")
+            assert select.select([sock], [], [], 5)[0]
+            with anyio.fail_after(5):
+                if probed:
+                    second = await http.get(f"{url}/second")
+                else:
+                    with pytest.raises(httpx.RemoteProtocolError) as caught:
+                        await http.get(f"{url}/second")
+
+    if probed:
+        assert second.text == "ok"
+        assert len(accepted) == 2
+    else:
+        assert not isinstance(caught.value, NEVER_SENT)
+        assert len(accepted) == 1
 
 
 async def test_an_idle_connection_is_closed_after_keepalive_expiry() -> None:
