@@ -12,6 +12,7 @@ only while obtaining a connection, before the first byte of the request is writt
 failure after that is ambiguous (`ReadTimeout`, `ReadError`, `RemoteProtocolError`), and
 nothing is ever resent: a reused keep-alive connection that the server closed while the
 request was on its way fails as `RemoteProtocolError`, like httpx's own pool reports it.
+A close that already reached the socket is caught before reuse (see `_stirred`).
 
 What it does not do, by design: HTTP/2, proxies, `Expect: 100-continue` waits (the body is
 sent at once; an interim 1xx answer is skipped), protocol upgrades (a 101 answer ends the
