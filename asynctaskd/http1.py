@@ -197,18 +197,10 @@ class _Connection(asyncio.Protocol):
         request = self._request
         if isinstance(exc, OSError):
             self._fail(httpx.ReadError(str(exc) or type(exc).__name__, request=request))
-        elif self._status is None and not self._buffer:
-            self._fail(
-                httpx.RemoteProtocolError(
-                    "Server disconnected without sending a response.", request=request
-                )
-            )
-        else:
-            self._fail(
-                httpx.RemoteProtocolError(
-                    "Server disconnected before the response was complete.", request=request
-                )
-            )
+            return
+        nothing = self._status is None and not self._buffer
+        message = "without sending a response" if nothing else "before the response was complete"
+        self._fail(httpx.RemoteProtocolError(f"Server disconnected {message}.", request=request))
 
     def close(self) -> None:
         """Close the connection without waiting for anything still unwritten or unread."""

@@ -362,8 +362,9 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             except httpx.RequestNotRead:
                 pass
             else:
-                answer = await self._pool_here().send(request, content)
-                status, version, reason, headers, body = answer
+                status, version, reason, headers, body = await self._pool_here().send(
+                    request, content
+                )
                 return _buffered(status, headers, body, version, reason)
         response, progress = await self._open(request)
         try:
@@ -535,7 +536,7 @@ class _Client(httpx.AsyncClient):
 
     def __init__(self, *, transport: AiohttpTransport, **kwargs: Any) -> None:
         super().__init__(transport=transport, **kwargs)
-        self._aiohttp = transport
+        self._buffering = transport  # httpx's `_transport`, typed for `handle_buffered`
         self._jar = self.cookies.jar  # the no-cookie jar; replacing it leaves the fast path
         self._no_base_url = self._base_url  # the setter makes a new URL
         self._urls = _Urls()
@@ -633,7 +634,7 @@ class _Client(httpx.AsyncClient):
 
     async def _send_direct(self, request: httpx.Request) -> httpx.Response:
         started = time.perf_counter()
-        response = await self._aiohttp.handle_buffered(request)
+        response = await self._buffering.handle_buffered(request)
         response.request = request
         response.default_encoding = self._default_encoding
         _log.info(
@@ -705,7 +706,8 @@ def make_http_client(
     timeout: httpx.Timeout = httpx.Timeout(30.0, connect=5.0),  # noqa: B008 - immutable
     headers: dict[str, str] | None = None,
 ) -> httpx.AsyncClient:
-    """The shared client handlers receive: httpx's API over an `AiohttpTransport`.
+    """The shared client handlers receive: httpx's API over an `AiohttpTransport`, whose
+    plain requests go through its `Http1Pool`.
 
     It keeps no cookies: one client serves every handler and account, so a cookie one
     vendor answer sets must not ride along on other requests (nor can a malformed one
