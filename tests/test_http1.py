@@ -580,6 +580,59 @@ async def test_silence_after_part_of_the_body_is_read_timeout() -> None:
     assert elapsed >= 2 * PACE + 0.3 - 0.02
 
 
+def answering_after(seen: Seen, delays: Sequence[float | None]) -> Handler:
+    """Answer the n-th request on the connection after delays[n] seconds (None: never)."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.accepted += 1
+        for delay in delays:
+            head, _ = await read_request(reader)
+            seen.record(head)
+            if delay is None:
+                break
+            await asyncio.sleep(delay)  # the stimulus: a server this slow to answer
+            writer.write(ok_response(b"late"))
+            await writer.drain()
+        await until_closed(reader, writer)
+
+    return handler
+
+
+async def test_exchanges_on_one_connection_each_get_the_whole_read_timeout() -> None:
+    # The read timer lives with the connection, armed by the first exchange: each later
+    # one must still be timed from its own start, not from the first's.
+    seen = Seen()
+    async with (
+        serving(answering_after(seen, [2 * PACE] * 4)) as url,
+        make_http_client(timeout=READ_TIMEOUT) as http,
+    ):
+        started = time.monotonic()
+        with anyio.fail_after(5):
+            for _ in range(4):
+                assert (await http.get(f"{url}/each")).content == b"late"
+        elapsed = time.monotonic() - started
+
+    assert seen.accepted == 1
+    assert elapsed >= 8 * PACE  # over twice the read timeout on the one connection
+
+
+async def test_a_shorter_read_timeout_on_a_reused_connection_applies() -> None:
+    seen = Seen()
+    async with (
+        serving(answering_after(seen, [0.0, None])) as url,
+        make_http_client(timeout=httpx.Timeout(5.0, read=60.0)) as http,
+    ):
+        assert (await http.get(f"{url}/first")).content == b"late"
+        http.timeout = READ_TIMEOUT  # the timer the first exchange armed fires in 60 s
+        started = time.monotonic()
+        with anyio.fail_after(5), pytest.raises(httpx.ReadTimeout):
+            await http.get(f"{url}/second")
+        elapsed = time.monotonic() - started
+
+    assert seen.accepted == 1
+    assert 0.3 - 0.02 <= elapsed < 2.0
+
+
 # --- pool limits, eviction, expiry -------------------------------------------------------
 
 
