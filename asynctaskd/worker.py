@@ -63,6 +63,7 @@ class _Active:
     __slots__ = (
         "cut",
         "cut_now",
+        "deadline",
         "handler",
         "landing",
         "lease",
@@ -82,6 +83,7 @@ class _Active:
         self.saving = False  # a save is in flight: a NO_LEASE from renew may be that save
         self.landing = False  # a must-land save runs in the landing group
         self.cut = asyncio.timeout(None)
+        self.deadline: float | None = None  # loop time the running query is cut at
         self.running = False  # inside `cut` (it can only be rescheduled then)
         self.cut_now = False  # the lease is gone: the call must stop
         self.lost = False
@@ -93,10 +95,26 @@ class _Active:
         if self.running and not self.cut.expired():
             self.cut.reschedule(0.0)  # in the past: fires on the next loop iteration
 
-    def set_deadline(self, when: float | None) -> None:
-        """Cut the call at loop time `when` (None: no deadline), unless it is being cut."""
-        if not self.cut_now and not self.cut.expired():
+    def set_deadline(self, when: float | None, arm_by: float = math.inf) -> None:
+        """Cut the call at loop time `when` (None: no deadline), unless it is being cut.
+
+        A deadline later than `arm_by` is only noted, and armed by `arm_near` once it
+        comes near: most queries end long before their task's deadline, and arming and
+        disarming the timeout costs ~3 us, over 2% of a poll.
+        """
+        self.deadline = when
+        if self.cut_now or self.cut.expired():
+            return
+        if when is None:
+            if self.cut.when() is not None:
+                self.cut.reschedule(None)
+        elif when <= arm_by:
             self.cut.reschedule(when)
+
+    def arm_near(self, arm_by: float) -> None:
+        """Arm a noted deadline that now falls before `arm_by`."""
+        if self.deadline is not None and self.deadline <= arm_by and self.cut.when() is None:
+            self.set_deadline(self.deadline)
 
 
 class Worker:
@@ -129,6 +147,7 @@ class Worker:
         w = config.worker
         self.max_inflight = w.max_inflight
         self.lease_ms = max(1000, round(float(w.lease) * 1000))
+        self._arm_within = self.lease_ms / 1000  # see _Active.set_deadline
         self._active: dict[str, _Active] = {}
         self._handler_slots = {
             key: anyio.Semaphore(e.concurrency) for key, e in handlers.items() if e.concurrency
@@ -404,6 +423,10 @@ class Worker:
             await anyio.sleep(interval)
             if not self._active:
                 continue
+            # Query deadlines within a lease are armed: at least two passes before them.
+            arm_by = asyncio.get_running_loop().time() + self._arm_within
+            for active in self._active.values():
+                active.arm_near(arm_by)
             held = [a for a in self._active.values() if not a.saved]
             try:
                 codes = await self.store.renew(self.lease_ms, [a.lease for a in held])
@@ -790,7 +813,8 @@ class Worker:
         # The call's timeout cuts the query at the task's deadline (_run_call then saves);
         # it is lifted before any save, so only the vendor call is cut.
         budget = max(0.0, task.deadline_at - time.time()) + 0.05
-        active.set_deadline(asyncio.get_running_loop().time() + budget)
+        now = asyncio.get_running_loop().time()
+        active.set_deadline(now + budget, now + self._arm_within)
         failure: BaseException | None = None
         try:
             out = await entry.handler.query(query_handle, ctx)

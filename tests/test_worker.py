@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
@@ -297,6 +298,30 @@ async def test_a_query_hanging_past_the_deadline_is_cut_and_times_out(store: Sto
     assert task is not None and task.status is Status.TRACKING_TIMED_OUT
     assert h.queries == [tid]
     assert call_count(worker, "query", "deadline") == 1
+
+
+async def test_a_deadline_beyond_the_lease_is_armed_as_it_comes_near(store: Store) -> None:
+    # A query whose deadline is further off than a lease starts with no timer; the
+    # renewal loop arms it in time, and the cut still lands at the deadline itself.
+    h = Scripted()
+    cut_at: list[float] = []
+
+    async def hang(ctx: HandlerContext) -> Running:
+        try:
+            await anyio.sleep_forever()
+        finally:
+            cut_at.append(time.time())
+        raise AssertionError("unreachable")
+
+    h.on_query = hang
+    [tid] = await submit_many(store, 1, timeout_ms=2500)
+    created = await store.get(tid)
+    assert created is not None and created.deadline_at is not None
+    worker = await run(store, h, make_config(worker={"lease": "1s"}))
+    task = await store.get(tid)
+    assert task is not None and task.status is Status.TRACKING_TIMED_OUT
+    assert call_count(worker, "query", "deadline") == 1
+    assert created.deadline_at <= cut_at[0] < created.deadline_at + 0.5
 
 
 async def test_a_timeout_error_raised_by_the_handler_is_a_query_error(store: Store) -> None:
