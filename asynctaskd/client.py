@@ -12,6 +12,7 @@ import asyncio
 import base64
 import contextlib
 import datetime as dt
+import functools
 import math
 import os
 import random
@@ -393,7 +394,7 @@ def _check_handler(ctx: _Context, handler: str) -> Plan[None]:
     if fresh and ctx.live_until_ms.get(handler, 0) > now_ms:
         return
     # Stale, or not known yet: a daemon may have just started, so ask before refusing.
-    (raw,) = yield Reads(_read("hgetall", ctx.keys.handlers()))
+    (raw,) = yield Reads(_read("hgetall", ctx.keys.handlers()), share="handlers")
     live = ctx.remember_handlers(raw)
     if live.get(handler, 0) > now_ms:
         return
@@ -420,7 +421,9 @@ def _find_group(ctx: _Context, name: str) -> Plan[Group | None]:
     # A miss: the group may have just been defined. Refresh the handlers too, in the same
     # round trip, so the strict check that follows usually needs none.
     groups, handlers = yield Reads(
-        _read("hgetall", ctx.keys.groups()), _read("hgetall", ctx.keys.handlers())
+        _read("hgetall", ctx.keys.groups()),
+        _read("hgetall", ctx.keys.handlers()),
+        share="groups+handlers",
     )
     ctx.remember_handlers(handlers)
     raw = ctx.remember_groups(groups).get(name)
@@ -804,7 +807,7 @@ def _quota_lane(ctx: _Context, tenant: str) -> Plan[str | None]:
     """The token lane of the tenant's submit quota, if one applies (cached for a second)."""
     now = time.monotonic()
     if now - ctx.quotas_read_at >= QUOTA_CACHE_S:
-        (names,) = yield Reads(_read("hkeys", ctx.keys.admission() + "rates"))
+        (names,) = yield Reads(_read("hkeys", ctx.keys.admission() + "rates"), share="quotas")
         prefix = b"quota:tenant:"
         ctx.quotas = {n[len(prefix) :].decode() for n in names if n.startswith(prefix)}
         ctx.quotas_read_at = now
@@ -917,6 +920,7 @@ class AsyncClient:
         self.redis = redis
         self._store = Store(redis, self._ctx.keys)
         self._owned = False
+        self._sharing: dict[str, asyncio.Future[Sequence[Any]]] = {}
 
     @classmethod
     def from_url(
@@ -1167,6 +1171,23 @@ class AsyncClient:
         return None, None
 
     async def _execute(self, reads: Reads) -> Sequence[Any]:
+        if reads.share is None:
+            return await self._read(reads)
+        # Many submits at once (a producer's first burst) all find the caches cold: one
+        # refresh answers them all, instead of one HGETALL each.
+        shared = self._sharing.get(reads.share)
+        if shared is None:
+            shared = asyncio.ensure_future(self._read(reads))
+            self._sharing[reads.share] = shared
+            shared.add_done_callback(functools.partial(self._unshare, reads.share))
+        return await asyncio.shield(shared)  # one caller giving up cancels nobody else's
+
+    def _unshare(self, name: str, done: asyncio.Future[Sequence[Any]]) -> None:
+        self._sharing.pop(name, None)
+        if not done.cancelled():
+            done.exception()  # seen, even if every caller stopped waiting for it
+
+    async def _read(self, reads: Reads) -> Sequence[Any]:
         if reads.bound is None:
             return await read_many(self._store, reads.cmds)
         try:

@@ -26,11 +26,15 @@ class Reads:
     the scripts.
     """
 
-    __slots__ = ("bound", "cmds")
+    __slots__ = ("bound", "cmds", "share")
 
-    def __init__(self, *cmds: Read, bound: float | None = None) -> None:
+    def __init__(self, *cmds: Read, bound: float | None = None, share: str | None = None) -> None:
         self.cmds = cmds
         self.bound = bound
+        # Names a cache refresh (always the same commands): a runner that has one with this
+        # name in flight may answer from it instead of sending another. Never for a read
+        # that must see the caller's own earlier writes.
+        self.share = share
 
 
 class Pause:

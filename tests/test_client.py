@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import io
 import subprocess
@@ -194,6 +195,41 @@ async def test_strict_submit_needs_a_live_handler(
     assert t.handler == "ocr:demo"
     assert (await api.submit("never:seen", {}, tracking_timeout=60, strict=False)).id
     assert await api.handlers() == {"ocr:demo": (now_ms + 30_000) / 1000}
+
+
+async def test_a_burst_of_submits_on_a_cold_client_refreshes_its_caches_once(
+    redis_url: str, redis_client: redis.asyncio.Redis
+) -> None:
+    await redis_client.hset("atd:handlers", "ocr:demo", str(int(time.time() * 1000) + 60_000))
+    async with AsyncClient.from_url(redis_url) as client:
+        tasks = await asyncio.gather(
+            *(client.submit("ocr:demo", {"i": i}, tracking_timeout=60) for i in range(200))
+        )
+        trips = dict(client._store.round_trips)
+
+    assert len({t.id for t in tasks}) == 200
+    # One read of the groups and handlers answered all 200, not one read each.
+    assert trips == {"read": 1, "create": 200}
+
+
+async def test_a_caller_that_stops_waiting_for_a_shared_refresh_stops_no_other(
+    redis_url: str, redis_client: redis.asyncio.Redis
+) -> None:
+    await redis_client.hset("atd:handlers", "ocr:demo", str(int(time.time() * 1000) + 60_000))
+    async with AsyncClient.from_url(redis_url) as client:
+        reads = Reads(client_mod._read("hgetall", "atd:handlers"), share="handlers")
+        first = asyncio.ensure_future(client._execute(reads))
+        second = asyncio.ensure_future(client._execute(reads))
+        await asyncio.sleep(0)  # both wait on the one read now (the first sent it)
+        assert list(client._sharing) == ["handlers"]
+        first.cancel()
+        (live,) = await second
+        with pytest.raises(asyncio.CancelledError):
+            await first
+
+    assert b"ocr:demo" in live
+    assert client._sharing == {}
+    assert client._store.round_trips == {"read": 1}
 
 
 async def test_dedup_key_returns_the_live_task_of_the_same_tenant(
