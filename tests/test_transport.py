@@ -439,7 +439,7 @@ def test_a_plain_request_is_built_as_httpx_builds_it(
         kwargs["content"] = iter(list(kwargs["content"]))  # type: ignore[call-overload]
 
     built = _plain_request(
-        method, url, merged, kwargs.get("content"), kwargs.get("json"), extensions
+        method, url, merged.raw, kwargs.get("content"), kwargs.get("json"), extensions
     )
     reference = httpx.Request(method, url, headers=merged, extensions=extensions, **body)  # type: ignore[arg-type]
 
