@@ -700,13 +700,15 @@ class Store(_Base):
                 replies = await self._send_packed(calls, trailer, trailer_wait)
             trailers = [replies.pop() if trailer is not None else None] * len(calls)
         self._timed("pipeline", started)
+        rerun = [isinstance(reply, rex.NoScriptError) for reply in replies]
+        if any(rerun):
+            again = [i for i, missing in enumerate(rerun) if missing]
+            reloaded = await self._reloaded([calls[i] for i in again])
+            for i, reply in zip(again, reloaded, strict=True):
+                replies[i] = reply
         out: list[Any] = []
-        rerun: list[bool] = []
         for call, reply in zip(calls, replies, strict=True):
-            rerun.append(isinstance(reply, rex.NoScriptError))
-            if isinstance(reply, rex.NoScriptError):
-                out.append(await self._safe_run(call))
-            elif isinstance(reply, Exception):
+            if isinstance(reply, Exception):
                 try:
                     with _mapped(call.script):
                         raise reply
@@ -803,11 +805,21 @@ class Store(_Base):
             await self._refresh_topology()
         return replies, trailers
 
-    async def _safe_run(self, call: Call[Any]) -> Any:
+    async def _reloaded(self, calls: Sequence[Call[Any]]) -> list[Any]:
+        """Replies to calls that met NOSCRIPT (the server lost its script cache: restart,
+        failover), so did not run: each script is loaded once, and the calls sent again
+        together. An error stands in for the replies it prevented."""
+        self._count("pipeline")
         try:
-            return await self.run(call)
+            for name in {call.script for call in calls}:
+                with _mapped(name):
+                    await self._load(self.scripts[name])
+            if self.cluster:
+                return (await self._pipeline_by_node(calls, None, 0.0))[0]
+            with _mapped("pipeline"):
+                return await self._send_packed(calls, None, 0.0)
         except (StoreUnavailable, ScriptError) as exc:
-            return exc
+            return [exc] * len(calls)
 
     async def get(self, task_id: str) -> Task | None:
         """The task's snapshot, or None. Raises CorruptTask if it cannot be read."""

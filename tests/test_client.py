@@ -20,6 +20,7 @@ import redis.asyncio
 import asynctaskd.client as client_mod
 from asynctaskd.client import AsyncClient, Client, Reads, TaskEvent
 from asynctaskd.errors import (
+    CorruptTask,
     IllegalTransition,
     InvalidTask,
     PayloadTooLarge,
@@ -27,9 +28,9 @@ from asynctaskd.errors import (
     TaskNotFound,
     UnknownHandler,
 )
-from asynctaskd.keys import new_task_id
+from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.model import Status, Task, TaskError
-from asynctaskd.store import Lease, Store, SyncStore
+from asynctaskd.store import Call, Lease, Store, SyncStore
 
 from .clients import Api
 from .conftest import wait_until
@@ -201,6 +202,7 @@ async def test_a_burst_of_submits_on_a_cold_client_refreshes_its_caches_once(
     redis_url: str, redis_client: redis.asyncio.Redis
 ) -> None:
     await redis_client.hset("atd:handlers", "ocr:demo", str(int(time.time() * 1000) + 60_000))
+    await redis_client.script_flush()  # as after a restart: the first pipeline meets NOSCRIPT
     async with AsyncClient.from_url(redis_url) as client:
         tasks = await asyncio.gather(
             *(client.submit("ocr:demo", {"i": i}, tracking_timeout=60) for i in range(200))
@@ -208,8 +210,55 @@ async def test_a_burst_of_submits_on_a_cold_client_refreshes_its_caches_once(
         trips = dict(client._store.round_trips)
 
     assert len({t.id for t in tasks}) == 200
-    # One read of the groups and handlers answered all 200, not one read each.
-    assert trips == {"read": 1, "create": 200}
+    assert await redis_client.hget(Keys().counts(0), "PENDING_SUBMIT") == b"200"
+    # One read of the groups and handlers answered all 200, not one read each; and the
+    # creates went out together, not one round trip each: once, and once more after the
+    # script was loaded.
+    assert trips == {"read": 1, "pipeline": 2}
+
+
+async def test_script_calls_made_together_each_get_their_own_outcome(
+    redis_url: str, redis_client: redis.asyncio.Redis
+) -> None:
+    async with AsyncClient.from_url(redis_url) as client:
+        ops = client._store.ops
+        calls = [ops.create(new_task_id(), "h", b"{}", timeout_ms=60_000) for _ in range(3)]
+
+        def unreadable(reply: object) -> object:
+            raise CorruptTask("t", "an unreadable reply")
+
+        calls[1] = Call(calls[1].script, calls[1].keys, calls[1].args, unreadable)
+        await redis_client.script_load(client._store.scripts["create"].source)
+        outcomes = await asyncio.gather(
+            *(client._calls.run(call) for call in calls), return_exceptions=True
+        )
+        trips = dict(client._store.round_trips)
+
+    assert isinstance(outcomes[1], CorruptTask)
+    assert [type(o).__name__ for o in (outcomes[0], outcomes[2])] == ["Created", "Created"]
+    assert trips == {"pipeline": 1}
+
+
+async def test_a_call_whose_caller_gave_up_before_it_went_out_is_not_sent(
+    redis_url: str, redis_client: redis.asyncio.Redis
+) -> None:
+    async with AsyncClient.from_url(redis_url) as client:
+        ops = client._store.ops
+        ids = [new_task_id(), new_task_id()]
+        kept, dropped = (
+            asyncio.ensure_future(client._calls.run(ops.create(i, "h", b"{}", timeout_ms=60_000)))
+            for i in ids
+        )
+        # One pass of the loop: both calls are queued, and go out on the next pass.
+        await asyncio.sleep(0)
+        dropped.cancel()
+        assert (await kept).task_id == ids[0]
+        with pytest.raises(asyncio.CancelledError):
+            await dropped
+
+    assert await redis_client.exists(Keys().task(0, ids[0])) == 1
+    assert await redis_client.exists(Keys().task(0, ids[1])) == 0
+    assert client._store.round_trips == {"create": 1}  # a call alone goes out as it is
 
 
 async def test_a_caller_that_stops_waiting_for_a_shared_refresh_stops_no_other(

@@ -74,12 +74,17 @@ async def test_an_argument_redis_cannot_take_fails_the_batch_before_anything_is_
 async def test_a_flushed_script_cache_is_reloaded_and_the_call_run_again(
     store: Store, redis_client: redis.asyncio.Redis
 ) -> None:
-    created = await create(store)
+    created = [await create(store) for _ in range(3)]
     await redis_client.script_flush()
-    results, rerun, _ = await store.pipeline([store.ops.cancel(created.task_id)])
-    assert rerun == [True]
-    assert isinstance(results[0], Result) and results[0].ok
-    assert await _status(store, created.task_id) is Status.CANCELED
+    before = dict(store.round_trips)
+    results, rerun, _ = await store.pipeline([store.ops.cancel(c.task_id) for c in created])
+    assert rerun == [True, True, True]
+    assert all(isinstance(r, Result) and r.ok for r in results)
+    for c in created:
+        assert await _status(store, c.task_id) is Status.CANCELED
+    # The script loaded once and the three calls sent again together: two round trips.
+    assert store.round_trips["pipeline"] - before.get("pipeline", 0) == 2
+    assert store.round_trips.get("cancel", 0) == before.get("cancel", 0)
 
 
 async def test_a_connection_killed_mid_batch_is_unavailable_and_never_reused(
