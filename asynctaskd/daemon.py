@@ -15,6 +15,7 @@ SIGHUP reloads the handler table from the config file.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -95,9 +96,12 @@ def shared_http_client(config: Config) -> httpx.AsyncClient:
 class Daemon:
     """One daemon process: store, worker, reaper, health, heartbeat, signals."""
 
-    def __init__(self, config: Config, config_path: Path | None = None) -> None:
+    def __init__(
+        self, config: Config, config_path: Path | None = None, *, own_process: bool = False
+    ) -> None:
         self.config = config
         self.config_path = config_path
+        self.own_process = own_process  # the process is this daemon's: tune its GC
         self.metrics = Metrics()
         self.worker: Worker | None = None
         self.redis_ok = False
@@ -175,6 +179,8 @@ class Daemon:
         await self._apply_limits(client, config)
         worker = Worker(store, handlers, config, http=http, metrics=self.metrics, gate=gate)
         self.worker = worker
+        if self.own_process:
+            tune_gc()
         async with anyio.create_task_group() as tg:
             if config.metrics.enabled:
                 host, port = parse_listen(config.metrics.listen)
@@ -316,6 +322,21 @@ class Daemon:
         return config
 
 
+def tune_gc() -> None:
+    """Fewer, cheaper garbage collections, once the daemon is set up.
+
+    A handler call allocates a few dozen objects, and CPython collects its youngest
+    generation every 700: at thousands of calls a second the collections, and the full
+    ones that walk every module, class and function loaded, took ~8 us of ~46 us of the
+    daemon's CPU per call (instant handler, no HTTP). What is loaded by now lives as long
+    as the process, so it is frozen out of collections; the young generation is collected
+    every 10,000 allocations, the older ones seldom. Cyclic garbage still goes, later.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 50, 100)
+
+
 def install_uvloop() -> Callable[[], Any] | None:
     """The loop factory for anyio.run: uvloop when installed."""
     try:
@@ -327,7 +348,7 @@ def install_uvloop() -> Callable[[], Any] | None:
 
 def serve(config: Config, config_path: Path | None = None) -> None:
     """Run a daemon in this process until it drains (blocking)."""
-    daemon = Daemon(config, config_path)
+    daemon = Daemon(config, config_path, own_process=True)
     factory = install_uvloop()
     options: dict[str, Any] = {"loop_factory": factory} if factory else {}
     anyio.run(daemon.serve, backend="asyncio", backend_options=options)

@@ -22,6 +22,7 @@ import anyio
 import httpx
 
 from asynctaskd.config import parse_config
+from asynctaskd.daemon import tune_gc
 from asynctaskd.embedded import ServerProcess, find_binary
 from asynctaskd.handlers import HandlerContext, HandlerEntry, Submitted, Succeeded
 from asynctaskd.keys import Keys, new_task_id
@@ -110,6 +111,7 @@ async def run(url: str, n: int, inflight: int) -> dict[str, Any]:
     )
     handler = Instant()
     entry = {"instant": HandlerEntry(key="instant", handler=handler, provider="instant")}
+    tune_gc()  # as the daemon process does once it is set up
     before = commandstats(sync)
     rcpu0 = redis_cpu(sync)
     cpu0 = time.process_time()

@@ -216,3 +216,19 @@ def test_sighup_reloads_handlers(
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_tune_gc_freezes_what_is_loaded_and_collects_the_young_generation_less_often() -> None:
+    # In a process of its own: the tuning is process-wide, and the daemon applies it only
+    # when it owns the process (`asynctaskd run`), never to a process that embeds it.
+    code = (
+        "import gc\n"
+        "from asynctaskd.daemon import tune_gc\n"
+        "before = gc.get_freeze_count()\n"
+        "tune_gc()\n"
+        "print(before, gc.get_freeze_count() > 1000, gc.get_threshold())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.split(maxsplit=2) == ["0", "True", "(10000, 50, 100)\n"]
