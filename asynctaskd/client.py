@@ -1177,14 +1177,15 @@ class AsyncClient:
         # Many submits at once (a producer's first burst) all find the caches cold: one
         # refresh answers them all, instead of one HGETALL each.
         shared = self._sharing.get(reads.share)
-        if shared is None:
+        if shared is None or shared.get_loop() is not asyncio.get_running_loop():
             shared = asyncio.ensure_future(self._read(reads))
             self._sharing[reads.share] = shared
             shared.add_done_callback(functools.partial(self._unshare, reads.share))
         return await asyncio.shield(shared)  # one caller giving up cancels nobody else's
 
     def _unshare(self, name: str, done: asyncio.Future[Sequence[Any]]) -> None:
-        self._sharing.pop(name, None)
+        if self._sharing.get(name) is done:
+            del self._sharing[name]
         if not done.cancelled():
             done.exception()  # seen, even if every caller stopped waiting for it
 
@@ -1212,11 +1213,16 @@ class _Coalescer:
 
     def __init__(self, store: Store) -> None:
         self.store = store
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: list[tuple[Call[Any], asyncio.Future[Any]]] = []
         self._flushes: set[asyncio.Task[None]] = set()  # held: the loop keeps weak references
 
     async def run(self, call: Call[T]) -> T:
         loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            # First use, or another event loop: what was queued on one that stopped before
+            # sending it is dropped (its callers are gone), and sending is scheduled here.
+            self._loop, self._queue = loop, []
         done: asyncio.Future[T] = loop.create_future()
         if not self._queue:
             loop.call_soon(self._send)

@@ -281,6 +281,28 @@ async def test_a_caller_that_stops_waiting_for_a_shared_refresh_stops_no_other(
     assert client._store.round_trips == {"read": 1}
 
 
+async def test_calls_left_queued_by_an_event_loop_that_stopped_do_not_block_the_next(
+    redis_url: str,
+) -> None:
+    # A loop stopped between a call's queueing and its sending (its callers are gone):
+    # the next loop that uses the client must still send its own calls.
+    stopped = asyncio.new_event_loop()
+    orphan = stopped.create_future()
+    stopped.close()
+    async with AsyncClient.from_url(redis_url) as client:
+        ops = client._store.ops
+        client._calls._loop = stopped
+        client._calls._queue.append(
+            (ops.create(new_task_id(), "h", b"{}", timeout_ms=60_000), orphan)
+        )
+        task_id = new_task_id()
+        with anyio.fail_after(5):
+            created = await client._calls.run(ops.create(task_id, "h", b"{}", timeout_ms=60_000))
+
+    assert created.task_id == task_id
+    assert client._store.round_trips == {"create": 1}
+
+
 async def test_dedup_key_returns_the_live_task_of_the_same_tenant(
     make_api: Callable[..., Api],
 ) -> None:
