@@ -899,8 +899,9 @@ def _write_archive(archive: ArchiveTarget, lines: list[bytes]) -> None:
 class AsyncClient:
     """Asyncio client for producers and operators.
 
-    One per process is enough: it pools connections and may be shared between tasks.
-    All task ids it returns or takes are strings; times are epoch seconds.
+    One per process is enough: it pools connections and may be shared between tasks, and
+    the calls its tasks make at the same moment (a burst of submits) go out together as
+    one pipeline. All task ids it returns or takes are strings; times are epoch seconds.
     """
 
     def __init__(
