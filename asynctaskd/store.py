@@ -219,6 +219,7 @@ def _pairs(reply: Any) -> list[tuple[str, Status]]:
 
 
 PAUSE_KINDS: Final = ("handler", "provider", "tenant", "account")
+PROMOTE_LIMIT: Final = 1000  # a claim moves at most this many newly due tasks to ready
 
 
 def check_dimension(dimension: str) -> None:
@@ -681,25 +682,28 @@ class Store(_Base):
         calls: Sequence[Call[Any]],
         trailer: tuple[Any, ...] | None = None,
         trailer_wait: float = 0.0,
+        *,
+        name: str = "pipeline",
     ) -> tuple[list[Any], list[bool], Any]:
         """Run calls in one round trip, then `trailer` (e.g. WAITAOF) on the same connection.
         The replies may take the socket timeout plus `trailer_wait` (the trailer's own wait).
+        `name` is what the round trip is counted, timed and reported as.
 
         Returns (results, rerun, trailer reply): each result is a value or the exception;
-        rerun[i] is True when call i hit NOSCRIPT and was run again on its own, after the
-        trailer (so a durability gate in the trailer did not cover it).
+        rerun[i] is True when call i hit NOSCRIPT and was sent again, with the others that
+        did, after the trailer (so a durability gate in the trailer did not cover it).
         """
         if not calls:
             return [], [], []
-        self._count("pipeline")
+        self._count(name)
         started = time.perf_counter()
         if self.cluster:
             replies, trailers = await self._pipeline_by_node(calls, trailer, trailer_wait)
         else:
-            with _mapped("pipeline"):
+            with _mapped(name):
                 replies = await self._send_packed(calls, trailer, trailer_wait)
             trailers = [replies.pop() if trailer is not None else None] * len(calls)
-        self._timed("pipeline", started)
+        self._timed(name, started)
         rerun = [isinstance(reply, rex.NoScriptError) for reply in replies]
         if any(rerun):
             again = [i for i, missing in enumerate(rerun) if missing]
@@ -854,18 +858,31 @@ class Store(_Base):
         n: int,
         lease_ms: int,
         owner: str,
-        promote_limit: int = 1000,
+        promote_limit: int = PROMOTE_LIMIT,
         grants: Mapping[str, int] | None = None,
     ) -> ClaimBatch:
         """Claim up to n due tasks; corrupt ones are quarantined and reported, not returned."""
         call = self.ops.claim(shard, phase, n, lease_ms, owner, promote_limit, grants)
         batch = await self.run(call)
+        await self._quarantine(batch)
+        return batch
+
+    async def claim_each(self, calls: Sequence[Call[ClaimBatch]]) -> list[ClaimBatch | Exception]:
+        """Claim calls (`Ops.claim`: a shard's phases, say) in one round trip: each one's
+        batch, or the error it met; raises StoreUnavailable if the round trip itself
+        failed. Corrupt tasks are quarantined as `claim` does."""
+        results, _, _ = await self.pipeline(calls, name="claim")
+        for batch in results:
+            if isinstance(batch, ClaimBatch):
+                await self._quarantine(batch)
+        return results
+
+    async def _quarantine(self, batch: ClaimBatch) -> None:
         for bad in batch.corrupt:
             logger.error(
                 "quarantining corrupt task: %s", bad.reason, extra={"task_id": bad.task_id}
             )
             await self.run(self.ops.quarantine(bad.task_id, bad.reason))
-        return batch
 
     async def start(self, lease: Lease, idempotent: bool) -> Result:
         return await self.run(self.ops.start(lease, idempotent))

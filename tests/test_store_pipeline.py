@@ -159,3 +159,30 @@ async def test_a_caller_that_stops_waiting_does_not_disturb_the_others(store: St
         runner.cancel()
         with pytest.raises(asyncio.CancelledError):
             await runner
+
+
+async def test_claims_of_both_phases_go_in_one_round_trip_each_with_its_own_outcome(
+    store: Store, redis_client: redis.asyncio.Redis
+) -> None:
+    created = [await create(store) for _ in range(3)]
+    corrupt = await create(store)
+    await redis_client.hset(store.ops._task(corrupt.task_id)[1], "created_ms", "soon")
+    before = dict(store.round_trips)
+
+    submit, query, refused = await store.claim_each(
+        [
+            store.ops.claim(0, "submit", 10, 30_000, "w", 1000),
+            store.ops.claim(0, "query", 10, 30_000, "w", 1000),
+            store.ops.claim(0, "query", -1, 30_000, "w", 1000),  # the script refuses n = -1
+        ]
+    )
+
+    assert not isinstance(submit, Exception) and not isinstance(query, Exception)
+    assert {c.task.id for c in submit.claimed} == {c.task_id for c in created}
+    assert [bad.task_id for bad in submit.corrupt] == [corrupt.task_id]
+    assert query.claimed == []
+    assert isinstance(refused, ScriptError)
+    # Quarantined, as claim() does.
+    assert await redis_client.zrange(Keys().quarantine(0), 0, -1) == [corrupt.task_id.encode()]
+    after = store.round_trips
+    assert after["claim"] - before.get("claim", 0) == 1
