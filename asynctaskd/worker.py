@@ -225,7 +225,6 @@ class Worker:
 
     async def _claim_loop(self, calls: asyncio.TaskGroup) -> None:
         shards = range(self.store.keys.shards)
-        batch = self.config.worker.batch_size
         while True:
             free = self.max_inflight - len(self._active)
             if free <= 0:
@@ -241,54 +240,10 @@ class Worker:
                 if free <= 0:
                     more = True
                     break
-                # Query work is cheap and keeps vendor jobs moving: it gets half the free
-                # slots, submit work the rest. Both phases are claimed in one round trip:
-                # under load a reply waits its turn in a busy event loop (~5 ms here), and
-                # the claims of a round would wait for each other.
-                query_n = min(batch, max(1, free // 2))
-                shares: list[tuple[Phase, int]] = [
-                    ("query", query_n),
-                    ("submit", min(batch, free - query_n)),
-                ]
-                wanted = [(phase, n) for phase, n in shares if n > 0]
-                more = more or len(wanted) < len(shares)
-                grants = [await self._take_tokens(shard, phase, n) for phase, n in wanted]
-                claims = [
-                    self.store.ops.claim(
-                        shard, phase, n, self.lease_ms, self.id, PROMOTE_LIMIT, granted
-                    )
-                    for (phase, n), granted in zip(wanted, grants, strict=True)
-                ]
-                try:
-                    results = await self.store.claim_each(claims)
-                except (StoreUnavailable, ScriptError) as exc:
-                    results = [exc] * len(claims)
-                failed = False
-                now = time.time()
-                for (phase, _), granted, result in zip(wanted, grants, results, strict=True):
-                    if isinstance(result, Exception):
-                        # ScriptError: data the script could not handle; keep the daemon
-                        # up (other shards and phases still work) and say so loudly.
-                        self.metrics.store_errors.labels("claim").inc()
-                        logger.warning("claim failed, retrying: %s", result)
-                        failed = more = True
-                        continue
-                    lanes_next = await self._after_claim(shard, phase, granted, result.lanes)
-                    more = more or lanes_next <= now
-                    next_due = min(next_due, lanes_next)
-                    if result.claimed:
-                        self.metrics.claimed.labels(phase).inc(len(result.claimed))
-                        due_lag = self.metrics.due_lag.labels(phase)
-                        for claimed in result.claimed:
-                            self._launch(calls, claimed, phase, now, due_lag)
-                    got += len(result.claimed)
-                    self.metrics.quarantined.inc(len(result.corrupt))
-                    if result.ready_left:
-                        more = True
-                    if result.next_due_ms:
-                        next_due = min(next_due, result.next_due_ms / 1000)
-                if failed:
-                    await anyio.sleep(0.5)
+                claimed, shard_more, shard_due = await self._claim_shard(calls, shard, free)
+                got += claimed
+                more = more or shard_more
+                next_due = min(next_due, shard_due)
             if not self.first_pass.is_set():
                 self.first_pass.set()
             if got:
@@ -302,6 +257,60 @@ class Worker:
                 await self._wait_slot(0.05)
                 continue
             await self._idle(next_due)
+
+    async def _claim_shard(
+        self, calls: asyncio.TaskGroup, shard: int, free: int
+    ) -> tuple[int, bool, float]:
+        """Claim and launch up to `free` tasks of one shard: (how many, whether more may be
+        claimable now, the earliest time something else comes due)."""
+        # Query work is cheap and keeps vendor jobs moving: it gets half the free slots,
+        # submit work the rest. Both phases are claimed in one round trip: under load a
+        # reply waits its turn in a busy event loop (~5 ms here), and the claims of a round
+        # would wait for each other.
+        batch = self.config.worker.batch_size
+        query_n = min(batch, max(1, free // 2))
+        shares: list[tuple[Phase, int]] = [
+            ("query", query_n),
+            ("submit", min(batch, free - query_n)),
+        ]
+        wanted = [(phase, n) for phase, n in shares if n > 0]
+        more = len(wanted) < len(shares)
+        next_due = math.inf
+        got = 0
+        grants = [await self._take_tokens(shard, phase, n) for phase, n in wanted]
+        claims = [
+            self.store.ops.claim(shard, phase, n, self.lease_ms, self.id, PROMOTE_LIMIT, granted)
+            for (phase, n), granted in zip(wanted, grants, strict=True)
+        ]
+        try:
+            results = await self.store.claim_each(claims)
+        except (StoreUnavailable, ScriptError) as exc:
+            results = [exc] * len(claims)
+        failed = False
+        now = time.time()
+        for (phase, _), granted, result in zip(wanted, grants, results, strict=True):
+            if isinstance(result, Exception):
+                # ScriptError: data the script could not handle; keep the daemon up (other
+                # shards and phases still work) and say so loudly.
+                self.metrics.store_errors.labels("claim").inc()
+                logger.warning("claim failed, retrying: %s", result)
+                failed = more = True
+                continue
+            lanes_next = await self._after_claim(shard, phase, granted, result.lanes)
+            more = more or lanes_next <= now or bool(result.ready_left)
+            next_due = min(next_due, lanes_next)
+            if result.next_due_ms:
+                next_due = min(next_due, result.next_due_ms / 1000)
+            if result.claimed:
+                self.metrics.claimed.labels(phase).inc(len(result.claimed))
+                due_lag = self.metrics.due_lag.labels(phase)
+                for claimed in result.claimed:
+                    self._launch(calls, claimed, phase, now, due_lag)
+            got += len(result.claimed)
+            self.metrics.quarantined.inc(len(result.corrupt))
+        if failed:
+            await anyio.sleep(0.5)
+        return got, more, next_due
 
     async def _take_tokens(self, shard: int, phase: Phase, n: int) -> dict[str, int]:
         """Tokens for the rate lanes whose tasks wait in this shard (asynctaskd.admission)."""
