@@ -321,7 +321,7 @@ async def test_a_deadline_beyond_the_lease_is_armed_as_it_comes_near(store: Stor
     task = await store.get(tid)
     assert task is not None and task.status is Status.TRACKING_TIMED_OUT
     assert call_count(worker, "query", "deadline") == 1
-    assert created.deadline_at <= cut_at[0] < created.deadline_at + 0.5
+    assert created.deadline_at <= cut_at[0] < created.deadline_at + 2.0  # not 30 s: cut, not hung
 
 
 async def test_a_timeout_error_raised_by_the_handler_is_a_query_error(store: Store) -> None:
