@@ -266,15 +266,27 @@ class Worker:
         # Query work is cheap and keeps vendor jobs moving: it gets half the free slots,
         # submit work the rest. Both phases are claimed in one round trip: under load a
         # reply waits its turn in a busy event loop (~5 ms here), and the claims of a round
-        # would wait for each other.
+        # would wait for each other. One free slot cannot be shared: query work first, and
+        # submit work only if there was none.
+        if free == 1:
+            got, more, next_due = await self._claim_phases(calls, shard, [("query", 1)])
+            if got:
+                return got, True, next_due  # submit work was not asked for
+            got, submit_more, submit_due = await self._claim_phases(calls, shard, [("submit", 1)])
+            return got, more or submit_more, min(next_due, submit_due)
         batch = self.config.worker.batch_size
-        query_n = min(batch, max(1, free // 2))
-        shares: list[tuple[Phase, int]] = [
+        query_n = min(batch, free // 2)
+        wanted: list[tuple[Phase, int]] = [
             ("query", query_n),
             ("submit", min(batch, free - query_n)),
         ]
-        wanted = [(phase, n) for phase, n in shares if n > 0]
-        more = len(wanted) < len(shares)
+        return await self._claim_phases(calls, shard, wanted)
+
+    async def _claim_phases(
+        self, calls: asyncio.TaskGroup, shard: int, wanted: list[tuple[Phase, int]]
+    ) -> tuple[int, bool, float]:
+        """Claim `wanted` (phase, how many) of one shard in one round trip; as _claim_shard."""
+        more = False
         next_due = math.inf
         got = 0
         grants = [await self._take_tokens(shard, phase, n) for phase, n in wanted]

@@ -155,6 +155,17 @@ async def run(store: Store, handler: Any, config: Config | None = None) -> Worke
     return worker
 
 
+async def test_one_slot_takes_submit_work_when_no_query_work_is_due(store: Store) -> None:
+    # With a single free slot a claim round cannot ask both phases for a task at once:
+    # query work goes first, and submit work must still be claimed when there is none.
+    h = Scripted()
+    ids = await submit_many(store, 3)
+    worker = await run(store, h, make_config(worker={"max_inflight": 1}))
+    assert await statuses(store, ids) == Counter({Status.SUCCEEDED: 3})
+    assert sorted(h.submits) == sorted(ids)
+    assert worker.completed == 6  # three submits and three queries, one at a time
+
+
 async def test_permanent_submit_error_fails(store: Store) -> None:
     h = Scripted()
     h.on_submit = lambda ctx: PermanentError("bad input", code="HTTP_400")
