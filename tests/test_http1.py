@@ -200,6 +200,19 @@ async def get_many(http: httpx.AsyncClient, url: str, count: int) -> list[bytes]
     return [(await http.get(f"{url}/{n}")).content for n in range(count)]
 
 
+async def get_twice(replies: Sequence[bytes], *, hang_up: bool = False) -> tuple[list[bytes], int]:
+    """Two GETs in turn from a new shared client to a `replying` server: the two bodies,
+    and how many connections the server accepted."""
+    seen = Seen()
+    async with (
+        serving(replying(seen, replies, hang_up=hang_up)) as url,
+        make_http_client() as http,
+    ):
+        with anyio.fail_after(5):
+            bodies = await get_many(http, url, 2)
+    return bodies, seen.accepted
+
+
 # --- keep-alive and response framing -----------------------------------------------------
 
 
@@ -253,13 +266,10 @@ FRAMED = {
 @pytest.mark.parametrize("case", list(FRAMED))
 async def test_a_framed_body_is_read_whole_and_the_connection_reused(case: str) -> None:
     reply, body = FRAMED[case]
-    seen = Seen()
-    async with serving(replying(seen, [reply])) as url, make_http_client() as http:
-        with anyio.fail_after(5):
-            bodies = await get_many(http, url, 2)
+    bodies, accepted = await get_twice([reply])
 
     assert bodies == [body, body]
-    assert seen.accepted == 1
+    assert accepted == 1
 
 
 async def test_a_chunked_body_split_into_single_bytes_is_reassembled(reads: Reads) -> None:
@@ -297,14 +307,11 @@ async def test_a_chunked_body_split_into_single_bytes_is_reassembled(reads: Read
 
 
 async def test_a_body_delimited_by_close_arrives_whole_and_is_not_reused() -> None:
-    seen = Seen()
     reply = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nuntil the end"
-    async with serving(replying(seen, [reply], hang_up=True)) as url, make_http_client() as http:
-        with anyio.fail_after(5):
-            bodies = await get_many(http, url, 2)
+    bodies, accepted = await get_twice([reply], hang_up=True)
 
     assert bodies == [b"until the end", b"until the end"]
-    assert seen.accepted == 2
+    assert accepted == 2
 
 
 # The server keeps every connection open: only the client decides whether to reuse one.
@@ -329,13 +336,10 @@ REUSE = {
 @pytest.mark.parametrize("case", list(REUSE))
 async def test_the_response_decides_whether_the_connection_is_reused(case: str) -> None:
     reply, connections = REUSE[case]
-    seen = Seen()
-    async with serving(replying(seen, [reply])) as url, make_http_client() as http:
-        with anyio.fail_after(5):
-            bodies = await get_many(http, url, 2)
+    bodies, accepted = await get_twice([reply])
 
     assert bodies == [b"ok", b"ok"]
-    assert seen.accepted == connections
+    assert accepted == connections
 
 
 @pytest.mark.parametrize(("connection", "connections"), [("close", 2), ("keep-alive", 1)])
@@ -398,14 +402,11 @@ async def test_interim_responses_are_skipped(case: str) -> None:
 
 
 async def test_bytes_after_a_complete_response_poison_the_connection() -> None:
-    seen = Seen()
     replies = [ok_response(b"first") + ok_response(b"unsolicited"), ok_response(b"second")]
-    async with serving(replying(seen, replies)) as url, make_http_client() as http:
-        with anyio.fail_after(5):
-            bodies = await get_many(http, url, 2)
+    bodies, accepted = await get_twice(replies)
 
     assert bodies == [b"first", b"second"]
-    assert seen.accepted == 2  # the connection with the extra bytes was not reused
+    assert accepted == 2  # the connection with the extra bytes was not reused
 
 
 async def test_bytes_arriving_on_an_idle_connection_poison_it(reads: Reads) -> None:
