@@ -110,7 +110,6 @@ class _Connection(asyncio.Protocol):
         # cancel cost ~2 us, over 1% of a poll). It stays armed across exchanges and,
         # when it fires, re-arms itself from the last read if an exchange is still going.
         self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = 0.0
         self._timeout: float | None = None  # the exchange in flight's read timeout
         self._last_read = 0.0
 
@@ -163,7 +162,7 @@ class _Connection(asyncio.Protocol):
         self._timeout = read_timeout
         if read_timeout is not None:
             self._last_read = now = self._loop.time()
-            if self._timer is None or self._timer_at > now + read_timeout:
+            if self._timer is None or self._timer.when() > now + read_timeout:
                 self._arm(now + read_timeout)
         try:
             return await waiter
@@ -174,7 +173,6 @@ class _Connection(asyncio.Protocol):
     def _arm(self, when: float) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._timer_at = when
         self._timer = self._loop.call_at(when, self._check_timeout)
 
     def _disarm(self) -> None:
