@@ -613,9 +613,7 @@ class _Client(httpx.AsyncClient):
             json,
             {"timeout": self.timeout.as_dict()},
         )
-        if request.url.userinfo:  # httpx turns URL credentials into BasicAuth
-            return await super().send(request)
-        return await self._send_direct(request)
+        return await self._send_plain(request)
 
     async def send(
         self,
@@ -629,7 +627,6 @@ class _Client(httpx.AsyncClient):
             stream
             or auth is not httpx.USE_CLIENT_DEFAULT
             or (follow_redirects is not httpx.USE_CLIENT_DEFAULT and follow_redirects)
-            or request.url.userinfo  # httpx turns URL credentials into BasicAuth
             or not self._direct()
         ):
             return await super().send(
@@ -637,6 +634,13 @@ class _Client(httpx.AsyncClient):
             )
         if "timeout" not in request.extensions:
             request.extensions["timeout"] = self.timeout.as_dict()
+        return await self._send_plain(request)
+
+    async def _send_plain(self, request: httpx.Request) -> httpx.Response:
+        """A request the client's settings let through: httpx's own `send` if the URL
+        carries credentials (httpx turns them into BasicAuth), else the direct path."""
+        if request.url.userinfo:
+            return await super().send(request)
         return await self._send_direct(request)
 
     async def _send_direct(self, request: httpx.Request) -> httpx.Response:
