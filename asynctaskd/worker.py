@@ -146,7 +146,6 @@ class Worker:
         w = config.worker
         self.max_inflight = w.max_inflight
         self.lease_ms = max(1000, round(float(w.lease) * 1000))
-        self._arm_within = self.lease_ms / 1000  # see _Active.set_deadline
         self._active: dict[str, _Active] = {}
         self._handler_slots = {
             key: anyio.Semaphore(e.concurrency) for key, e in handlers.items() if e.concurrency
@@ -460,7 +459,7 @@ class Worker:
             if not self._active:
                 continue
             # Query deadlines within a lease are armed: at least two passes before them.
-            arm_by = asyncio.get_running_loop().time() + self._arm_within
+            arm_by = asyncio.get_running_loop().time() + self.lease_ms / 1000
             for active in self._active.values():
                 active.arm_near(arm_by)
             held = [a for a in self._active.values() if not a.saved]
@@ -850,7 +849,7 @@ class Worker:
         # it is lifted before any save, so only the vendor call is cut.
         budget = max(0.0, task.deadline_at - time.time()) + 0.05
         now = asyncio.get_running_loop().time()
-        active.set_deadline(now + budget, now + self._arm_within)
+        active.set_deadline(now + budget, now + self.lease_ms / 1000)  # see set_deadline
         failure: BaseException | None = None
         try:
             out = await entry.handler.query(query_handle, ctx)
