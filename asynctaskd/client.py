@@ -58,6 +58,7 @@ from .routing import (
     make_group,
 )
 from .store import (
+    Batcher,
     Call,
     Code,
     Created,
@@ -922,7 +923,7 @@ class AsyncClient:
         self._store = Store(redis, self._ctx.keys)
         self._owned = False
         self._sharing: dict[str, asyncio.Future[Sequence[Any]]] = {}
-        self._calls = _Coalescer(self._store)
+        self._calls = Batcher(self._store, standalone=True)  # calls made together, piped
 
     @classmethod
     def from_url(
@@ -1163,7 +1164,7 @@ class AsyncClient:
     async def _step(self, step: Step) -> tuple[Any, Exception | None]:
         try:
             if isinstance(step, Call):
-                return await self._calls.run(step), None
+                return (await self._calls.call(step))[0], None
             if isinstance(step, Reads):
                 return (await self._execute(step) if step.cmds else []), None
             if isinstance(step, Pause):
@@ -1198,67 +1199,6 @@ class AsyncClient:
                 return await read_many(self._store, reads.cmds)
         except TimeoutError:
             raise StoreUnavailable(f"Redis did not answer within {reads.bound:.1f}s") from None
-
-
-class _Coalescer:
-    """Script calls that many coroutines make at the same moment, sent as one pipeline.
-
-    A producer that submits from many coroutines at once (a burst of web requests, a
-    fan-out) would otherwise send each create on a connection of its own, one round trip
-    each: ~0.1 ms of client CPU a call. Calls queued while the event loop runs other
-    coroutines go out together on its next pass; a call alone goes out as it is. A call
-    whose caller stopped waiting before it went out is not sent.
-    """
-
-    MAX_BATCH: Final = 256
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._queue: list[tuple[Call[Any], asyncio.Future[Any]]] = []
-        self._flushes: set[asyncio.Task[None]] = set()  # held: the loop keeps weak references
-
-    async def run(self, call: Call[T]) -> T:
-        loop = asyncio.get_running_loop()
-        if loop is not self._loop:
-            # First use, or another event loop: what was queued on one that stopped before
-            # sending it is dropped (its callers are gone), and sending is scheduled here.
-            self._loop, self._queue = loop, []
-        done: asyncio.Future[T] = loop.create_future()
-        if not self._queue:
-            loop.call_soon(self._send)
-        self._queue.append((call, done))
-        return await done
-
-    def _send(self) -> None:
-        queued, self._queue = [q for q in self._queue if not q[1].done()], []
-        for start in range(0, len(queued), self.MAX_BATCH):
-            flush = asyncio.ensure_future(self._flush(queued[start : start + self.MAX_BATCH]))
-            self._flushes.add(flush)
-            flush.add_done_callback(self._flushes.discard)
-
-    async def _flush(self, batch: list[tuple[Call[Any], asyncio.Future[Any]]]) -> None:
-        results: Sequence[Any]
-        try:
-            if len(batch) == 1:
-                results = [await self.store.run(batch[0][0])]
-            else:
-                results, _, _ = await self.store.pipeline([call for call, _ in batch])
-        except Exception as exc:
-            results = [exc] * len(batch)
-        except BaseException:  # cancelled (the loop is closing): the calls may have run
-            stopped = StoreUnavailable("stopped before Redis answered")
-            for _, done in batch:
-                if not done.done():
-                    done.set_exception(stopped)
-            raise
-        for (_, done), result in zip(batch, results, strict=True):
-            if done.done():  # the caller stopped waiting
-                continue
-            if isinstance(result, Exception):
-                done.set_exception(result)
-            else:
-                done.set_result(result)
 
 
 class Client:

@@ -1063,6 +1063,11 @@ class Batcher:
     one round trip (and one durability gate) carries everything queued since the last
     one, with up to `max_pipelines` round trips in flight. `run()` must be running in
     a task group for `call()` to make progress.
+
+    With `standalone=True` nothing needs to run: each call schedules the sending on the
+    event loop's next pass (a producer's client has no task of its own), a call alone
+    goes out as it is, and a call whose caller stopped waiting before it went out is
+    not sent. Calls queued on an event loop that stopped before sending them are dropped.
     """
 
     def __init__(
@@ -1072,15 +1077,19 @@ class Batcher:
         *,
         max_batch: int = 256,
         max_pipelines: int = 4,
+        standalone: bool = False,
     ) -> None:
         self.store = store
         self.gate = gate
         self.max_batch = max_batch
         self.max_pipelines = max_pipelines
+        self.standalone = standalone
         self._queue: list[_Pending] = []
         # asyncio's own primitives: a flush per batch of saves, many a second, and anyio's
         # start_soon costs ~22 us here (a TaskGroup task ~3), a Semaphore acquire ~4 us.
         self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None  # standalone: the queue's loop
+        self._flushes: set[asyncio.Task[None]] = set()  # standalone: held, the loop won't
         self.gate_seconds = 0.0
 
     async def call(self, call: Call[T], *, gated: bool = False) -> tuple[T, bool]:
@@ -1090,8 +1099,11 @@ class Batcher:
         the write (False also when the server had to be sent the call again).
         """
         pending = _Pending(call, gated and self.gate is not None)
-        self._queue.append(pending)
-        self._wake.set()
+        if self.standalone:
+            self._enqueue_here(pending)
+        else:
+            self._queue.append(pending)
+            self._wake.set()
         result = await pending.done
         if isinstance(result, BaseException):
             raise result
@@ -1109,21 +1121,39 @@ class Batcher:
                     del self._queue[: self.max_batch]
                     tg.create_task(self._flush(batch, slots))
 
-    async def _flush(self, batch: list[_Pending], slots: asyncio.Semaphore) -> None:
+    def _enqueue_here(self, pending: _Pending) -> None:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # first use, or a new loop: the old one's callers are gone
+            self._loop, self._queue = loop, []
+        if not self._queue:
+            loop.call_soon(self._send)
+        self._queue.append(pending)
+
+    def _send(self) -> None:
+        queued, self._queue = [p for p in self._queue if not p.done.done()], []
+        for start in range(0, len(queued), self.max_batch):
+            flush = asyncio.ensure_future(self._flush(queued[start : start + self.max_batch]))
+            self._flushes.add(flush)
+            flush.add_done_callback(self._flushes.discard)
+
+    async def _flush(self, batch: list[_Pending], slots: asyncio.Semaphore | None = None) -> None:
         # The gate rides along only when a call in the batch asked for it.
         gate = self.gate if any(p.gated for p in batch) else None
         try:
-            t0 = time.perf_counter()
-            results, rerun, replies = await self.store.pipeline(
-                [p.call for p in batch],
-                None if gate is None else gate.command(),
-                0.0 if gate is None else gate.timeout_ms / 1000,
-            )
-            if gate is not None:
-                self.gate_seconds = time.perf_counter() - t0
-                for p, again, reply in zip(batch, rerun, replies, strict=True):
-                    ok = not isinstance(reply, Exception) and gate.satisfied(reply)
-                    p.durable = ok and not again
+            if self.standalone and gate is None and len(batch) == 1:
+                results: list[Any] = [await self.store.run(batch[0].call)]
+            else:
+                t0 = time.perf_counter()
+                results, rerun, replies = await self.store.pipeline(
+                    [p.call for p in batch],
+                    None if gate is None else gate.command(),
+                    0.0 if gate is None else gate.timeout_ms / 1000,
+                )
+                if gate is not None:
+                    self.gate_seconds = time.perf_counter() - t0
+                    for p, again, reply in zip(batch, rerun, replies, strict=True):
+                        ok = not isinstance(reply, Exception) and gate.satisfied(reply)
+                        p.durable = ok and not again
         except Exception as exc:
             results = [exc] * len(batch)
         except BaseException:  # cancelled: the writes may or may not have happened
@@ -1132,7 +1162,8 @@ class Batcher:
                 p.resolve(stopped)
             raise
         finally:
-            slots.release()
+            if slots is not None:
+                slots.release()
         for p, result in zip(batch, results, strict=True):
             p.resolve(result)
 

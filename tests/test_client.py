@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import msgspec
@@ -30,7 +30,7 @@ from asynctaskd.errors import (
 )
 from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.model import Status, Task, TaskError
-from asynctaskd.store import Call, Lease, Store, SyncStore
+from asynctaskd.store import Call, Lease, Store, SyncStore, _Pending
 
 from .clients import Api
 from .conftest import wait_until
@@ -38,6 +38,7 @@ from .conftest import wait_until
 pytestmark = pytest.mark.anyio
 
 S = Status
+T = TypeVar("T")
 BASE: dict[str, Any] = {"tracking_timeout": 60, "strict": False}
 
 
@@ -217,6 +218,12 @@ async def test_a_burst_of_submits_on_a_cold_client_refreshes_its_caches_once(
     assert trips == {"read": 1, "pipeline": 2}
 
 
+async def sent(client: AsyncClient, call: Call[T]) -> T:
+    """A script call through the client's own batching, as its operations send them."""
+    result, _ = await client._calls.call(call)
+    return result
+
+
 async def test_script_calls_made_together_each_get_their_own_outcome(
     redis_url: str, redis_client: redis.asyncio.Redis
 ) -> None:
@@ -230,7 +237,7 @@ async def test_script_calls_made_together_each_get_their_own_outcome(
         calls[1] = Call(calls[1].script, calls[1].keys, calls[1].args, unreadable)
         await redis_client.script_load(client._store.scripts["create"].source)
         outcomes = await asyncio.gather(
-            *(client._calls.run(call) for call in calls), return_exceptions=True
+            *(sent(client, call) for call in calls), return_exceptions=True
         )
         trips = dict(client._store.round_trips)
 
@@ -246,7 +253,7 @@ async def test_a_call_whose_caller_gave_up_before_it_went_out_is_not_sent(
         ops = client._store.ops
         ids = [new_task_id(), new_task_id()]
         kept, dropped = (
-            asyncio.ensure_future(client._calls.run(ops.create(i, "h", b"{}", timeout_ms=60_000)))
+            asyncio.ensure_future(sent(client, ops.create(i, "h", b"{}", timeout_ms=60_000)))
             for i in ids
         )
         # One pass of the loop: both calls are queued, and go out on the next pass.
@@ -287,17 +294,17 @@ async def test_calls_left_queued_by_an_event_loop_that_stopped_do_not_block_the_
     # A loop stopped between a call's queueing and its sending (its callers are gone):
     # the next loop that uses the client must still send its own calls.
     stopped = asyncio.new_event_loop()
-    orphan = stopped.create_future()
+    orphan = _Pending.__new__(_Pending)  # as a call queued on that loop left it
+    orphan.done, orphan.gated, orphan.durable = stopped.create_future(), False, True
     stopped.close()
     async with AsyncClient.from_url(redis_url) as client:
         ops = client._store.ops
+        orphan.call = ops.create(new_task_id(), "h", b"{}", timeout_ms=60_000)
         client._calls._loop = stopped
-        client._calls._queue.append(
-            (ops.create(new_task_id(), "h", b"{}", timeout_ms=60_000), orphan)
-        )
+        client._calls._queue.append(orphan)
         task_id = new_task_id()
         with anyio.fail_after(5):
-            created = await client._calls.run(ops.create(task_id, "h", b"{}", timeout_ms=60_000))
+            created = await sent(client, ops.create(task_id, "h", b"{}", timeout_ms=60_000))
 
     assert created.task_id == task_id
     assert client._store.round_trips == {"create": 1}
