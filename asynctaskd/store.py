@@ -707,7 +707,7 @@ class Store(_Base):
         rerun = [isinstance(reply, rex.NoScriptError) for reply in replies]
         if any(rerun):
             again = [i for i, missing in enumerate(rerun) if missing]
-            reloaded = await self._reloaded([calls[i] for i in again])
+            reloaded = await self._reloaded([calls[i] for i in again], name)
             for i, reply in zip(again, reloaded, strict=True):
                 replies[i] = reply
         out: list[Any] = []
@@ -809,18 +809,18 @@ class Store(_Base):
             await self._refresh_topology()
         return replies, trailers
 
-    async def _reloaded(self, calls: Sequence[Call[Any]]) -> list[Any]:
+    async def _reloaded(self, calls: Sequence[Call[Any]], name: str) -> list[Any]:
         """Replies to calls that met NOSCRIPT (the server lost its script cache: restart,
         failover), so did not run: each script is loaded once, and the calls sent again
-        together. An error stands in for the replies it prevented."""
-        self._count("pipeline")
+        together, counted as `name`. An error stands in for the replies it prevented."""
+        self._count(name)
         try:
-            for name in {call.script for call in calls}:
-                with _mapped(name):
-                    await self._load(self.scripts[name])
+            for script in {call.script for call in calls}:
+                with _mapped(script):
+                    await self._load(self.scripts[script])
             if self.cluster:
                 return (await self._pipeline_by_node(calls, None, 0.0))[0]
-            with _mapped("pipeline"):
+            with _mapped(name):
                 return await self._send_packed(calls, None, 0.0)
         except (StoreUnavailable, ScriptError) as exc:
             return [exc] * len(calls)
