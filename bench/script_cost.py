@@ -1,0 +1,208 @@
+"""Redis CPU per script operation, counted in instructions: deterministic on a noisy host.
+
+Wall and CPU times on a shared 2-core VM move by 30% between identical runs, too much to
+see a change of a few percent in what the scripts cost Redis. This bench runs a private
+redis-server under valgrind's callgrind, which counts the instructions the server
+executes whatever else the machine does, and drives one task lifecycle per task through
+the real scripts, with the calls of each step pipelined as the daemon sends them:
+
+    create, claim (submit phase, 100 a call), start, save SUBMITTED, then polls: claim
+    (query phase, 100 a call) + save RUNNING, the first changing the status and the next
+    keeping it, and a last claim + save SUCCEEDED; renew of 100 leases a call.
+
+Each step's figure is the server's instructions over the step divided by its tasks, so a
+claim's or renew's share of its batch is included (reading, parsing and answering the
+pipeline too). Two reference rows show the floor: an EVALSHA of `return 1`, and one of
+the shared prelude alone (tables and helper closures every script builds on each call).
+The same binary, inputs and scripts give the same counts to within a fraction of a
+percent; a change to a script shows as a change of its rows.
+
+Needs valgrind (callgrind_control comes with it) and runs ~1 minute for 2,000 tasks.
+
+    python bench/script_cost.py [--tasks 2000] [--server redis-server]
+Prints a table, then one JSON line {"bench": "script_cost", ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import redis.asyncio
+
+from asynctaskd.embedded import ServerProcess, find_binary
+from asynctaskd.keys import Keys, new_task_id
+from asynctaskd.model import Status
+from asynctaskd.scripts import load_scripts
+from asynctaskd.store import Call, Claimed, Lease, Store
+from bench import emit, machine, machine_line, say, table, workdir
+
+CLAIM_BATCH = 100
+
+
+class CallgrindServer(ServerProcess):
+    """A redis-server under callgrind; `counted()` reads the instructions since the last."""
+
+    def __init__(self, binary: Path, out: Path) -> None:
+        super().__init__(binary)
+        self.out = out
+
+    def _argv(self) -> list[str]:
+        return [
+            "valgrind",
+            "--tool=callgrind",
+            f"--callgrind-out-file={self.out}.%p",
+            *super()._argv(),
+        ]
+
+    def counted(self) -> int:
+        """Instructions executed since the previous call (callgrind dumps and zeroes)."""
+        assert self.process is not None
+        before = set(self.out.parent.glob(f"{self.out.name}.*"))
+        subprocess.run(
+            ["callgrind_control", "--dump", str(self.process.pid)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        [dump] = set(self.out.parent.glob(f"{self.out.name}.*")) - before
+        for line in dump.read_text().splitlines():
+            if line.startswith(("summary:", "totals:")):
+                return int(line.split()[1])
+        raise RuntimeError(f"no totals in {dump}")
+
+
+async def _lifecycle(server: CallgrindServer, tasks: int) -> list[tuple[str, int, int]]:
+    """Drive `tasks` tasks through the scripts; (step, calls, instructions) per step."""
+    client = redis.asyncio.Redis(port=server.port)
+    store = Store(client, Keys())
+    await store.prepare()
+    ops = store.ops
+    rows: list[tuple[str, int, int]] = []
+
+    async def step(name: str, calls: list[Call[Any]]) -> list[Any]:
+        server.counted()
+        results: list[Any] = []
+        for i in range(0, len(calls), 200):
+            out, _, _ = await store.pipeline(calls[i : i + 200])
+            results += out
+        rows.append((name, len(calls), server.counted()))
+        for r in results:
+            if isinstance(r, Exception):
+                raise r
+        return results
+
+    async def claim(name: str, phase: str) -> list[Claimed]:
+        server.counted()
+        got: list[Claimed] = []
+        while len(got) < tasks:
+            call = ops.claim(0, phase, CLAIM_BATCH, 60_000, "bench", 1000)  # type: ignore[arg-type]
+            batch = await store.run(call)
+            if not batch.claimed:
+                raise RuntimeError(f"{name}: {len(got)} of {tasks} tasks claimed")
+            got += batch.claimed
+        rows.append((name, len(got), server.counted()))
+        return got
+
+    ids = [new_task_id() for _ in range(tasks)]
+    await step("create", [ops.create(i, "demo", b'{"n":1}', timeout_ms=3_600_000) for i in ids])
+    got = await claim("claim (submit phase)", "submit")
+    started = await step("start", [ops.start(c.lease, False) for c in got])
+    leases = [
+        Lease(c.lease.task_id, c.lease.fence, r.version) for c, r in zip(got, started, strict=True)
+    ]
+    handle: dict[str, str | bytes | int | float] = {
+        "external_id": "job",
+        "handle": '{"external_id":"job","query":{}}',
+    }
+    await step(
+        "save SUBMITTED", [ops.save(lease, Status.SUBMITTED, fields=handle) for lease in leases]
+    )
+    for n, name in ((1, "save RUNNING (status changes)"), (2, "save RUNNING (same status)")):
+        got = await claim("claim (query phase)", "query")
+        if n == 2:
+            renewed = [c.lease for c in got]
+            batches = [renewed[i : i + CLAIM_BATCH] for i in range(0, tasks, CLAIM_BATCH)]
+            await step("renew (100 leases a call)", [ops.renew(0, 60_000, b) for b in batches])
+            rows[-1] = (rows[-1][0], tasks, rows[-1][2])  # per lease, not per call
+        fields: dict[str, str | bytes | int | float] = {
+            "poll_count": n,
+            "progress": "0.5",
+            "consecutive_errors": "",
+        }
+        await step(name, [ops.save(c.lease, Status.RUNNING, fields=fields) for c in got])
+    got = await claim("claim (query phase)", "query")
+    await step(
+        "save SUCCEEDED",
+        [ops.save(c.lease, Status.SUCCEEDED, fields={"result": '{"ok":1}'}) for c in got],
+    )
+    # the floor: an EVALSHA that does nothing, and one that runs only the shared prelude
+    scripts = load_scripts()
+    prelude = scripts["renew"].source.split("-- script: ")[0]
+    floor = (("EVALSHA of return 1", "return 1"), ("prelude alone", prelude + "return 1"))
+    for name, source in floor:
+        sha = await client.script_load(source)
+        server.counted()
+        pipe = client.pipeline(transaction=False)
+        for _ in range(tasks):
+            pipe.evalsha(sha, 1, Keys().tag(0) + ":")
+        await pipe.execute()
+        rows.append((name, tasks, server.counted()))
+    await client.aclose()
+    return rows
+
+
+def run(tasks: int = 2000, binary: str = "redis-server") -> dict[str, Any]:
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        raise SystemExit("valgrind not found: install it (Debian: apt install valgrind)")
+    found = find_binary(binary)
+    if found is None:
+        raise SystemExit(f"{binary} not found")
+    with workdir("bench-cost-") as tmp:
+        server = CallgrindServer(found, tmp / "callgrind.out")
+        server.start(timeout=120)
+        try:
+            m = machine(server.port)
+            rows = asyncio.run(_lifecycle(server, tasks))
+        finally:
+            server.stop()
+    sums: dict[str, list[int]] = {}
+    for name, calls, total in rows:  # a step run more than once (query claims): the mean
+        sums.setdefault(name, [0, 0])
+        sums[name][0] += calls
+        sums[name][1] += total
+    per_op = {name: round(total / calls) for name, (calls, total) in sums.items()}
+    # one poll of a task in flight: its share of a query claim, then its save
+    per_op["one poll (claim + save, same status)"] = (
+        per_op["claim (query phase)"] + per_op["save RUNNING (same status)"]
+    )
+    say(
+        table(
+            f"Redis instructions per operation ({found.name} under callgrind, {tasks} tasks)",
+            ["operation", "instructions"],
+            [(name, f"{n:,}") for name, n in per_op.items()],
+        )
+    )
+    say(f"  machine: {machine_line(m)}")
+    return {"machine": m, "tasks": tasks, "server": m.get("redis"), "instructions": per_op}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tasks", type=int, default=2000)
+    parser.add_argument("--server", default="redis-server", help="redis-server or valkey-server")
+    args = parser.parse_args(argv)
+    emit("script_cost", run(args.tasks, args.server))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
