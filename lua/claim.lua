@@ -58,8 +58,8 @@ local quarantine = P .. 'quarantine'
 
 -- Promote newly due tasks, bounded, to where they wait (the ready set or a held set).
 if promote_limit > 0 then
-  local due = redis.call('ZRANGEBYSCORE', due_key, '-inf', NOW, 'WITHSCORES', 'LIMIT', 0,
-                         promote_limit)
+  local due = redis.call('ZRANGEBYSCORE', due_key, '-inf', NOW_S, 'WITHSCORES', 'LIMIT', 0,
+                         int_s(promote_limit))
   for i = 1, #due, 2 do
     local id = due[i]
     local pr = redis.pcall('HGET', task_key(id), 'priority')
@@ -99,12 +99,12 @@ local function consider(id, score, from)
     return true
   end
   if corrupt then
-    redis.call('ZADD', quarantine, NOW, id)     -- unreadable: park it for an operator
+    redis.call('ZADD', quarantine, NOW_S, id)   -- unreadable: park it for an operator
     dropped = dropped + 1
   elseif not status then
     dropped = dropped + 1                       -- hash gone: nothing to do
   elseif not KNOWN[status] or not deadline_ms or not handler then
-    redis.call('ZADD', quarantine, NOW, id)     -- unreadable: park it for an operator
+    redis.call('ZADD', quarantine, NOW_S, id)   -- unreadable: park it for an operator
     dropped = dropped + 1
   elseif not want[status] or redis.call('ZSCORE', leases, id) then
     dropped = dropped + 1                       -- index disagreed with the hash: the sweep repairs
@@ -138,9 +138,10 @@ local function consider(id, score, from)
       grants[lane] = grants[lane] - 1
       used[lane] = (used[lane] or 0) + 1
     end
-    local fence = redis.call('HINCRBY', tk, 'fence', 1)
-    local v = redis.call('HINCRBY', tk, 'version', 1)  -- bump(), its updated_ms with owner
-    redis.call('HSET', tk, 'updated_ms', NOW, 'owner', owner)
+    -- HINCRBY fence and version (bump()), as one write: int_field vouched for both
+    local fence, v = (tonumber(t[6]) or 0) + 1, (tonumber(t[5]) or 0) + 1
+    redis.call('HSET', tk, 'fence', int_s(fence), 'version', int_s(v), 'updated_ms', NOW_S,
+               'owner', owner)
     if phase == 'submit' then
       move_status(tk, id, status, 'SUBMITTING', handler)
       redis.call('HDEL', tk, 'started_fence')
@@ -154,7 +155,7 @@ local function consider(id, score, from)
       end
       emit(id, 'SUBMITTING', v)
     end
-    redis.call('ZADD', leases, NOW + lease_ms, id)
+    redis.call('ZADD', leases, int_s(NOW + lease_ms), id)
     got = got + 1
     reply[#reply + 1] = {id, fence, v, redis.call('HGETALL', tk)}
   end

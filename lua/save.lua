@@ -41,7 +41,8 @@ for i = 6, #ARGV, 2 do
 end
 
 local t = redis.call('HMGET', tk, 'status', 'fence', 'version', 'cancel_requested',
-                     'cancel_version', 'deadline_ms', 'started_fence', 'handler', 'priority')
+                     'cancel_version', 'deadline_ms', 'started_fence', 'handler', 'priority',
+                     'progress', 'stage', 'message')
 local old = t[1]
 if not old then return {-1} end
 if t[2] ~= ARGV[2] then return {-2} end
@@ -65,11 +66,13 @@ if not TERMINAL[final] and final ~= 'SUBMIT_UNKNOWN' and (tonumber(t[6]) or 0) <
 end
 
 -- The version bump (as the prelude's bump), the fields, updated_ms, due_ms, and the
--- removal of owner, started_fence and emptied fields: one HINCRBY, one HSET, one HDEL.
--- Each call a script makes costs Redis far more than the command itself; saves run for
--- every task several times, so they are batched here.
-local v = redis.call('HINCRBY', tk, 'version', 1)
-local sets, dels = {'HSET', tk, 'updated_ms', NOW}, {'HDEL', tk, 'owner'}
+-- removal of owner, started_fence and emptied fields: one HSET and one HDEL. Each call a
+-- script makes costs Redis far more than the command itself; saves run for every task
+-- several times, so they are batched here.
+if not int_field(t[3]) then error('asynctaskd: the task version is not an integer') end
+local v = (tonumber(t[3]) or 0) + 1
+local sets = {'HSET', tk, 'version', int_s(v), 'updated_ms', NOW_S}
+local dels = {'HDEL', tk, 'owner'}
 local last = {}
 for i = 6, #ARGV, 2 do last[ARGV[i]] = i end
 for i = 6, #ARGV, 2 do
@@ -87,7 +90,7 @@ if final == 'SUBMIT_UNKNOWN' then
   dels[#dels + 1] = 'due_ms'
 elseif not TERMINAL[final] then
   sets[#sets + 1] = 'due_ms'
-  sets[#sets + 1] = NOW + delay_ms  -- what schedule() below returns
+  sets[#sets + 1] = int_s(NOW + delay_ms)  -- what schedule() below returns
 end
 redis.call(unpack(sets))
 redis.call(unpack(dels))
@@ -96,7 +99,7 @@ redis.call('ZREM', P .. 'leases', id)
 if TERMINAL[final] then
   finish(tk, id, old, final, handler)
 else
-  move_status(tk, id, old, final, handler)
+  if final ~= old then move_status(tk, id, old, final, handler) end
   if final == 'SUBMIT_UNKNOWN' then
     redis.call('ZREM', P .. 'deadlines', id)
   else
@@ -109,11 +112,13 @@ else
 end
 local extra = nil
 if final == 'RUNNING' then
-  local p = redis.call('HMGET', tk, 'progress', 'stage', 'message')
+  -- the hash's progress, stage and message now: as written above, else as read
   extra = {}
-  if p[1] then extra[#extra + 1] = 'progress'; extra[#extra + 1] = p[1] end
-  if p[2] then extra[#extra + 1] = 'stage'; extra[#extra + 1] = p[2] end
-  if p[3] then extra[#extra + 1] = 'message'; extra[#extra + 1] = p[3] end
+  for k, name in ipairs({'progress', 'stage', 'message'}) do
+    local value = t[9 + k]
+    if last[name] then value = ARGV[last[name] + 1] ~= '' and ARGV[last[name] + 1] end
+    if value then extra[#extra + 1] = name; extra[#extra + 1] = value end
+  end
 end
 if final ~= old or extra then emit(id, final, v, extra) end
 return {1, v, final}

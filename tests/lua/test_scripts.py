@@ -310,9 +310,65 @@ async def test_save_writes_and_deletes_fields_together(
     assert raw[b"stage"] == b"b" and b"message" not in raw and raw[b"poll_count"] == b"2"
     assert raw[b"progress"] == b"0.5" and raw[b"version"] == str(c.lease.version + 1).encode()
     assert b"owner" not in raw and int(raw[b"due_ms"]) == int(raw[b"updated_ms"]) + 5000
+    # the event carries the hash as it is now: stage as written, progress as it was
     events = await redis_client.xrange(keys.events(0))
     assert events[-1][1][b"stage"] == b"b" and b"message" not in events[-1][1]
+    assert events[-1][1][b"progress"] == b"0.5"
+    assert events[-1][1][b"version"] == str(c.lease.version + 1).encode()
     await check_invariants(redis_client, keys)
+
+
+async def test_claim_and_save_count_exactly_at_fifteen_digits(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    # claim and save add 1 to fence and version in Lua (doubles), not with HINCRBY: exact
+    # for the 15 digits the prelude's int_field admits, and written as plain integers
+    task_key = keys.task(0, (await submitted(store)).task_id)  # due at once
+    top = 10**15 - 2
+    await redis_client.hset(task_key, mapping={"fence": top, "version": top})
+    c = await claim_one(store, "query")
+    assert (c.lease.fence, c.lease.version) == (top + 1, top + 1)
+    assert await redis_client.hmget(task_key, "fence", "version") == [str(top + 1).encode()] * 2
+    assert c.task.version == top + 1 and c.task.fence == top + 1
+    r = await store.save(c.lease, Status.RUNNING, delay_ms=0)
+    assert r.code is Code.OK and r.version == top + 2
+    assert await redis_client.hget(task_key, "version") == str(top + 2).encode()
+    await check_invariants(redis_client, keys)
+
+
+async def test_prelude_writes_times_and_integers_as_plain_text(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    # Redis 7.0 formats Lua numbers with "%.17g" (slow), so the scripts pass integers as
+    # text: NOW_S from TIME's two parts, int_s() for the rest
+    body = """
+    local out = {}
+    for _, us in ipairs({'0', '7', '999', '1000', '12345', '999999'}) do
+      out[#out + 1] = ms_text('1764500000', us)
+    end
+    out[#out + 1] = NOW_S == string.format('%d', NOW) and 'same' or NOW_S
+    out[#out + 1] = int_s(10^15 - 1)
+    out[#out + 1] = int_s(-3)
+    out[#out + 1] = type(int_s(1.5))
+    out[#out + 1] = type(int_s(2^53))
+    return out
+    """
+    source = store.scripts["renew"].source.split("-- script: ")[0] + body
+    for _ in range(20):  # each call reads TIME anew
+        reply = await redis_client.eval(source, 1, keys.tag(0) + ":")
+        assert [x.decode() for x in reply] == [
+            "1764500000000",
+            "1764500000000",
+            "1764500000000",
+            "1764500000001",
+            "1764500000012",
+            "1764500000999",
+            "same",
+            "999999999999999",
+            "-3",
+            "number",
+            "number",
+        ]
 
 
 async def test_save_refuses_fields_it_does_not_own(store: Store) -> None:
