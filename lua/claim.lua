@@ -32,6 +32,7 @@
 -- its `slots` field), and a rate-lane claim spends exactly one granted token.
 
 workers_only()
+admission_helpers()
 local phase = ARGV[1]
 if phase ~= 'submit' and phase ~= 'query' then
   error("asynctaskd: ARGV phase must be 'submit' or 'query', got " .. tostring(phase))
