@@ -39,19 +39,21 @@ def test_sigkill_daemons_mid_submit_and_mid_poll(
     daemons = Daemons(daemon_config(tmp_path, aof_server.url, slow_vendor.url), 3)
     daemons.start_all()
     rng = random.Random(11)
-    # A kill each time another sixteenth of the vendor traffic (a submit and 3 polls per
-    # task) went by: kills land among submits and among polls however fast the host is.
+    # A kill at each sixteenth of the vendor traffic (a submit and 3 polls per task): kills
+    # land among submits and among polls however fast the host is. The marks are fixed: a
+    # harness slower than the daemons (a loaded host) kills at the next check instead of
+    # letting the traffic run on without kills.
     step = len(ids) * 4 // 16
     try:
-        while not settled(aof_server.url, ids):
-            mark = vendor_calls(slow_vendor) + step
+        for mark in range(step, len(ids) * 4, step):
             wait_until_sync(
                 lambda m=mark: vendor_calls(slow_vendor) >= m or settled(aof_server.url, ids),
                 "more vendor traffic",
                 timeout=60,
             )
-            if not settled(aof_server.url, ids):
-                daemons.kill_random_and_restart(rng)
+            if settled(aof_server.url, ids):
+                break
+            daemons.kill_random_and_restart(rng)
         wait_until_sync(lambda: settled(aof_server.url, ids), "every task settled", timeout=90)
     finally:
         codes = daemons.stop_all()
