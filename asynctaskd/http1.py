@@ -145,10 +145,12 @@ class _Connection(asyncio.Protocol):
 
     # -- one exchange -------------------------------------------------------------------
 
-    async def exchange(
+    def exchange(
         self, request: httpx.Request, payload: bytes, read_timeout: float | None
-    ) -> Answer:
-        """Write `payload` and return the parsed answer to it."""
+    ) -> asyncio.Future[Answer]:
+        """Write `payload`; the future gets the parsed answer to it. Call `exchanged()`
+        once it is done or given up on. (Not a coroutine of its own: the caller awaits
+        the future itself, one coroutine fewer to pass through when the answer comes.)"""
         assert self.transport is not None
         self._request = request
         self._head_only = request.method == "HEAD"
@@ -164,11 +166,12 @@ class _Connection(asyncio.Protocol):
             self._last_read = now = self._loop.time()
             if self._timer is None or self._timer.when() > now + read_timeout:
                 self._arm(now + read_timeout)
-        try:
-            return await waiter
-        finally:
-            self._waiter = self._request = None
-            self._timeout = None
+        return waiter
+
+    def exchanged(self) -> None:
+        """The exchange is over (answered, failed or abandoned): stop watching for it."""
+        self._waiter = self._request = None
+        self._timeout = None
 
     def _arm(self, when: float) -> None:
         if self._timer is not None:
@@ -409,7 +412,10 @@ class Http1Pool:
         timeouts = request.extensions.get("timeout") or {}
         connection = await self._acquire(request, timeouts)
         try:
-            answer = await connection.exchange(request, head + body, timeouts.get("read"))
+            try:
+                answer = await connection.exchange(request, head + body, timeouts.get("read"))
+            finally:
+                connection.exchanged()
         except BaseException:
             connection.close()  # cancelled or failed mid-exchange: its state is unknown
             raise

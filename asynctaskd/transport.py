@@ -661,12 +661,12 @@ class _Client(httpx.AsyncClient):
 
     async def _send_plain(self, request: httpx.Request) -> httpx.Response:
         """A request the client's settings let through: httpx's own `send` if the URL
-        carries credentials (httpx turns them into BasicAuth), else the direct path."""
+        carries credentials (httpx turns them into BasicAuth), else the direct path.
+
+        One coroutine for what httpx does in several: each one between a handler and the
+        connection is passed through again whenever the call resumes."""
         if request.url.userinfo:
             return await super().send(request)
-        return await self._send_direct(request)
-
-    async def _send_direct(self, request: httpx.Request) -> httpx.Response:
         started = time.perf_counter()
         response = await self._buffering.handle_buffered(request)
         response.request = request
@@ -681,7 +681,8 @@ class _Client(httpx.AsyncClient):
         )
         if response.has_redirect_location:
             response.next_request = self._build_redirect_request(request, response)
-        await response.aread()  # decodes Content-Encoding; the bytes are already here
+        if not response.is_stream_consumed:  # an encoded body: httpx decodes it here
+            await response.aread()
         response.elapsed = datetime.timedelta(seconds=time.perf_counter() - started)
         return response
 

@@ -15,7 +15,6 @@ import os
 import random
 import socket
 import time
-from collections.abc import Awaitable
 from typing import Any
 
 import anyio
@@ -500,10 +499,20 @@ class Worker:
                         active.cut.reschedule(0.0)
                     if entry is None:
                         await self._unknown_handler(active, task)
-                    elif active.phase == "submit":
-                        await self._with_slot(entry, self._submit(entry, task, active))
                     else:
-                        await self._with_slot(entry, self._query(entry, task, active))
+                        work = (
+                            self._submit(entry, task, active)
+                            if active.phase == "submit"
+                            else self._query(entry, task, active)
+                        )
+                        # Awaited here, not in a helper: every coroutine between a call
+                        # and the loop is passed through each time the call resumes.
+                        sem = self._handler_slots.get(entry.key)
+                        if sem is None:
+                            await work
+                        else:
+                            async with sem:
+                                await work
             except TimeoutError:
                 if not active.cut.expired():
                     raise  # not ours
@@ -538,14 +547,6 @@ class Worker:
         if self._active.get(task_id) is active:
             del self._active[task_id]
             self._slot_freed.set()
-
-    async def _with_slot(self, entry: HandlerEntry, work: Awaitable[None]) -> None:
-        sem = self._handler_slots.get(entry.key)
-        if sem is None:
-            await work
-            return
-        async with sem:
-            await work
 
     async def _release(self, active: _Active) -> None:
         """Give back a lease without an outcome (shielded, capped): peers take it at once.

@@ -30,8 +30,9 @@ values = st.recursive(
     | st.integers(min_value=-(10**30), max_value=10**30)
     | st.floats(allow_nan=True, allow_infinity=True)
     | st.text(),
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
     max_leaves=20,
 )
 
