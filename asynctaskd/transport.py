@@ -48,7 +48,7 @@ import logging
 import re
 import ssl
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Final, cast
 
@@ -456,6 +456,16 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
 _JSON: Final = msgspec.json.Decoder()
 
 
+def _headers(raw: Iterable[tuple[bytes, bytes]]) -> httpx.Headers:
+    """`httpx.Headers(raw)` for (name, value) pairs of bytes, in one pass: its constructor
+    takes each pair through two helpers and isinstance checks against ABCs, ~3 us for a
+    request's five headers here, and every request builds two (its own, the response's)."""
+    headers = httpx.Headers.__new__(httpx.Headers)
+    headers._list = [(name, name.lower(), value) for name, value in raw]
+    headers._encoding = None
+    return headers
+
+
 class _Response(httpx.Response):
     """httpx's Response, whose `json()` decodes with msgspec: ~0.35 us for a vendor's
     small answer, against ~3.6 us for the standard library's `json.loads`.
@@ -485,10 +495,10 @@ def _buffered(
     """A response whose body was read whole: already read unless it must be decoded."""
     response = _Response(
         status_code=status,
-        headers=headers,
         stream=httpx.ByteStream(body),
         extensions={"http_version": http_version, "reason_phrase": reason_phrase},
     )
+    response.headers = _headers(headers)
     # Scanned raw: the first lookup in httpx's Headers works out their text encoding.
     if not any(name.lower() == b"content-encoding" for name, _ in headers):
         # What Response.aread() sets when the identity decoder passed the body through.
@@ -733,7 +743,7 @@ def _plain_request(
     request = httpx.Request.__new__(httpx.Request)
     request.method = method
     request.url = url
-    request.headers = httpx.Headers(auto + raw if auto else raw)
+    request.headers = _headers(auto + raw if auto else raw)
     request.extensions = extensions
     request.stream = stream
     if body_headers:

@@ -32,6 +32,7 @@ from asynctaskd.config import parse_config
 from asynctaskd.daemon import shared_http_client
 from asynctaskd.transport import (
     AiohttpTransport,
+    _headers,
     _mapped_errors,
     _Phase,
     _plain_request,
@@ -450,9 +451,26 @@ def test_a_plain_request_is_built_as_httpx_builds_it(
         reference.extensions,
     )
     assert built.headers.raw == reference.headers.raw  # the same names, case and order
+    assert vars(built.headers) == vars(reference.headers)  # and nothing else differs
     assert type(built.stream) is type(reference.stream)
     if isinstance(reference.stream, httpx.ByteStream):
         assert built.content == reference.content
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        [],
+        [(b"Content-Type", b"application/json"), (b"X-Dup", b"1"), (b"x-dup", b"2")],
+        [(b"X-Latin", "caf\u00e9".encode("latin-1")), (b"X-Utf8", "\u00e9t\u00e9".encode())],
+    ],
+)
+def test_headers_built_in_one_pass_are_httpx_headers(raw: list[tuple[bytes, bytes]]) -> None:
+    built, reference = _headers(raw), httpx.Headers(raw)
+    assert vars(built) == vars(reference)
+    assert built.multi_items() == reference.multi_items()
+    assert built.encoding == reference.encoding
+    assert built.get_list("x-dup") == reference.get_list("x-dup")
 
 
 async def test_aiohttp_adds_no_header_httpx_did_not_send(echo_url: str) -> None:
