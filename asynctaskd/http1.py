@@ -39,15 +39,15 @@ __all__ = ["Answer", "Http1Pool"]
 # CR, LF or NUL, one line per header; the names, joined with spaces, must be tokens (a
 # space inside a name already fails the head pattern; a colon would pass it).
 _TOKEN: Final = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
-_REQUEST_HEAD: Final = re.compile(
-    rb"%s [\x21-\x7e\x80-\xff]+ HTTP/1\.1\r\n(?:%s:[ \t]*[^\r\n\x00]*\r\n)*\r\n" % (_TOKEN, _TOKEN)
-)
+_REQUEST_LINE: Final = re.compile(rb"%s [\x21-\x7e\x80-\xff]+ HTTP/1\.1\r\n" % _TOKEN)
+_HEADER_BLOCK: Final = re.compile(rb"(?:%s:[ \t]*[^\r\n\x00]*\r\n)*\r\n" % _TOKEN)
 _HEADER_NAMES: Final = re.compile(rb"(?:%s(?: %s)*)?" % (_TOKEN, _TOKEN))
 _STATUS_LINE: Final = re.compile(rb"HTTP/1\.([01]) ([1-9][0-9]{2})(?: ([^\r\n\x00]*))?")
 _HEADER_NAME: Final = re.compile(_TOKEN)
 _CHUNK_SIZE: Final = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[^\r\n]*)?")
 _DIGITS: Final = re.compile(rb"[0-9]{1,19}")
 _CLOSE: Final = re.compile(rb"\nconnection:[^\r]*\bclose\b")  # in a lowercased head
+_CHECKED_MAX: Final = 256
 # Idle this long, a connection may have met the server's idle timeout (2-5 s is common):
 # its socket is polled before it is reused. Busier connections are not.
 _PROBE_AFTER_S: Final = 1.0
@@ -381,18 +381,51 @@ class Http1Pool:
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._sweep: asyncio.TimerHandle | None = None
         self._closed = False
+        # Header blocks checked before (a handler's requests mostly repeat theirs): block
+        # -> whether it asks the server to close. Bounded; cleared when full.
+        self._checked: dict[bytes, bool] = {}
 
     async def send(self, request: httpx.Request, body: bytes) -> Answer:
         """Send `request` with `body` (its content, already read) and read the answer."""
         headers = request.headers.raw
-        head = b"%s %s HTTP/1.1\r\n%s\r\n" % (
+        line = b"%s %s HTTP/1.1\r\n" % (
             request.method.encode("ascii", "replace"),
             request.url.raw_path,
-            b"".join([name + b": " + value + b"\r\n" for name, value in headers]),
         )
+        block = b"".join([name + b": " + value + b"\r\n" for name, value in headers]) + b"\r\n"
+        close = self._checked.get(block)
+        if close is None or _REQUEST_LINE.fullmatch(line) is None:
+            close = self._check(request, line, block, headers)
+        timeouts = request.extensions.get("timeout") or {}
+        connection = await self._acquire(request, timeouts)
+        try:
+            try:
+                answer = await connection.exchange(
+                    request, line + block + body, timeouts.get("read")
+                )
+            finally:
+                connection.exchanged()
+        except BaseException:
+            connection.close()  # cancelled or failed mid-exchange: its state is unknown
+            raise
+        if close:
+            connection.reusable = False  # the caller asked the server to close it
+        self._release(connection)
+        return answer
+
+    def _check(
+        self,
+        request: httpx.Request,
+        line: bytes,
+        block: bytes,
+        headers: list[tuple[bytes, bytes]],
+    ) -> bool:
+        """Refuse a request line or header block HTTP/1.1 cannot carry; remember a good
+        block. Returns whether the headers ask the server to close the connection."""
         if (
-            _REQUEST_HEAD.fullmatch(head) is None
-            or head.count(b"\n") != len(headers) + 2  # a CR LF inside a value
+            _REQUEST_LINE.fullmatch(line) is None
+            or _HEADER_BLOCK.fullmatch(block) is None
+            or block.count(b"\n") != len(headers) + 1  # a CR LF inside a value
             or _HEADER_NAMES.fullmatch(b" ".join([name for name, _ in headers])) is None
         ):
             raise httpx.LocalProtocolError(
@@ -400,7 +433,7 @@ class Http1Pool:
                 "cannot carry (CR, LF or NUL anywhere, a space or colon in a header name)",
                 request=request,
             )
-        lowered = head.lower()
+        lowered = b"\n" + block.lower()
         if b"\ntransfer-encoding:" in lowered:
             # httpx adds Content-Length to an in-memory body; with both, the message is
             # invalid (RFC 9112 6.3) and a server rejects it, or worse, frames it its way.
@@ -409,20 +442,11 @@ class Http1Pool:
                 "header, or pass the body as an async iterator to have it sent chunked",
                 request=request,
             )
-        timeouts = request.extensions.get("timeout") or {}
-        connection = await self._acquire(request, timeouts)
-        try:
-            try:
-                answer = await connection.exchange(request, head + body, timeouts.get("read"))
-            finally:
-                connection.exchanged()
-        except BaseException:
-            connection.close()  # cancelled or failed mid-exchange: its state is unknown
-            raise
-        if b"\nconnection:" in lowered and _CLOSE.search(lowered):
-            connection.reusable = False  # the caller asked the server to close it
-        self._release(connection)
-        return answer
+        close = b"\nconnection:" in lowered and _CLOSE.search(lowered) is not None
+        if len(self._checked) >= _CHECKED_MAX:
+            self._checked.clear()
+        self._checked[block] = close
+        return close
 
     # -- connections --------------------------------------------------------------------
 

@@ -342,7 +342,7 @@ async def test_the_response_decides_whether_the_connection_is_reused(case: str) 
     assert accepted == connections
 
 
-@pytest.mark.parametrize(("connection", "connections"), [("close", 2), ("keep-alive", 1)])
+@pytest.mark.parametrize(("connection", "connections"), [("close", 3), ("keep-alive", 1)])
 async def test_a_request_that_asks_to_close_is_not_reused(
     connection: str, connections: int
 ) -> None:
@@ -350,10 +350,25 @@ async def test_a_request_that_asks_to_close_is_not_reused(
     async with serving(replying(seen, [ok_response()])) as url, make_http_client() as http:
         with anyio.fail_after(5):
             first = await http.get(f"{url}/first", headers={"Connection": connection})
+            # the same headers again: the pool remembers the checked block and its close
+            again = await http.get(f"{url}/again", headers={"Connection": connection})
             second = await http.get(f"{url}/second")
 
-    assert (first.text, second.text) == ("ok", "ok")
+    assert (first.text, again.text, second.text) == ("ok", "ok", "ok")
     assert seen.accepted == connections
+
+
+async def test_a_bad_request_line_is_refused_with_headers_checked_before() -> None:
+    seen = Seen()
+    async with serving(replying(seen, [ok_response()])) as url, make_http_client() as http:
+        with anyio.fail_after(5):
+            assert (await http.get(f"{url}/ok")).text == "ok"
+            with pytest.raises(httpx.LocalProtocolError):
+                await http.request("GET\r\nX-Evil: 1\r\nGET", f"{url}/ok")
+            with pytest.raises(httpx.LocalProtocolError):
+                await http.request("G T", f"{url}/ok")
+
+    assert seen.paths == [b"/ok"]
 
 
 NO_BODY = {
