@@ -44,6 +44,9 @@ _HEADER_BLOCK: Final = re.compile(rb"(?:%s:[ \t]*[^\r\n\x00]*\r\n)*\r\n" % _TOKE
 _HEADER_NAMES: Final = re.compile(rb"(?:%s(?: %s)*)?" % (_TOKEN, _TOKEN))
 _STATUS_LINE: Final = re.compile(rb"HTTP/1\.([01]) ([1-9][0-9]{2})(?: ([^\r\n\x00]*))?")
 _HEADER_NAME: Final = re.compile(_TOKEN)
+# A response's header lines after its status line, each "\r\n<token>:<value>": a value
+# without NUL, and without CR LF, which ends a line (a bare CR or LF stays in the value).
+_FIELD_LINES: Final = re.compile(rb"(?:\r\n%s:[^\r\x00]*(?:\r(?!\n)[^\r\x00]*)*)*" % _TOKEN)
 _CHUNK_SIZE: Final = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[^\r\n]*)?")
 _DIGITS: Final = re.compile(rb"[0-9]{1,19}")
 _CLOSE: Final = re.compile(rb"\nconnection:[^\r]*\bclose\b")  # in a lowercased head
@@ -273,11 +276,13 @@ class _Connection(asyncio.Protocol):
         headers: list[tuple[bytes, bytes]] = []
         lengths: set[bytes] = set()
         coding = connection = b""
+        # One match for every line; line by line only to name what is wrong.
+        checked = _FIELD_LINES.fullmatch(head, len(lines[0])) is not None
         for line in lines[1:]:
             name, colon, value = line.partition(b":")
-            if not colon or _HEADER_NAME.fullmatch(name) is None:
+            if not checked and (not colon or _HEADER_NAME.fullmatch(name) is None):
                 raise _ProtocolError(f"malformed header line: {line[:80]!r}")
-            if b"\x00" in value:
+            if not checked and b"\x00" in value:
                 raise _ProtocolError(f"NUL in header {name!r}")
             value = value.strip(b" \t")
             headers.append((name, value))

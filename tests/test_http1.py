@@ -22,6 +22,8 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 import anyio
 import httpx
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from asynctaskd import http1
 from asynctaskd.http1 import Http1Pool, _Connection
@@ -1008,3 +1010,34 @@ async def test_https_with_an_untrusted_certificate_is_connect_error(
             await http.get(tls_url)
 
     assert isinstance(caught.value.__cause__, ssl.SSLCertVerificationError)
+
+
+# Random bytes folded onto the characters that matter: CR, LF, NUL, ":", space, tab,
+# token characters and a byte outside ASCII.
+_SMALL = bytes(b"\r\n\x00: \taZ-\xff"[i % 10] for i in range(256))
+
+
+def _lines_valid(lines: list[bytes]) -> bool:
+    """The rule line by line: "<token>:<value>", no NUL in the value."""
+    for line in lines:
+        name, colon, value = line.partition(b":")
+        if not colon or http1._HEADER_NAME.fullmatch(name) is None or b"\x00" in value:
+            return False
+    return True
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.binary(max_size=12).map(lambda b: b.translate(_SMALL)), max_size=5))
+@example([b"a:\n"])  # a bare LF or CR stays in the value
+@example([b"a:x\ry"])
+@example([b"a:\r", b"Z-:"])
+@example([b"a:\x00"])
+@example([b"a b:c"])
+@example([b"a:b", b":c"])
+def test_the_header_lines_pattern_is_the_line_by_line_rule(lines: list[bytes]) -> None:
+    # the pattern checks a response's header lines in one match; the line-by-line check
+    # (which names the bad line) must agree with it on any head
+    status = b"HTTP/1.1 200 OK"
+    head = status + b"".join(b"\r\n" + line for line in lines)
+    matched = http1._FIELD_LINES.fullmatch(head, len(status)) is not None
+    assert matched == _lines_valid(head.split(b"\r\n")[1:])
