@@ -15,7 +15,8 @@
 -- Returns {next_due_ms, ready_left, dropped, lanes, task, task, ...} where
 --   lanes is {lane, used, waiting, ...} for every rate lane of this phase that has tasks
 --   waiting in this shard or was granted tokens (used: tokens spent; give back the rest),
---   and each task is {task_id, fence, version, {field, value, ...}} (the hash after the claim).
+--   and each task is {task_id, fence, version, {field, value, ...}} (the hash after the claim,
+--   without params in the query phase).
 -- next_due_ms is the earliest due time still waiting in this phase (0 if none), ready_left
 -- how many due tasks are still ready, dropped how many entries were not claimable
 -- (gone, timed out, canceled, set aside by admission, or quarantined because unreadable:
@@ -158,7 +159,19 @@ local function consider(id, score, from)
     end
     redis.call('ZADD', leases, int_s(NOW + lease_ms), id)
     got = got + 1
-    reply[#reply + 1] = {id, fence, v, redis.call('HGETALL', tk)}
+    local hash = redis.call('HGETALL', tk)
+    if phase == 'query' then
+      -- params are for the submit call only: a poll need not carry (a prompt's) kilobytes
+      for i = 1, #hash, 2 do
+        if hash[i] == 'params' then
+          local n = #hash
+          hash[i], hash[i + 1] = hash[n - 1], hash[n]
+          hash[n], hash[n - 1] = nil, nil
+          break
+        end
+      end
+    end
+    reply[#reply + 1] = {id, fence, v, hash}
   end
   return true
 end

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import anyio
+import msgspec
 import pytest
 import redis.asyncio
 
@@ -88,6 +89,21 @@ async def test_claim_leases_with_a_new_fence(
     assert snap["leases"] is not None and snap["ready:submit"] is None
     again = await store.claim(0, "submit", 10, 10_000, "w2")
     assert again.claimed == []
+    await check_invariants(redis_client, keys)
+
+
+async def test_a_query_claim_leaves_the_params_behind(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    params = {"prompt": "x" * 5000, "n": 1}
+    await create(store, params=params)
+    assert (await claim_one(store)).task.params == params  # the submit call gets them
+    tid = (await submitted(store, params=params)).task_id
+    c = await claim_one(store, "query")
+    assert c.task.id == tid and c.task.params is None  # a poll does not carry them
+    stored = await store.get(tid)
+    assert stored is not None and stored.params == params  # nor are they gone
+    assert msgspec.structs.replace(stored, params=None) == c.task
     await check_invariants(redis_client, keys)
 
 
