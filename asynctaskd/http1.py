@@ -37,7 +37,8 @@ __all__ = ["Answer", "Http1Pool"]
 # LF through in a header value and a colon in a name (header injection). The head must
 # be a token method, a target without spaces or controls, and lines of a value without
 # CR, LF or NUL, one line per header; the names, joined with spaces, must be tokens (a
-# space inside a name already fails the head pattern; a colon would pass it).
+# space inside a name already fails the block pattern; a colon would pass it). The
+# request line is checked every time, a header block once (`Http1Pool._checked`).
 _TOKEN: Final = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
 _REQUEST_LINE: Final = re.compile(rb"%s [\x21-\x7e\x80-\xff]+ HTTP/1\.1\r\n" % _TOKEN)
 _HEADER_BLOCK: Final = re.compile(rb"(?:%s:[ \t]*[^\r\n\x00]*\r\n)*\r\n" % _TOKEN)

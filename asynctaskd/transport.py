@@ -459,7 +459,8 @@ _JSON: Final = msgspec.json.Decoder()
 def _headers(raw: Iterable[tuple[bytes, bytes]]) -> httpx.Headers:
     """`httpx.Headers(raw)` for (name, value) pairs of bytes, in one pass: its constructor
     takes each pair through two helpers and isinstance checks against ABCs, ~3 us for a
-    request's five headers here, and every request builds two (its own, the response's)."""
+    request's five headers here, and every request builds two (its own, the response's).
+    The list is kept as httpx keeps it; tests/test_transport.py compares the two."""
     headers = httpx.Headers.__new__(httpx.Headers)
     headers._list = [(name, name.lower(), value) for name, value in raw]
     headers._encoding = None
@@ -473,7 +474,7 @@ class _Response(httpx.Response):
     Where the two differ, msgspec refuses: NaN and Infinity, numbers beyond a double, a
     lone surrogate escape, a byte order mark, UTF-16 or -32. Anything it refuses, and any
     call with keyword arguments, goes to httpx's own `json()`, so the values and the
-    errors are the standard library's (tests/test_transport.py compares them).
+    errors are the standard library's (tests/fuzz/test_response_json.py compares them).
     """
 
     def json(self, **kwargs: Any) -> Any:

@@ -500,19 +500,15 @@ class Worker:
                     if entry is None:
                         await self._unknown_handler(active, task)
                     else:
-                        work = (
-                            self._submit(entry, task, active)
-                            if active.phase == "submit"
-                            else self._query(entry, task, active)
-                        )
+                        call = self._submit if active.phase == "submit" else self._query
                         # Awaited here, not in a helper: every coroutine between a call
                         # and the loop is passed through each time the call resumes.
                         sem = self._handler_slots.get(entry.key)
                         if sem is None:
-                            await work
+                            await call(entry, task, active)
                         else:
                             async with sem:
-                                await work
+                                await call(entry, task, active)
             except TimeoutError:
                 if not active.cut.expired():
                     raise  # not ours

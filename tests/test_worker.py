@@ -166,6 +166,34 @@ async def test_one_slot_takes_submit_work_when_no_query_work_is_due(store: Store
     assert worker.completed == 6  # three submits and three queries, one at a time
 
 
+async def test_a_handler_concurrency_limit_holds_its_calls_in_flight(store: Store) -> None:
+    h = Scripted()
+    running = 0
+    most = 0
+
+    def call(out: Any) -> Any:
+        async def held(ctx: HandlerContext) -> Any:
+            nonlocal running, most
+            running += 1
+            most = max(most, running)
+            for _ in range(20):  # the claim loop runs meanwhile and launches the other calls
+                await anyio.lowlevel.checkpoint()
+            running -= 1
+            return out
+
+        return held
+
+    h.on_submit = lambda ctx: call(Submitted("x-" + ctx.task_id))(ctx)
+    h.on_query = lambda ctx: call(Succeeded({"ok": True}))(ctx)
+    ids = await submit_many(store, 8)
+    async with httpx.AsyncClient() as http:
+        worker = Worker(store, entry(h, concurrency=2), make_config(), http=http)
+        with anyio.fail_after(30):
+            await worker.run_until_idle()
+    assert await statuses(store, ids) == Counter({Status.SUCCEEDED: 8})
+    assert most == 2  # two at a time: never more, and the limit is not one
+
+
 async def test_permanent_submit_error_fails(store: Store) -> None:
     h = Scripted()
     h.on_submit = lambda ctx: PermanentError("bad input", code="HTTP_400")
