@@ -14,6 +14,9 @@ all JSON lines also go to bench/results/<time>.jsonl.
     W4          200 submits, 1 run                200 submits, 3 runs
     W5          100,000 stored                    1,000,000 stored
     adm         5,000 tasks, 20,000 paused        20,000 tasks, 100,000 paused
+    cost        with --only cost                  instructions under callgrind: Redis per
+                                                  script operation (2,000 tasks), the daemon
+                                                  per task (600); needs valgrind, ~2 minutes
 
     python -m bench [--full] [--only w2,w5] [--profile DIR]
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -42,7 +46,7 @@ from bench import (
     table,
 )
 
-ALL = ("w1", "w2", "w3", "w4", "w5", "adm")
+ALL = ("w1", "w2", "w3", "w4", "w5", "adm")  # and "cost": run by --full, or asked for
 
 
 def run_w1(full: bool, ceiling: dict[str, Any]) -> dict[str, Any]:
@@ -115,7 +119,7 @@ def run_w1(full: bool, ceiling: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="the long versions (~10 minutes)")
-    parser.add_argument("--only", default=",".join(ALL), help="comma list of w1..w5")
+    parser.add_argument("--only", default=",".join(ALL), help="comma list of w1..w5, adm, cost")
     parser.add_argument("--profile", type=Path, help="directory for py-spy profiles (W2, W3)")
     args = parser.parse_args(argv)
     only = [x.strip().lower() for x in args.only.split(",") if x.strip()]
@@ -209,6 +213,22 @@ def main(argv: list[str] | None = None) -> int:
         say(proc.stdout.rsplit("\n", 2)[0] if proc.returncode == 0 else proc.stdout + proc.stderr)
         line = next((x for x in proc.stdout.splitlines() if x.startswith('{"bench"')), None)
         record("admission", json.loads(line) if line else {"ok": False})
+
+    if "cost" in only or (full and args.only == ",".join(ALL)):
+        # Instruction counts under callgrind (needs valgrind): the same code gives the same
+        # figures on any load, where the timed benches above move by tens of percent.
+        if shutil.which("valgrind") is None:
+            say("\n== Instruction counts: skipped (no valgrind)")
+        else:
+            from bench import daemon_cost, script_cost
+
+            say("\n== Instruction counts (callgrind): Redis per script operation, daemon per task")
+            scripts = script_cost.run()
+            emit("script_cost", scripts)
+            record("script_cost", scripts)
+            daemon = daemon_cost.run()
+            emit("daemon_cost", daemon)
+            record("daemon_cost", daemon)
 
     elapsed = time.monotonic() - started
     say(
