@@ -277,14 +277,10 @@ class _Connection(asyncio.Protocol):
         headers: list[tuple[bytes, bytes]] = []
         lengths: set[bytes] = set()
         coding = connection = b""
-        # One match for every line; line by line only to name what is wrong.
-        checked = _FIELD_LINES.fullmatch(head, len(lines[0])) is not None
+        if _FIELD_LINES.fullmatch(head, len(lines[0])) is None:
+            _name_bad_line(lines[1:])  # one match checks every line; this says which failed
         for line in lines[1:]:
-            name, colon, value = line.partition(b":")
-            if not checked and (not colon or _HEADER_NAME.fullmatch(name) is None):
-                raise _ProtocolError(f"malformed header line: {line[:80]!r}")
-            if not checked and b"\x00" in value:
-                raise _ProtocolError(f"NUL in header {name!r}")
+            name, _, value = line.partition(b":")
             value = value.strip(b" \t")
             headers.append((name, value))
             lowered = name.lower()
@@ -359,6 +355,16 @@ class _Connection(asyncio.Protocol):
         if extra:
             self.reusable = False
         self._buffer.clear()
+
+
+def _name_bad_line(lines: list[bytes]) -> None:
+    """Raise for the first header line that is not "<token>:<value without NUL>"."""
+    for line in lines:
+        name, colon, value = line.partition(b":")
+        if not colon or _HEADER_NAME.fullmatch(name) is None:
+            raise _ProtocolError(f"malformed header line: {line[:80]!r}")
+        if b"\x00" in value:
+            raise _ProtocolError(f"NUL in header {name!r}")
 
 
 class Http1Pool:

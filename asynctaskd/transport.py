@@ -499,9 +499,10 @@ def _buffered(
         stream=httpx.ByteStream(body),
         extensions={"http_version": http_version, "reason_phrase": reason_phrase},
     )
-    response.headers = _headers(headers)
-    # Scanned raw: the first lookup in httpx's Headers works out their text encoding.
-    if not any(name.lower() == b"content-encoding" for name, _ in headers):
+    response.headers = built = _headers(headers)
+    # Scanned raw (the lowered names _headers made): the first lookup in httpx's Headers
+    # works out their text encoding.
+    if not any(lowered == b"content-encoding" for _, lowered, _ in built._list):
         # What Response.aread() sets when the identity decoder passed the body through.
         response._content = body
         response._num_bytes_downloaded = len(body)

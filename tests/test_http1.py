@@ -1018,11 +1018,11 @@ _SMALL = bytes(b"\r\n\x00: \taZ-\xff"[i % 10] for i in range(256))
 
 
 def _lines_valid(lines: list[bytes]) -> bool:
-    """The rule line by line: "<token>:<value>", no NUL in the value."""
-    for line in lines:
-        name, colon, value = line.partition(b":")
-        if not colon or http1._HEADER_NAME.fullmatch(name) is None or b"\x00" in value:
-            return False
+    """The rule line by line, as the parser names a bad line."""
+    try:
+        http1._name_bad_line(lines)
+    except http1._ProtocolError:
+        return False
     return True
 
 
