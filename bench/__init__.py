@@ -264,6 +264,23 @@ def child_env() -> dict[str, str]:
     return env
 
 
+def run_child(
+    args: Sequence[str], timeout: float, prefix: Sequence[str] = ()
+) -> tuple[dict[str, Any] | None, subprocess.CompletedProcess[str]]:
+    """Run `python <args>` (this Python, the project on its path, from its root) after
+    `prefix` (valgrind, say): the last JSON line it printed, or None, and the process."""
+    proc = subprocess.run(
+        [*prefix, sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env(),
+        cwd=str(ROOT),
+    )
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+    return (json.loads(lines[-1]) if lines else None), proc
+
+
 def daemon_config(
     path: Path,
     redis_url: str,

@@ -26,21 +26,19 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from bench import (
     ROOT,
-    child_env,
     emit,
     loadavg,
     machine,
     machine_line,
     redis_ceiling,
     redis_server,
+    run_child,
     say,
     spread,
     table,
@@ -53,25 +51,11 @@ def run_w1(full: bool, ceiling: dict[str, Any]) -> dict[str, Any]:
     tasks, runs = (20_000, 3) if full else (5_000, 1)
     results = []
     for i in range(runs):
-        proc = subprocess.run(
-            [
-                sys.executable,
-                str(ROOT / "bench" / "lifecycle.py"),
-                "--tasks",
-                str(tasks),
-                "--no-ceiling",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=child_env(),
-            cwd=str(ROOT),
-        )
-        line = next((x for x in proc.stdout.splitlines() if x.startswith('{"bench"')), None)
-        if line is None:
+        args = [str(ROOT / "bench" / "lifecycle.py"), "--tasks", str(tasks), "--no-ceiling"]
+        r, proc = run_child(args, timeout=300)
+        if r is None:
             say(proc.stdout + proc.stderr)
             raise RuntimeError("bench/lifecycle.py printed no JSON line")
-        r = json.loads(line)
         r["loadavg_1m"] = loadavg()[0]
         say(
             f"  run {i + 1}: {r['tasks_per_s']:,.0f} tasks/s, {r['redis_commands_per_task']:.1f}"
@@ -206,13 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         say("\n== Admission: claim throughput with limits on and off")
         args_adm = ["--tasks", "20000", "--backlog", "100000"] if full else [
             "--tasks", "5000", "--backlog", "20000"]  # fmt: skip
-        proc = subprocess.run(
-            [sys.executable, str(ROOT / "bench" / "admission.py"), *args_adm],
-            capture_output=True, text=True, timeout=600, env=child_env(), cwd=str(ROOT),
-        )  # fmt: skip
+        adm, proc = run_child([str(ROOT / "bench" / "admission.py"), *args_adm], timeout=600)
         say(proc.stdout.rsplit("\n", 2)[0] if proc.returncode == 0 else proc.stdout + proc.stderr)
-        line = next((x for x in proc.stdout.splitlines() if x.startswith('{"bench"')), None)
-        record("admission", json.loads(line) if line else {"ok": False})
+        record("admission", adm or {"ok": False})
 
     if "cost" in only or (full and args.only == ",".join(ALL)):
         # Instruction counts under callgrind (needs valgrind): the same code gives the same

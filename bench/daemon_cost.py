@@ -34,7 +34,7 @@ if __package__ in (None, ""):
 
 from asynctaskd.embedded import ServerProcess, find_binary
 from asynctaskd.fakevendor import Behaviour, FakeVendorProcess
-from bench import child_env, emit, machine, machine_line, say, table, workdir
+from bench import emit, machine, machine_line, run_child, say, table, workdir
 
 
 async def _worker(redis_url: str, vendor_url: str, tasks: int) -> dict[str, Any]:
@@ -107,27 +107,13 @@ def run(tasks: int = 600, polls: int = 3) -> dict[str, Any]:
     ):
         m = machine(server.port)
         out = tmp / "callgrind.out"
-        proc = subprocess.run(
-            [
-                "valgrind",
-                "--tool=callgrind",
-                f"--callgrind-out-file={out}.%p",
-                sys.executable,
-                str(Path(__file__).resolve()),
-                "--child",
-                server.url,
-                vendor.url,
-                str(tasks),
-            ],
-            capture_output=True,
-            text=True,
+        child, proc = run_child(
+            [str(Path(__file__).resolve()), "--child", server.url, vendor.url, str(tasks)],
             timeout=900,
-            env=child_env(),
+            prefix=["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}.%p"],
         )
-        lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
-        if proc.returncode != 0 or not lines:
+        if proc.returncode != 0 or child is None:
             raise RuntimeError(f"the counted worker failed:\n{proc.stdout}\n{proc.stderr[-3000:]}")
-        child = json.loads(lines[-1])
         dumps = [p for p in tmp.glob("callgrind.out.*.*") if p.suffix[1:].isdigit()]
         if len(dumps) != 1:
             raise RuntimeError(f"expected one callgrind dump, found {dumps}")

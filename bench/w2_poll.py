@@ -49,7 +49,6 @@ from bench import (
     Monitor,
     Profiler,
     arun,
-    child_env,
     commands_delta,
     commandstats,
     daemon_config,
@@ -62,6 +61,7 @@ from bench import (
     redis_ceiling,
     redis_cpu,
     redis_server,
+    run_child,
     say,
     spread,
     table,
@@ -360,23 +360,9 @@ def http_floor(vendor_url: str, n: int = 3000, concurrency: int = 50) -> dict[st
     a W2 task (1 POST + 5 GETs) that no queue design removes."""
     out: dict[str, Any] = {}
     for client in FLOOR_CLIENTS:
-        proc = subprocess.run(
-            [
-                sys.executable,
-                str(Path(__file__).resolve()),
-                "--http-floor-child",
-                client,
-                vendor_url,
-                str(n),
-                str(concurrency),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=child_env(),
-        )
-        lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
-        out[client] = json.loads(lines[-1]) if lines else {"error": proc.stderr[-500:]}
+        args = [str(Path(__file__).resolve()), "--http-floor-child", client, vendor_url]
+        floor, proc = run_child([*args, str(n), str(concurrency)], timeout=120)
+        out[client] = floor or {"error": proc.stderr[-500:]}
     return out
 
 
