@@ -12,13 +12,14 @@ import msgspec
 
 from .model import LEGAL_TRANSITIONS
 
-__all__ = ["SCRIPT_NAMES", "Script", "legal_table_lua", "load_scripts"]
+__all__ = ["LIBRARIES", "SCRIPT_NAMES", "Script", "legal_table_lua", "load_scripts"]
 
 SCRIPT_NAMES: Final = (
     "create",
     "claim",
     "start",
     "save",
+    "save_many",
     "renew",
     "release",
     "cancel",
@@ -34,6 +35,9 @@ SCRIPT_NAMES: Final = (
     "sync_limits",
 )
 
+# Shared Lua that some scripts need after the prelude: script name -> lua/<library>.lua.
+LIBRARIES: Final = {"save": "_save", "save_many": "_save"}
+
 _KEY_LINE: Final = re.compile(r"^-- KEYS\[(\d+)\] (\w+)")
 _ARGV_LINE: Final = re.compile(r"^-- ARGV\[(\d+)(\.\.)?\]")
 
@@ -47,7 +51,7 @@ class Script(msgspec.Struct, frozen=True):
     argv_count: int  # fixed ARGV slots named in the header
     variadic: bool  # the header names a trailing ARGV[n..] run
     body: str  # the file as written
-    source: str  # legal table + prelude + body: what Redis runs
+    source: str  # legal table + prelude + its library, if any + body: what Redis runs
     sha: str
 
 
@@ -106,7 +110,10 @@ def load_scripts() -> dict[str, Script]:
     for name in SCRIPT_NAMES:
         body = _read(name)
         summary, keys, argv, variadic = parse_header(name, body)
-        source = f"{legal}{prelude}\n-- script: {name}\n{body}"
+        library = ""
+        if lib := LIBRARIES.get(name):
+            library = f"\n-- library: {lib}\n{_read(lib)}"
+        source = f"{legal}{prelude}{library}\n-- script: {name}\n{body}"
         sha = hashlib.sha1(source.encode()).hexdigest()
         out[name] = Script(name, summary, keys, argv, variadic, body, source, sha)
     return out

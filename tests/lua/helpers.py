@@ -34,8 +34,9 @@ async def create(
     provider: str = "",
     dedup_key: str = "",
     params: Any = None,
+    task_id: str = "",
 ) -> Created:
-    task_id = new_task_id()
+    task_id = task_id or new_task_id()
     return await store.run(
         store.ops.create(
             task_id,

@@ -1,0 +1,105 @@
+-- _save: one task's save, shared by save and save_many (not a script itself).
+--
+-- The loader puts this after the prelude for the scripts that need it. save_one(tk, A, o, n)
+-- is the save of the task whose key is tk, given A[o + 1] .. A[o + n] as save's ARGV
+-- (save.lua states the contract). It returns save's reply, and raises on bad arguments or
+-- a corrupt hash, before anything is written.
+
+local WRITABLE = {handle = true, external_id = true, result = true, error_code = true,
+  error_message = true, progress = true, stage = true, message = true,
+  consecutive_errors = true, poll_count = true}
+
+local function save_one(tk, A, o, n)
+  local id, fence, want = A[o + 1], A[o + 2], A[o + 4]
+  if n < 5 then error('asynctaskd: save takes at least 5 arguments, got ' .. n) end
+  if not KNOWN[want] then error('asynctaskd: ARGV status is not a status: ' .. tostring(want)) end
+  local delay_ms = int_arg(A[o + 5], 'delay_ms', 0)
+  if n % 2 ~= 1 then error('asynctaskd: save takes field, value pairs after ARGV[5]') end
+  local first, stop = o + 6, o + n
+  for i = first, stop, 2 do
+    if not WRITABLE[A[i]] then error('asynctaskd: save may not write field ' .. A[i]) end
+  end
+
+  local t = redis.call('HMGET', tk, 'status', 'fence', 'version', 'cancel_requested',
+                       'cancel_version', 'deadline_ms', 'started_fence', 'handler', 'priority',
+                       'progress', 'stage', 'message')
+  local old = t[1]
+  if not old then return {-1} end
+  if t[2] ~= fence then return {-2} end
+  local leased = redis.call('ZSCORE', P .. 'leases', id)
+  if leased then
+    if not version_holds(t[3], t[5], A[o + 3]) then return {-3} end
+  elseif not (old == 'SUBMIT_UNKNOWN' and t[7] == fence
+              and (want == 'SUBMITTED' or want == 'FAILED' or want == 'PENDING_SUBMIT')) then
+    return {-4}
+  end
+  if not legal(old, want, 'W') then return {-7} end
+
+  local final = want
+  local cancel = t[4] == '1'
+  if cancel and not TERMINAL[want] then
+    if want == 'PENDING_SUBMIT' then final = 'CANCELED' end
+    if want == 'SUBMITTED' or want == 'RUNNING' then delay_ms = 0 end
+  end
+  if not TERMINAL[final] and final ~= 'SUBMIT_UNKNOWN' and (tonumber(t[6]) or 0) <= NOW then
+    final = 'TRACKING_TIMED_OUT'
+  end
+
+  -- The version bump (as the prelude's bump), the fields, updated_ms, due_ms, and the
+  -- removal of owner, started_fence and emptied fields: one HSET and one HDEL. Each call a
+  -- script makes costs Redis far more than the command itself; saves run for every task
+  -- several times, so they are batched here.
+  if not int_field(t[3]) then error('asynctaskd: the task version is not an integer') end
+  local v = (tonumber(t[3]) or 0) + 1
+  local sets = {'HSET', tk, 'version', int_s(v), 'updated_ms', NOW_S}
+  local dels = {'HDEL', tk, 'owner'}
+  local last = {}
+  for i = first, stop, 2 do last[A[i]] = i end
+  for i = first, stop, 2 do
+    if last[A[i]] == i then
+      if A[i + 1] == '' then
+        dels[#dels + 1] = A[i]
+      else
+        sets[#sets + 1] = A[i]
+        sets[#sets + 1] = A[i + 1]
+      end
+    end
+  end
+  if old == 'SUBMITTING' or old == 'SUBMIT_UNKNOWN' then dels[#dels + 1] = 'started_fence' end
+  if final == 'SUBMIT_UNKNOWN' then
+    dels[#dels + 1] = 'due_ms'
+  elseif not TERMINAL[final] then
+    sets[#sets + 1] = 'due_ms'
+    sets[#sets + 1] = int_s(NOW + delay_ms)  -- what schedule() below returns
+  end
+  redis.call(unpack(sets))
+  redis.call(unpack(dels))
+  local handler = t[8]
+  redis.call('ZREM', P .. 'leases', id)
+  if TERMINAL[final] then
+    finish(tk, id, old, final, handler)
+  else
+    if final ~= old then move_status(tk, id, old, final, handler) end
+    if final == 'SUBMIT_UNKNOWN' then
+      redis.call('ZREM', P .. 'deadlines', id)
+    else
+      schedule(id, PHASE[final], NOW + delay_ms, tonumber(t[9]) or 0)
+      if old == 'SUBMIT_UNKNOWN' then
+        redis.call('ZADD', P .. 'deadlines', tonumber(t[6]) or NOW, id)
+      end
+      if delay_ms == 0 then wake() end
+    end
+  end
+  local extra = nil
+  if final == 'RUNNING' then
+    -- the hash's progress, stage and message now: as written above, else as read
+    extra = {}
+    for k, name in ipairs({'progress', 'stage', 'message'}) do
+      local value = t[9 + k]
+      if last[name] then value = A[last[name] + 1] ~= '' and A[last[name] + 1] end
+      if value then extra[#extra + 1] = name; extra[#extra + 1] = value end
+    end
+  end
+  if final ~= old or extra then emit(id, final, v, extra) end
+  return {1, v, final}
+end

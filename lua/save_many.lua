@@ -1,0 +1,39 @@
+-- save_many: several workers' outcomes for tasks of one shard, each saved as save would.
+--
+-- KEYS[1] prefix   string  <ns>:{s<N>}:  shard prefix
+-- KEYS[2..] task   hash    <ns>:{s<N>}:task:<id>, one per save, in order
+-- ARGV[1..]        for each save in KEYS order: n, then that save's n ARGV (task_id,
+--                  fence, version, status, delay_ms, field, value pairs) as save takes them
+--
+-- Returns one reply per save, in KEYS order: what save would reply, or an error reply
+-- where save would have raised (bad arguments, a corrupt hash); that one fails alone.
+-- Why: every script call pays a fixed cost before its first command (the call itself and
+-- the prelude, ~a quarter of a save); a daemon's concurrent saves to one shard pay it once.
+-- Invariants: a malformed ARGV layout fails the whole call before anything is written;
+-- each save runs in order exactly as the save script would (a later save of the same task
+-- sees the earlier one), under one NOW; a rejected save writes nothing.
+
+workers_only()
+local count = #KEYS - 1
+local at, starts = 1, {}
+for i = 1, count do
+  local n = tonumber(ARGV[at])
+  if not n or n ~= math.floor(n) or n < 0 or at + n > #ARGV then
+    error('asynctaskd: save_many ARGV is not n, then n arguments, for each task key')
+  end
+  starts[i] = at
+  at = at + 1 + n
+end
+if at ~= #ARGV + 1 then
+  error('asynctaskd: save_many has ' .. count .. ' task keys and arguments for more saves')
+end
+local out = {}
+for i = 1, count do
+  local ok, reply = pcall(save_one, KEYS[i + 1], ARGV, starts[i], tonumber(ARGV[starts[i]]))
+  if not ok then
+    if type(reply) == 'table' then reply = reply.err end  -- a redis.call error
+    reply = redis.error_reply(tostring(reply))
+  end
+  out[i] = reply
+end
+return out
