@@ -19,6 +19,7 @@ SCRIPT_NAMES: Final = (
     "claim",
     "start",
     "save",
+    "start_many",
     "save_many",
     "renew",
     "release",
@@ -35,8 +36,14 @@ SCRIPT_NAMES: Final = (
     "sync_limits",
 )
 
-# Shared Lua that some scripts need after the prelude: script name -> lua/<library>.lua.
-LIBRARIES: Final = {"save": "_save", "save_many": "_save"}
+# Shared Lua that some scripts need after the prelude: script name -> lua/<library>.lua
+# files, in order.
+LIBRARIES: Final = {
+    "start": ("_start",),
+    "save": ("_save",),
+    "start_many": ("_many", "_start"),
+    "save_many": ("_many", "_save"),
+}
 
 _KEY_LINE: Final = re.compile(r"^-- KEYS\[(\d+)\] (\w+)")
 _ARGV_LINE: Final = re.compile(r"^-- ARGV\[(\d+)(\.\.)?\]")
@@ -51,7 +58,7 @@ class Script(msgspec.Struct, frozen=True):
     argv_count: int  # fixed ARGV slots named in the header
     variadic: bool  # the header names a trailing ARGV[n..] run
     body: str  # the file as written
-    source: str  # legal table + prelude + its library, if any + body: what Redis runs
+    source: str  # legal table + prelude + its libraries, if any + body: what Redis runs
     sha: str
 
 
@@ -110,10 +117,8 @@ def load_scripts() -> dict[str, Script]:
     for name in SCRIPT_NAMES:
         body = _read(name)
         summary, keys, argv, variadic = parse_header(name, body)
-        library = ""
-        if lib := LIBRARIES.get(name):
-            library = f"\n-- library: {lib}\n{_read(lib)}"
-        source = f"{legal}{prelude}{library}\n-- script: {name}\n{body}"
+        libs = "".join(f"\n-- library: {lib}\n{_read(lib)}" for lib in LIBRARIES.get(name, ()))
+        source = f"{legal}{prelude}{libs}\n-- script: {name}\n{body}"
         sha = hashlib.sha1(source.encode()).hexdigest()
         out[name] = Script(name, summary, keys, argv, variadic, body, source, sha)
     return out

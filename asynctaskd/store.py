@@ -369,26 +369,36 @@ class Ops:
             args.append(value)
         return Call("save", [prefix, task_key], args, _result)
 
+    def start_many(self, starts: Sequence[Call[Result]]) -> Call[list[Any]]:
+        """`start` calls to tasks of one shard as one call (see `_many`)."""
+        return self._many("start_many", starts)
+
     def save_many(self, saves: Sequence[Call[Result]]) -> Call[list[Any]]:
-        """`save` calls to tasks of one shard as one call. Its reply is each save's reply
-        in order, undecoded: a save that raised has its error reply in its place."""
-        prefix = saves[0].keys[0]
+        """`save` calls to tasks of one shard as one call (see `_many`)."""
+        return self._many("save_many", saves)
+
+    def _many(self, script: str, calls: Sequence[Call[Any]]) -> Call[list[Any]]:
+        """Calls of one single-task script (`start`, `save`) to tasks of one shard as one
+        call of its `_many` script. Its reply is each call's reply in order, undecoded: a
+        call that raised has its error reply in its place."""
+        one = _ONE_OF[script]
+        prefix = calls[0].keys[0]
         keys = [prefix]
         args: list[Any] = []
-        for save in saves:
-            if save.script != "save" or save.keys[0] != prefix:
-                raise ValueError("save_many takes save calls to tasks of one shard")
-            keys.append(save.keys[1])
-            args.append(len(save.args))
-            args.extend(save.args)
-        count = len(saves)
+        for call in calls:
+            if call.script != one or call.keys[0] != prefix:
+                raise ValueError(f"{script} takes {one} calls to tasks of one shard")
+            keys.append(call.keys[1])
+            args.append(len(call.args))
+            args.extend(call.args)
+        count = len(calls)
 
         def decode(reply: Any) -> list[Any]:
             if not isinstance(reply, list) or len(reply) != count:
-                raise ScriptError(f"save_many: expected {count} replies, got {reply!r}")
+                raise ScriptError(f"{script}: expected {count} replies, got {reply!r}")
             return reply
 
-        return Call("save_many", keys, args, decode)
+        return Call(script, keys, args, decode)
 
     def renew(self, shard: int, lease_ms: int, leases: Sequence[Lease]) -> Call[list[Code]]:
         args: list[Any] = [lease_ms]
@@ -612,9 +622,13 @@ class _Base:
             self.on_call(name, time.perf_counter() - started)
 
 
-# At most this many saves go in one save_many. One script call holds the server for its
+# Single-task scripts whose calls to one shard, sent together, go as one call of a script
+# that runs several (each script call costs Redis a fixed amount before its first command).
+_MANY_OF: Final = {"start": "start_many", "save": "save_many"}
+_ONE_OF: Final = {many: one for one, many in _MANY_OF.items()}
+# At most this many calls go in one such call. One script call holds the server for its
 # whole run (a save ~0.1 ms), so other clients wait behind it at most a few milliseconds.
-_SAVES_PER_CALL: Final = 32
+_CALLS_PER_MANY: Final = 32
 
 
 class Store(_Base):
@@ -770,26 +784,29 @@ class Store(_Base):
     def _coalesced(
         self, calls: Sequence[Call[Any]]
     ) -> tuple[list[Call[Any]], list[list[int]] | None]:
-        """The calls to send for `calls`: saves to one shard, if there are several, go as
-        `save_many` calls of at most _SAVES_PER_CALL each, where the first of them was.
-        Returns them and, for each, the indexes in `calls` it carries (None: `calls` as
-        they are)."""
-        groups: dict[str, list[int]] = {}
+        """The calls to send for `calls`: where several are `start` (or `save`) calls to
+        one shard, they go as `start_many` (`save_many`) calls of at most _CALLS_PER_MANY
+        each, where the first of them was. Returns them and, for each, the indexes in
+        `calls` it carries (None: `calls` as they are)."""
+        groups: dict[tuple[str, str], list[int]] = {}
         carried: list[list[int]] = []
         for i, call in enumerate(calls):
-            if call.script == "save":
-                group = groups.get(call.keys[0])
-                if group is not None and len(group) < _SAVES_PER_CALL:
+            if call.script in _MANY_OF:
+                key = (call.script, call.keys[0])
+                group = groups.get(key)
+                if group is not None and len(group) < _CALLS_PER_MANY:
                     group.append(i)
                     continue
-                groups[call.keys[0]] = group = [i]
+                groups[key] = group = [i]
                 carried.append(group)
             else:
                 carried.append([i])
         if len(carried) == len(calls):
             return list(calls), None
         wire = [
-            calls[g[0]] if len(g) == 1 else self.ops.save_many([calls[i] for i in g])
+            calls[g[0]]
+            if len(g) == 1
+            else self.ops._many(_MANY_OF[calls[g[0]].script], [calls[i] for i in g])
             for g in carried
         ]
         return wire, carried

@@ -14,26 +14,4 @@
 -- sees the earlier one), under one NOW; a rejected save writes nothing.
 
 workers_only()
-local count = #KEYS - 1
-local at, starts = 1, {}
-for i = 1, count do
-  local n = tonumber(ARGV[at])
-  if not n or n ~= math.floor(n) or n < 0 or at + n > #ARGV then
-    error('asynctaskd: save_many ARGV is not n, then n arguments, for each task key')
-  end
-  starts[i] = at
-  at = at + 1 + n
-end
-if at ~= #ARGV + 1 then
-  error('asynctaskd: save_many has ' .. count .. ' task keys and arguments for more saves')
-end
-local out = {}
-for i = 1, count do
-  local ok, reply = pcall(save_one, KEYS[i + 1], ARGV, starts[i], tonumber(ARGV[starts[i]]))
-  if not ok then
-    if type(reply) == 'table' then reply = reply.err end  -- a redis.call error
-    reply = redis.error_reply(tostring(reply))
-  end
-  out[i] = reply
-end
-return out
+return run_many(save_one, 'save_many')

@@ -17,17 +17,4 @@
 -- resubmitting it; the caller must make this write durable before calling the vendor.
 
 workers_only()
-local tk = KEYS[2]
-local id = ARGV[1]
-local t = redis.call('HMGET', tk, 'status', 'fence', 'version', 'deadline_ms',
-                     'cancel_requested', 'cancel_version', 'started_fence')
-if not t[1] then return {-1} end
-if t[2] ~= ARGV[2] then return {-2} end
-if not redis.call('ZSCORE', P .. 'leases', id) then return {-4} end
-if not version_holds(t[3], t[6], ARGV[3]) then return {-3} end
-if t[1] ~= 'SUBMITTING' or (tonumber(t[4]) or 0) <= NOW then return {-7} end
-if t[7] == ARGV[2] then return {-8} end
-if t[5] == '1' then return {-6, tonumber(t[3])} end
-redis.call('HSET', tk, 'started_fence', ARGV[2], 'idempotent', ARGV[4] == '1' and '1' or '0')
-redis.call('HINCRBY', tk, 'submit_attempts', 1)
-return {1, bump(tk)}
+return start_one(KEYS[2], ARGV, 0, #ARGV)

@@ -116,6 +116,8 @@ async def test_a_producer_cannot_run_worker_or_operator_scripts(
         ops.claim(0, "query", 10, 60_000, "intruder", 100),
         ops.start(lease, False),
         ops.save(lease, Status.SUBMITTED, fields={"external_id": "x", "handle": b"{}"}),
+        ops.start_many([ops.start(lease, False), ops.start(lease, True)]),
+        ops.save_many([ops.save(lease, Status.FAILED), ops.save(lease, Status.FAILED)]),
         ops.renew(0, 60_000, [lease]),
         ops.release(0, [lease]),
         ops.reap(0, 100, 3),

@@ -30,9 +30,10 @@ def test_header_matches_body(name: str) -> None:
     code = _code(body)
     # a script that hands its whole ARGV to its library (offset 0) reads ARGV[k] there as
     # A[o + k]
-    if (lib := LIBRARIES.get(name)) and "ARGV, 0, #ARGV)" in code:
-        lib_code = _code((ROOT / "lua" / f"{lib}.lua").read_text())
-        code += re.sub(r"\bA\[o \+ (\d+)\]", r"ARGV[\1]", lib_code)
+    if "ARGV, 0, #ARGV)" in code:
+        for lib in LIBRARIES[name]:
+            lib_code = _code((ROOT / "lua" / f"{lib}.lua").read_text())
+            code += re.sub(r"\bA\[o \+ (\d+)\]", r"ARGV[\1]", lib_code)
     used_argv = {int(m) for m in re.findall(r"ARGV\[(\d+)\]", code)}
     if not script.variadic:
         assert used_argv == set(range(1, script.argv_count + 1)), f"{name}: ARGV header/body"

@@ -1,8 +1,10 @@
-"""save_many: several saves in one script call, each exactly as the save script alone.
+"""start_many and save_many: several starts or saves in one script call, each exactly as
+the start or save script alone.
 
-The main test builds the same tasks, with the same ids, in two namespaces, saves them one
-by one with `save` in the first and in one `save_many` in the second (through the store's
-pipeline, which coalesces them), and requires the same replies and the same data after.
+The main tests build the same tasks, with the same ids, in two namespaces, run the calls
+one by one with `start` (`save`) in the first and in one `start_many` (`save_many`) in
+the second (through the store's pipeline, which coalesces them), and require the same
+replies and the same data after.
 """
 
 from __future__ import annotations
@@ -163,10 +165,88 @@ async def _clears(s: Store, tid: str, r: redis.asyncio.Redis) -> list[Call[Resul
     return [s.ops.save(lease, Status.SUBMITTED, delay_ms=0, fields=fields)]
 
 
-SCENARIOS: list[Build] = [
+SAVES: list[Build] = [
     _handle, _retry, _progress, _done, _failed, _cancel_in_query, _cancel_in_submit,
     _stale, _wrong_version, _missing, _illegal, _bad_field, _bad_status, _corrupt,
     _parked, _unknown, _past_deadline, _twice, _clears,
+]  # fmt: skip
+
+
+async def _start(s: Store, tid: str, r: redis.asyncio.Redis) -> list[Call[Result]]:
+    return [s.ops.start(await _submitting(s, tid, started=False), False)]
+
+
+async def _start_idempotent(s: Store, tid: str, r: redis.asyncio.Redis) -> list[Call[Result]]:
+    return [s.ops.start(await _submitting(s, tid, started=False), True)]
+
+
+async def _start_stale(s: Store, tid: str, r: redis.asyncio.Redis) -> list[Call[Result]]:
+    lease = await _submitting(s, tid, started=False)
+    return [s.ops.start(Lease(tid, lease.fence + 1, lease.version), False)]
+
+
+async def _start_wrong_version(s: Store, tid: str, r: redis.asyncio.Redis) -> list[Call[Result]]:
+    lease = await _submitting(s, tid, started=False)
+    return [s.ops.start(Lease(tid, lease.fence, lease.version + 5), False)]
+
+
+async def _start_no_lease(s: Store, tid: str, r: redis.asyncio.Redis) -> list[Call[Result]]:
+    lease = await _submitting(s, tid, started=False, lease_ms=100)
+    await wait_until(lambda: lease_expired(r, s.keys, tid), "lease expiry")
+    assert await s.reap(0, 10, 2) == [(tid, Status.PENDING_SUBMIT)]
+    return [s.ops.start(lease, False)]
+
+
+async def _start_missing(s: Store, tid: str, r: redis.asyncio.Redis) -> list[Call[Result]]:
+    return [s.ops.start(Lease(tid, 1, 1), False)]
+
+
+async def _start_in_query(s: Store, tid: str, r: redis.asyncio.Redis) -> list[Call[Result]]:
+    return [s.ops.start(await _querying(s, tid), False)]  # not SUBMITTING: ILLEGAL
+
+
+async def _start_canceled(s: Store, tid: str, r: redis.asyncio.Redis) -> list[Call[Result]]:
+    lease = await _submitting(s, tid, started=False)
+    assert (await s.cancel(tid)).code is Code.ACCEPTED
+    return [s.ops.start(lease, False)]
+
+
+async def _start_again(s: Store, tid: str, r: redis.asyncio.Redis) -> list[Call[Result]]:
+    return [s.ops.start(await _submitting(s, tid), False)]  # STARTED: one call per claim
+
+
+async def _start_twice(s: Store, tid: str, r: redis.asyncio.Redis) -> list[Call[Result]]:
+    lease = await _submitting(s, tid, started=False)
+    return [s.ops.start(lease, False), s.ops.start(lease, False)]  # the second: stale version
+
+
+async def _start_late(s: Store, tid: str, r: redis.asyncio.Redis) -> list[Call[Result]]:
+    lease = await _submitting(s, tid, started=False, timeout_ms=1_000)
+    deadline = int(await r.hget(s.ops._task(tid)[1], "deadline_ms"))
+
+    async def passed() -> bool:
+        return await _server_ms(s) > deadline
+
+    await wait_until(passed, "the task's deadline")
+    return [s.ops.start(lease, False)]
+
+
+async def _start_corrupt(s: Store, tid: str, r: redis.asyncio.Redis) -> list[Call[Result]]:
+    await r.set(s.ops._task(tid)[1], "not a hash")
+    return [s.ops.start(Lease(tid, 1, 1), False)]
+
+
+async def _start_bad_count(s: Store, tid: str, r: redis.asyncio.Redis) -> list[Call[Result]]:
+    lease = await _submitting(s, tid, started=False)
+    await r.hset(s.ops._task(tid)[1], "submit_attempts", "many")
+    return [s.ops.start(lease, False)]
+
+
+STARTS: list[Build] = [
+    _start, _start_idempotent, _start_stale, _start_wrong_version, _start_missing,
+    _start_in_query, _start_canceled, _start_again, _start_twice, _start_late,
+    _start_corrupt, _start_bad_count,
+    _start_no_lease,  # last: it leaves its task ready, where a later claim would take it
 ]  # fmt: skip
 
 
@@ -208,46 +288,74 @@ async def _evalsha_calls(r: redis.asyncio.Redis) -> int:
     return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
 
 
-async def test_save_many_replies_and_writes_exactly_what_each_save_would(
-    redis_client: redis.asyncio.Redis,
-) -> None:
-    alone, many = Store(redis_client, Keys("one", 1)), Store(redis_client, Keys("many", 1))
+async def _alone_and_many(
+    r: redis.asyncio.Redis, scenarios: list[Build]
+) -> tuple[list[Any], list[Any], list[str], dict[str, Any]]:
+    """Each scenario's calls run one by one in one namespace, and in one pipeline in
+    another; returns both replies, the task ids and the state before the pipeline."""
+    alone, many = Store(r, Keys("one", 1)), Store(r, Keys("many", 1))
     await alone.prepare()
     await many.prepare()
-    ids = [new_task_id() for _ in SCENARIOS]
+    ids = [new_task_id() for _ in scenarios]
     calls: dict[str, list[Call[Result]]] = {"one": [], "many": []}
-    for build, tid in zip(SCENARIOS, ids, strict=True):
+    for build, tid in zip(scenarios, ids, strict=True):
         for store in (alone, many):
-            calls[store.keys.namespace] += await build(store, tid, redis_client)
-
-    before = await _state(redis_client, many.keys, ids)
-    replies_alone = []
+            calls[store.keys.namespace] += await build(store, tid, r)
+    before = await _state(r, many.keys, ids)
+    replies_alone: list[Any] = []
     for call in calls["one"]:
         try:
             replies_alone.append(await alone.run(call))
         except ScriptError as exc:
             replies_alone.append(exc)
-    evalsha_before = await _evalsha_calls(redis_client)
+    evalsha_before = await _evalsha_calls(r)
     replies_many, rerun, _ = await many.pipeline(calls["many"])
-    assert await _evalsha_calls(redis_client) == evalsha_before + 1, "not one save_many"
+    assert await _evalsha_calls(r) == evalsha_before + 1, "not one script call"
     assert rerun == [False] * len(calls["many"])
-
     assert [_reply(x) for x in replies_many] == [_reply(x) for x in replies_alone]
-    codes = [x.code if isinstance(x, Result) else "error" for x in replies_many]
+    assert await _state(r, many.keys, ids) == await _state(r, alone.keys, ids)
+    return replies_alone, replies_many, ids, before
+
+
+async def test_save_many_replies_and_writes_exactly_what_each_save_would(
+    redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    _, replies, ids, before = await _alone_and_many(redis_client, SAVES)
+    codes = [x.code if isinstance(x, Result) else "error" for x in replies]
     assert codes.count(Code.OK) == 12 and codes.count("error") == 3, codes
     assert {Code.STALE_FENCE, Code.WRONG_VERSION, Code.NOT_FOUND, Code.ILLEGAL} <= set(codes)
     assert Code.NO_LEASE in codes
-    finals = {x.status for x in replies_many if isinstance(x, Result) and x.status}
+    finals = {x.status for x in replies if isinstance(x, Result) and x.status}
     assert {Status.CANCELED, Status.TRACKING_TIMED_OUT, Status.SUBMIT_UNKNOWN} <= finals
-    after_one = await _state(redis_client, alone.keys, ids)
-    after_many = await _state(redis_client, many.keys, ids)
-    assert after_many == after_one
-    assert after_many != before
-    for tid, build in zip(ids, SCENARIOS, strict=True):
+    many = Keys("many", 1)
+    after = await _state(redis_client, many, ids)
+    assert after != before
+    for tid, build in zip(ids, SAVES, strict=True):
         if build in (_bad_field, _bad_status):  # failed alone, and wrote nothing
-            assert after_many[tid] == before[tid]
-    await redis_client.delete(many.keys.task(0, ids[SCENARIOS.index(_corrupt)]))
-    await check_invariants(redis_client, many.keys)
+            assert after[tid] == before[tid]
+    await redis_client.delete(many.task(0, ids[SAVES.index(_corrupt)]))
+    await check_invariants(redis_client, many)
+
+
+async def test_start_many_replies_and_writes_exactly_what_each_start_would(
+    redis_client: redis.asyncio.Redis,
+) -> None:
+    _, replies, ids, before = await _alone_and_many(redis_client, STARTS)
+    codes = [x.code if isinstance(x, Result) else "error" for x in replies]
+    assert codes.count(Code.OK) == 3 and codes.count("error") == 2, codes
+    assert {
+        Code.STALE_FENCE, Code.WRONG_VERSION, Code.NO_LEASE, Code.NOT_FOUND, Code.ILLEGAL,
+        Code.CANCEL_REQUESTED, Code.STARTED,
+    } <= set(codes)  # fmt: skip
+    many = Keys("many", 1)
+    after = await _state(redis_client, many, ids)
+    started = after[ids[STARTS.index(_start)]]
+    assert started[b"started_fence"] == b"1" and started[b"submit_attempts"] == b"1"
+    assert after[ids[STARTS.index(_start_idempotent)]][b"idempotent"] == b"1"
+    bad = ids[STARTS.index(_start_bad_count)]
+    assert after[bad] == before[bad]  # failed alone, and wrote nothing
+    await redis_client.delete(many.task(0, ids[STARTS.index(_start_corrupt)]))
+    await check_invariants(redis_client, many)
 
 
 async def test_saves_to_one_shard_go_in_calls_of_at_most_32_in_their_order(
@@ -274,6 +382,21 @@ async def test_saves_to_one_shard_go_in_calls_of_at_most_32_in_their_order(
     for i, lease in enumerate(leases):
         task = await store.get(lease.task_id)
         assert task is not None and task.poll_count == i and task.version == saved[i].version
+
+
+async def test_starts_and_saves_to_one_shard_go_as_one_call_of_each(store: Store) -> None:
+    leases = [Lease(new_task_id(), 1, 1) for _ in range(4)]
+    calls = [
+        store.ops.save(leases[0], Status.FAILED),
+        store.ops.start(leases[1], False),
+        store.ops.save(leases[2], Status.FAILED),
+        store.ops.start(leases[3], True),
+    ]
+    wire, carried = store._coalesced(calls)
+    assert [w.script for w in wire] == ["save_many", "start_many"]
+    assert carried == [[0, 2], [1, 3]]
+    results, _, _ = await store.pipeline(calls)
+    assert [r.code for r in results] == [Code.NOT_FOUND] * 4
 
 
 async def test_one_save_alone_goes_as_save(store: Store) -> None:

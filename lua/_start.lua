@@ -1,0 +1,28 @@
+-- _start: one task's start, shared by start and start_many (not a script itself).
+--
+-- start_one(tk, A, o, n) is the start of the task whose key is tk, given A[o + 1] ..
+-- A[o + n] as start's ARGV (start.lua states the contract). It returns start's reply, and
+-- raises on bad arguments or a corrupt hash, before anything is written.
+
+local function start_one(tk, A, o, n)
+  if n < 4 then error('asynctaskd: start takes 4 arguments, got ' .. n) end
+  local id, fence = A[o + 1], A[o + 2]
+  local t = redis.call('HMGET', tk, 'status', 'fence', 'version', 'deadline_ms',
+                       'cancel_requested', 'cancel_version', 'started_fence', 'submit_attempts')
+  if not t[1] then return {-1} end
+  if t[2] ~= fence then return {-2} end
+  if not redis.call('ZSCORE', P .. 'leases', id) then return {-4} end
+  if not version_holds(t[3], t[6], A[o + 3]) then return {-3} end
+  if t[1] ~= 'SUBMITTING' or (tonumber(t[4]) or 0) <= NOW then return {-7} end
+  if t[7] == fence then return {-8} end
+  if t[5] == '1' then return {-6, tonumber(t[3])} end
+  -- the marks, submit_attempts + 1 and the version bump (as the prelude's bump): one HSET
+  if not (int_field(t[3]) and int_field(t[8])) then
+    error('asynctaskd: the task version or submit_attempts is not an integer')
+  end
+  local v = (tonumber(t[3]) or 0) + 1
+  redis.call('HSET', tk, 'started_fence', fence, 'idempotent', A[o + 4] == '1' and '1' or '0',
+             'submit_attempts', int_s((tonumber(t[8]) or 0) + 1), 'version', int_s(v),
+             'updated_ms', NOW_S)
+  return {1, v}
+end
