@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import msgspec
 import pytest
 import redis.asyncio
 
+from asynctaskd import AsyncClient
+from asynctaskd.codec import pairs_to_dict
 from asynctaskd.errors import ScriptError
 from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.model import Status
@@ -76,6 +80,59 @@ async def test_create_refuses_malformed_argv_and_writes_nothing(
 
 
 # --- claim --------------------------------------------------------------------------------
+
+
+async def _claim_raw(store: Store, phase: str, grants: dict[str, int] | None = None) -> list[Any]:
+    """A claim's raw reply items: [task_id, fence, version, flat hash]."""
+    call = store.ops.claim(0, phase, 100, 10_000, "w1", 100, grants)  # type: ignore[arg-type]
+    sha = store.scripts["claim"].sha
+    reply = await store.redis.evalsha(sha, len(call.keys), *call.keys, *call.args)
+    return list(reply[4:])
+
+
+async def test_a_claimed_task_comes_back_as_its_hash_after_the_claim(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    """The claim builds each reply hash from its one read and its own writes: it must be
+    what HGETALL says after the claim (without params in the query phase)."""
+    client = AsyncClient(redis_client)
+    await client.set_limit(tenant="t", max_in_flight=5)  # slots written at the submit claim
+    await client.set_limit(provider="p", submit_rate=1)  # held in a lane, claimed on a grant
+    plain = await create(store, priority=5, tenant="u", account="a", dedup_key="d1",
+                         params={"prompt": "x" * 300})  # fmt: skip
+    capped = await create(store, tenant="t")
+    laned = await create(store, handler="p")
+    stale = await create(store)  # a started_fence left over: the claim deletes it
+    await redis_client.hset(keys.task(0, stale.task_id), "started_fence", "7")
+    before = {c.task_id: await redis_client.hgetall(keys.task(0, c.task_id))
+              for c in (plain, capped, laned, stale)}  # fmt: skip
+    assert b"held" in before[laned.task_id] and b"fence" not in before[plain.task_id]
+    items = await _claim_raw(store, "submit", {"submit|p|": 1})
+    assert {i[0].decode() for i in items} == set(before)
+    for task_id, fence, version, flat in items:
+        after = await redis_client.hgetall(keys.task(0, task_id.decode()))
+        assert pairs_to_dict(flat) == after
+        assert len(flat) == 2 * len(after)  # no field twice
+        assert after[b"fence"] == b"%d" % fence and after[b"version"] == b"%d" % version
+        assert b"held" not in after and b"started_fence" not in after
+    replies = {i[0].decode(): pairs_to_dict(i[3]) for i in items}
+    assert replies[capped.task_id][b"slots"] == b"tenant:t"
+    # the query phase: handle, progress and a cancel request on the hash; no params back
+    for task_id, fence, version, _ in items:
+        lease = Lease(task_id.decode(), fence, version)
+        r = await store.start(lease, False)
+        lease = Lease(lease.task_id, fence, r.version)
+        fields = {"external_id": "x", "handle": b'{"external_id":"x"}', "progress": "0.5"}
+        assert (await store.save(lease, Status.SUBMITTED, fields=fields)).code is Code.OK
+    await store.cancel(stale.task_id)
+    items = await _claim_raw(store, "query")
+    assert len(items) == 4
+    for task_id, _, _, flat in items:
+        after = await redis_client.hgetall(keys.task(0, task_id.decode()))
+        assert b"params" in after
+        del after[b"params"]
+        assert pairs_to_dict(flat) == after and len(flat) == 2 * len(after)
+    await check_invariants(redis_client, keys)
 
 
 async def test_claim_leases_with_a_new_fence(
