@@ -91,7 +91,7 @@ end
 
 local function wake()
   redis.call('LPUSH', P .. 'wake', '1')
-  redis.call('LTRIM', P .. 'wake', 0, 0)
+  redis.call('LTRIM', P .. 'wake', '0', '0')
 end
 
 -- Admission (SPEC section 7). A due task waits in the ready set of its phase, or, when

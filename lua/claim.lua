@@ -60,7 +60,7 @@ local quarantine = P .. 'quarantine'
 
 -- Promote newly due tasks, bounded, to where they wait (the ready set or a held set).
 if promote_limit > 0 then
-  local due = redis.call('ZRANGEBYSCORE', due_key, '-inf', NOW_S, 'WITHSCORES', 'LIMIT', 0,
+  local due = redis.call('ZRANGEBYSCORE', due_key, '-inf', NOW_S, 'WITHSCORES', 'LIMIT', '0',
                          int_s(promote_limit))
   for i = 1, #due, 2 do
     local id = due[i]
@@ -210,7 +210,7 @@ for lane in pairs(lanes) do
   r[#r + 1] = waiting
 end
 
-local first = redis.call('ZRANGE', due_key, 0, 0, 'WITHSCORES')
+local first = redis.call('ZRANGE', due_key, '0', '0', 'WITHSCORES')
 if #first > 0 then reply[1] = tonumber(first[2]) end
 reply[2] = redis.call('ZCARD', ready_key)
 reply[3] = dropped

@@ -47,9 +47,11 @@ local due_ms = NOW + delay_ms
 if not_before_ms > due_ms then due_ms = not_before_ms end
 local deadline_ms = NOW + timeout_ms
 
+local deadline_s = int_s(deadline_ms)
 local fields = {'id', id, 'handler', handler, 'status', 'PENDING_SUBMIT',
-  'priority', priority, 'created_ms', NOW, 'updated_ms', NOW, 'deadline_ms', deadline_ms,
-  'timeout_ms', timeout_ms, 'due_ms', due_ms, 'version', 1, 'params', ARGV[10]}
+  'priority', int_s(priority), 'created_ms', NOW_S, 'updated_ms', NOW_S,
+  'deadline_ms', deadline_s, 'timeout_ms', int_s(timeout_ms), 'due_ms', int_s(due_ms),
+  'version', '1', 'params', ARGV[10]}
 if ARGV[3] ~= '' then fields[#fields + 1] = 'provider'; fields[#fields + 1] = ARGV[3] end
 if ARGV[4] ~= '' then fields[#fields + 1] = 'tenant'; fields[#fields + 1] = ARGV[4] end
 if ARGV[5] ~= '' then fields[#fields + 1] = 'account'; fields[#fields + 1] = ARGV[5] end
@@ -61,7 +63,7 @@ if dedup_key ~= '' then
 end
 redis.call('HSET', tk, unpack(fields))
 move_status(tk, id, nil, 'PENDING_SUBMIT', handler)
-redis.call('ZADD', P .. 'deadlines', deadline_ms, id)
+redis.call('ZADD', P .. 'deadlines', deadline_s, id)
 schedule(id, 'submit', due_ms, priority)
 wake()
 emit(id, 'PENDING_SUBMIT', 1)
