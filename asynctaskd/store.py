@@ -31,6 +31,12 @@ from .keys import HANDLER_KEY_RE, Keys
 from .model import Phase, Status, Task, shard_of
 from .scripts import Script, load_scripts
 
+_pack_command: Callable[[tuple[Any, ...]], bytes] | None
+try:
+    from hiredis import pack_command as _pack_command
+except ImportError:  # hiredis comes with redis[hiredis]; without it, RESP is packed here
+    _pack_command = None
+
 __all__ = [
     "Batcher",
     "Call",
@@ -169,12 +175,17 @@ def _packed(args: Sequence[Any], head: bytes = b"", head_count: int = 0) -> byte
     return b"".join(parts)
 
 
-_EVALSHA: Final = _bulk("EVALSHA")
-
-
-def _packed_evalsha(head: bytes, keys: Sequence[Any], args: Sequence[Any]) -> bytes:
-    """EVALSHA as RESP; `head` is the packed "EVALSHA <sha>"."""
-    return _packed((len(keys), *keys, *args), head, 2)
+def _packed_evalsha(sha: str, keys: Sequence[Any], args: Sequence[Any]) -> bytes:
+    """EVALSHA as RESP: packed by hiredis in C (~2.5x faster than `_packed`) wherever it
+    gives exactly the bytes `_packed` would, that is, for exact str, bytes, int and float
+    arguments (hiredis refuses the others, bool and int subclasses included)."""
+    command = ("EVALSHA", sha, len(keys), *keys, *args)
+    if _pack_command is not None:
+        try:
+            return _pack_command(command)
+        except TypeError:
+            pass  # an argument of another type: `_packed` encodes it, or says why it cannot
+    return _packed(command)
 
 
 def _s(v: Any) -> str:
@@ -606,8 +617,6 @@ class _Base:
         self.keys = keys
         self.ops = Ops(keys)
         self.scripts: dict[str, Script] = load_scripts()
-        # "EVALSHA <sha>" as RESP, per script name: the fixed head of every packed call
-        self._evalsha_heads = {name: _EVALSHA + _bulk(s.sha) for name, s in self.scripts.items()}
         # Any: redis-py's hset wants a Mapping over its own invariant key union.
         self.settings: dict[Any, Any] = dict(settings or {})
         self.round_trips: dict[str, int] = {}
@@ -826,8 +835,8 @@ class Store(_Base):
         (half the daemon's save cost). No retry: a dropped connection fails the whole
         batch as unavailable, and the callers retry (a save is fenced and versioned).
         """
-        heads = self._evalsha_heads
-        commands = [_packed_evalsha(heads[c.script], c.keys, c.args) for c in calls]
+        scripts = self.scripts
+        commands = [_packed_evalsha(scripts[c.script].sha, c.keys, c.args) for c in calls]
         if trailer is not None:
             commands.append(_packed(trailer))
         pool = (client or self.redis).connection_pool
