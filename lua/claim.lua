@@ -185,10 +185,20 @@ for _, lane in ipairs(granted) do
     if not consider(popped[1], popped[2], dim) then break end
   end
 end
-while got < n do
-  local popped = redis.call('ZPOPMIN', ready_key)
+-- The ready set: as many as are still wanted in one pop (nothing below adds to it, so
+-- this takes them in the same order as one pop at a time). When the hold budget runs out,
+-- consider() puts its entry back, and the rest of the pop goes back too.
+local spent = false
+while got < n and not spent do
+  local popped = redis.call('ZPOPMIN', ready_key, int_s(n - got))
   if #popped == 0 then break end
-  if not consider(popped[1], popped[2], nil) then break end
+  for i = 1, #popped, 2 do
+    if not consider(popped[i], popped[i + 1], nil) then
+      for j = i + 2, #popped, 2 do redis.call('ZADD', ready_key, popped[j + 1], popped[j]) end
+      spent = true
+      break
+    end
+  end
 end
 
 -- Report the rate lanes of this phase: tokens used, tasks waiting.

@@ -90,6 +90,28 @@ async def _claim_raw(store: Store, phase: str, grants: dict[str, int] | None = N
     return list(reply[4:])
 
 
+async def test_a_claim_that_spends_its_hold_budget_puts_the_rest_back_as_it_was(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    """A claim pops the ready set many at a time and sets aside at most 1000 tasks: when the
+    budget runs out mid-pop, every entry it did not get to goes back with its score."""
+    big = [new_task_id() for _ in range(1050)]
+    calls = [store.ops.create(t, "h", b"{}", timeout_ms=600_000, tenant="big") for t in big]
+    await store.run_many(calls)
+    small = [(await create(store, tenant="small")).task_id for _ in range(20)]
+    ready_key = f"{keys.tag(0)}:ready:submit"
+    scores = dict(await redis_client.zrange(ready_key, 0, -1, withscores=True))
+    await AsyncClient(redis_client).pause(tenant="big")  # they are all ready: claims set aside
+    batch = await store.claim(0, "submit", 100, 10_000, "w")
+    assert batch.claimed == [] and batch.dropped == 1000 and batch.ready_left == 70
+    left = dict(await redis_client.zrange(ready_key, 0, -1, withscores=True))
+    assert left == {k: v for k, v in scores.items() if k.decode() in big[1000:] + small}
+    batch = await store.claim(0, "submit", 100, 10_000, "w")
+    assert [c.lease.task_id for c in batch.claimed] == small  # in their order
+    assert await redis_client.zcard(f"{keys.tag(0)}:held:tenant:big") == 1050
+    await check_invariants(redis_client, keys)
+
+
 async def test_a_claimed_task_comes_back_as_its_hash_after_the_claim(
     store: Store, redis_client: redis.asyncio.Redis, keys: Keys
 ) -> None:
