@@ -298,6 +298,7 @@ local function move_status(tk, id, old, new, handler)
 end
 
 -- Everything that happens when a task becomes terminal, in one place.
+local EXPIRY_MS = nil  -- retention + grace, as text: read once per script call
 local function finish(tk, id, old, new, handler)
   move_status(tk, id, old, new, handler)
   unschedule(id)
@@ -312,9 +313,10 @@ local function finish(tk, id, old, new, handler)
     if redis.call('GET', dk) == id then redis.call('DEL', dk) end
   end
   -- purge deletes the hash at retention with exact counters; the expiry is the safety net
-  local retention_ms = setting('retention_ms', 604800000)
-  local grace_ms = setting('expiry_grace_ms', 86400000)
-  redis.call('PEXPIRE', tk, int_s(retention_ms + grace_ms))
+  if not EXPIRY_MS then
+    EXPIRY_MS = int_s(setting('retention_ms', 604800000) + setting('expiry_grace_ms', 86400000))
+  end
+  redis.call('PEXPIRE', tk, EXPIRY_MS)
 end
 
 local function bump(tk)
