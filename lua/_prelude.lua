@@ -297,16 +297,20 @@ local function move_status(tk, id, old, new, handler)
   redis.call('ZADD', P .. 'idx:' .. new, NOW_S, id)
 end
 
--- Everything that happens when a task becomes terminal, in one place.
+-- Everything that happens when a task becomes terminal, in one place. `written`: the
+-- caller (a save, in its own HSET and HDEL) already removed the lease, wrote finished_ms
+-- and deleted owner, due_ms and started_fence.
 local EXPIRY_MS = nil  -- retention + grace, as text: read once per script call
-local function finish(tk, id, old, new, handler)
+local function finish(tk, id, old, new, handler, written)
   move_status(tk, id, old, new, handler)
   unschedule(id)
-  -- only a leased task has an owner: a producer's cancel never touches the lease index
-  if redis.call('HEXISTS', tk, 'owner') == 1 then redis.call('ZREM', P .. 'leases', id) end
+  if not written then
+    -- only a leased task has an owner: a producer's cancel never touches the lease index
+    if redis.call('HEXISTS', tk, 'owner') == 1 then redis.call('ZREM', P .. 'leases', id) end
+    redis.call('HSET', tk, 'finished_ms', NOW_S)
+    redis.call('HDEL', tk, 'owner', 'due_ms', 'started_fence')
+  end
   redis.call('ZREM', P .. 'deadlines', id)
-  redis.call('HSET', tk, 'finished_ms', NOW_S)
-  redis.call('HDEL', tk, 'owner', 'due_ms', 'started_fence')
   local dedup = redis.call('HGET', tk, 'dedup')
   if dedup then
     local dk = P .. 'dedup:' .. dedup

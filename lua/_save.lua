@@ -65,10 +65,17 @@ local function save_one(tk, A, o, n)
       end
     end
   end
-  if old == 'SUBMITTING' or old == 'SUBMIT_UNKNOWN' then dels[#dels + 1] = 'started_fence' end
-  if final == 'SUBMIT_UNKNOWN' then
+  local terminal = TERMINAL[final]
+  if old == 'SUBMITTING' or old == 'SUBMIT_UNKNOWN' or terminal then
+    dels[#dels + 1] = 'started_fence'
+  end
+  if terminal then  -- what finish() would write and delete: here, in the same two calls
+    sets[#sets + 1] = 'finished_ms'
+    sets[#sets + 1] = NOW_S
     dels[#dels + 1] = 'due_ms'
-  elseif not TERMINAL[final] then
+  elseif final == 'SUBMIT_UNKNOWN' then
+    dels[#dels + 1] = 'due_ms'
+  else
     sets[#sets + 1] = 'due_ms'
     sets[#sets + 1] = int_s(NOW + delay_ms)  -- what schedule() below returns
   end
@@ -76,8 +83,8 @@ local function save_one(tk, A, o, n)
   redis.call(unpack(dels))
   local handler = t[8]
   redis.call('ZREM', P .. 'leases', id)
-  if TERMINAL[final] then
-    finish(tk, id, old, final, handler)
+  if terminal then
+    finish(tk, id, old, final, handler, true)
   else
     if final ~= old then move_status(tk, id, old, final, handler) end
     if final == 'SUBMIT_UNKNOWN' then

@@ -311,6 +311,45 @@ async def test_succeeded_is_terminal_with_expiry_and_no_indexes(
     await check_invariants(redis_client, keys)
 
 
+@pytest.mark.parametrize("path", ["submit", "query", "late"])
+async def test_a_finishing_save_leaves_exactly_a_finished_hash(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys, path: str
+) -> None:
+    """The save writes what finish() would (finished_ms; no owner, due_ms, started_fence,
+    lease) in its own HSET and HDEL: out of SUBMITTING (started_fence set), out of RUNNING
+    (due_ms set by the previous save), and the late save of a parked task (no lease)."""
+    if path == "query":
+        await submitted(store)
+        c = await claim_one(store, "query")
+        lease, target = c.lease, Status.SUCCEEDED
+    else:
+        await create(store)
+        c = await claim_one(store, lease_ms=100 if path == "late" else 10_000)
+        started = await store.start(c.lease, False)
+        lease, target = Lease(c.lease.task_id, c.lease.fence, started.version), Status.FAILED
+        if path == "late":
+            await wait_until(lambda: lease_expired(redis_client, keys, lease.task_id), "expiry")
+            assert await store.reap(0, 10, 2) == [(lease.task_id, Status.SUBMIT_UNKNOWN)]
+    key = keys.task(0, lease.task_id)
+    before = await redis_client.hgetall(key)
+    assert (b"started_fence" in before) is (path != "query")
+    assert (b"due_ms" in before) is (path != "late")  # parking deleted it
+    r = await store.save(lease, target, fields={"error_code": "E"})
+    assert r.code is Code.OK and r.status is target
+    after = await redis_client.hgetall(key)
+    assert set(after) == set(before) - {b"owner", b"due_ms", b"started_fence"} | {
+        b"finished_ms",
+        b"error_code",
+        b"version",
+        b"updated_ms",
+        b"status",
+    }
+    assert after[b"finished_ms"] == after[b"updated_ms"]
+    assert await redis_client.zscore(keys.leases(0), lease.task_id) is None
+    assert await redis_client.pttl(key) > 0
+    await check_invariants(redis_client, keys)
+
+
 # --- rejections: stale fence, wrong version, no lease ------------------------------------
 
 
