@@ -19,6 +19,7 @@ SCRIPT_NAMES: Final = (
     "claim",
     "start",
     "save",
+    "create_many",
     "start_many",
     "save_many",
     "renew",
@@ -39,8 +40,10 @@ SCRIPT_NAMES: Final = (
 # Shared Lua that some scripts need after the prelude: script name -> lua/<library>.lua
 # files, in order.
 LIBRARIES: Final = {
+    "create": ("_create",),
     "start": ("_start",),
     "save": ("_save",),
+    "create_many": ("_many", "_create"),
     "start_many": ("_many", "_start"),
     "save_many": ("_many", "_save"),
 }

@@ -380,6 +380,10 @@ class Ops:
             args.append(value)
         return Call("save", [prefix, task_key], args, _result)
 
+    def create_many(self, creates: Sequence[Call[Created]]) -> Call[list[Any]]:
+        """`create` calls of tasks of one shard as one call (see `_many`)."""
+        return self._many("create_many", creates)
+
     def start_many(self, starts: Sequence[Call[Result]]) -> Call[list[Any]]:
         """`start` calls to tasks of one shard as one call (see `_many`)."""
         return self._many("start_many", starts)
@@ -389,9 +393,10 @@ class Ops:
         return self._many("save_many", saves)
 
     def _many(self, script: str, calls: Sequence[Call[Any]]) -> Call[list[Any]]:
-        """Calls of one single-task script (`start`, `save`) to tasks of one shard as one
-        call of its `_many` script. Its reply is each call's reply in order, undecoded: a
-        call that raised has its error reply in its place."""
+        """Calls of one single-task script (`create`, `start`, `save`) to tasks of one
+        shard as one call of its `_many` script: the prefix, then each call's other keys.
+        Its reply is each call's reply in order, undecoded: a call that raised has its
+        error reply in its place."""
         one = _ONE_OF[script]
         prefix = calls[0].keys[0]
         keys = [prefix]
@@ -399,7 +404,7 @@ class Ops:
         for call in calls:
             if call.script != one or call.keys[0] != prefix:
                 raise ValueError(f"{script} takes {one} calls to tasks of one shard")
-            keys.append(call.keys[1])
+            keys.extend(call.keys[1:])
             args.append(len(call.args))
             args.extend(call.args)
         count = len(calls)
@@ -633,7 +638,7 @@ class _Base:
 
 # Single-task scripts whose calls to one shard, sent together, go as one call of a script
 # that runs several (each script call costs Redis a fixed amount before its first command).
-_MANY_OF: Final = {"start": "start_many", "save": "save_many"}
+_MANY_OF: Final = {"create": "create_many", "start": "start_many", "save": "save_many"}
 _ONE_OF: Final = {many: one for one, many in _MANY_OF.items()}
 # At most this many calls go in one such call. One script call holds the server for its
 # whole run (a save ~0.1 ms), so other clients wait behind it at most a few milliseconds.
@@ -793,10 +798,10 @@ class Store(_Base):
     def _coalesced(
         self, calls: Sequence[Call[Any]]
     ) -> tuple[list[Call[Any]], list[list[int]] | None]:
-        """The calls to send for `calls`: where several are `start` (or `save`) calls to
-        one shard, they go as `start_many` (`save_many`) calls of at most _CALLS_PER_MANY
-        each, where the first of them was. Returns them and, for each, the indexes in
-        `calls` it carries (None: `calls` as they are)."""
+        """The calls to send for `calls`: where several are `create` (`start`, `save`)
+        calls to one shard, they go as `create_many` (`start_many`, `save_many`) calls of
+        at most _CALLS_PER_MANY each, where the first of them was. Returns them and, for
+        each, the indexes in `calls` it carries (None: `calls` as they are)."""
         groups: dict[tuple[str, str], list[int]] = {}
         carried: list[list[int]] = []
         for i, call in enumerate(calls):

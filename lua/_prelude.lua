@@ -89,7 +89,12 @@ local function emit(id, status, version, extra)
   redis.call(unpack(args))
 end
 
+-- The wake list holds at most one element, and daemons pop it only between scripts: a
+-- second wake in one script call would change nothing (a create_many of 32 would push 32).
+local WOKEN = false
 local function wake()
+  if WOKEN then return end
+  WOKEN = true
   redis.call('LPUSH', P .. 'wake', '1')
   redis.call('LTRIM', P .. 'wake', '0', '0')
 end

@@ -1,7 +1,7 @@
 -- _save: one task's save, shared by save and save_many (not a script itself).
 --
--- The loader puts this after the prelude for the scripts that need it. save_one(tk, A, o, n)
--- is the save of the task whose key is tk, given A[o + 1] .. A[o + n] as save's ARGV
+-- The loader puts this after the prelude for the scripts that need it. save_one(k, A, o, n)
+-- is the save of the task whose key is KEYS[k], given A[o + 1] .. A[o + n] as save's ARGV
 -- (save.lua states the contract). It returns save's reply, and raises on bad arguments or
 -- a corrupt hash, before anything is written.
 
@@ -9,7 +9,8 @@ local WRITABLE = {handle = true, external_id = true, result = true, error_code =
   error_message = true, progress = true, stage = true, message = true,
   consecutive_errors = true, poll_count = true}
 
-local function save_one(tk, A, o, n)
+local function save_one(k, A, o, n)
+  local tk = KEYS[k]
   local id, fence, want = A[o + 1], A[o + 2], A[o + 4]
   if n < 5 then error('asynctaskd: save takes at least 5 arguments, got ' .. n) end
   if not KNOWN[want] then error('asynctaskd: ARGV status is not a status: ' .. tostring(want)) end

@@ -1,10 +1,11 @@
 -- _start: one task's start, shared by start and start_many (not a script itself).
 --
--- start_one(tk, A, o, n) is the start of the task whose key is tk, given A[o + 1] ..
+-- start_one(k, A, o, n) is the start of the task whose key is KEYS[k], given A[o + 1] ..
 -- A[o + n] as start's ARGV (start.lua states the contract). It returns start's reply, and
 -- raises on bad arguments or a corrupt hash, before anything is written.
 
-local function start_one(tk, A, o, n)
+local function start_one(k, A, o, n)
+  local tk = KEYS[k]
   if n < 4 then error('asynctaskd: start takes 4 arguments, got ' .. n) end
   local id, fence = A[o + 1], A[o + 2]
   local t = redis.call('HMGET', tk, 'status', 'fence', 'version', 'deadline_ms',

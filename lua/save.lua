@@ -27,4 +27,4 @@
 -- Invariant: a rejected save writes nothing; a saved one releases the lease.
 
 workers_only()
-return save_one(KEYS[2], ARGV, 0, #ARGV)
+return save_one(2, ARGV, 0, #ARGV)

@@ -14,4 +14,4 @@
 -- sees the earlier one), under one NOW; a rejected save writes nothing.
 
 workers_only()
-return run_many(save_one, 'save_many')
+return run_many(save_one, 'save_many', 1)

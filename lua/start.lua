@@ -17,4 +17,4 @@
 -- resubmitting it; the caller must make this write durable before calling the vendor.
 
 workers_only()
-return start_one(KEYS[2], ARGV, 0, #ARGV)
+return start_one(2, ARGV, 0, #ARGV)

@@ -14,4 +14,4 @@
 -- start writes nothing.
 
 workers_only()
-return run_many(start_one, 'start_many')
+return run_many(start_one, 'start_many', 1)

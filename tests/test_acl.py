@@ -3,6 +3,7 @@ cannot claim, save or run any other worker or operator script (NOPERM, nothing w
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -96,6 +97,21 @@ async def test_a_producer_submits_reads_watches_and_cancels(
     again = (await store.claim(0, "query", 1, 60_000, "w")).claimed[0]
     await store.save(again.lease, Status.CANCELED)
     assert (await client.wait(task.id, timeout=5, tenant="t")).status is Status.CANCELED
+
+
+async def test_a_producers_concurrent_submits_go_as_one_create_many(
+    producer: redis.asyncio.Redis, redis_client: redis.asyncio.Redis
+) -> None:
+    client = AsyncClient(producer)
+    before = (await redis_client.info("commandstats")).get("cmdstat_evalsha", {}).get("calls", 0)
+    tasks = await asyncio.gather(
+        *(client.submit("h", {"i": i}, tracking_timeout=60, strict=False) for i in range(5))
+    )
+    after = (await redis_client.info("commandstats"))["cmdstat_evalsha"]["calls"]
+    assert after - before == 1  # the five creates in one create_many, as the producer user
+    for task in tasks:
+        got = await client.get(task.id)
+        assert got is not None and got.status is Status.PENDING_SUBMIT
 
 
 async def test_a_producer_cannot_run_worker_or_operator_scripts(

@@ -1,5 +1,5 @@
-"""start_many and save_many: several starts or saves in one script call, each exactly as
-the start or save script alone.
+"""create_many, start_many and save_many: several creates, starts or saves in one script
+call, each exactly as the single script alone.
 
 The main tests build the same tasks, with the same ids, in two namespaces, run the calls
 one by one with `start` (`save`) in the first and in one `start_many` (`save_many`) in
@@ -18,7 +18,7 @@ import redis.asyncio
 from asynctaskd.errors import ScriptError
 from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.model import Status
-from asynctaskd.store import Call, Code, Lease, Result, Store
+from asynctaskd.store import Call, Code, Created, Lease, Result, Store
 from tests.conftest import wait_until
 
 from .helpers import INDEXES, check_invariants, claim_one, create, lease_expired, submitted
@@ -246,6 +246,61 @@ STARTS: list[Build] = [
 ]  # fmt: skip
 
 
+def _creating(s: Store, tid: str, **kw: Any) -> Call[Any]:
+    args: dict[str, Any] = {"timeout_ms": 60_000} | kw
+    return s.ops.create(tid, args.pop("handler", "h"), b'{"n":1}', **args)
+
+
+_TWINS: dict[str, str] = {}
+
+
+def _twin(tid: str) -> str:
+    """A second id for a scenario, the same in both namespaces."""
+    return _TWINS.setdefault(tid, new_task_id())
+
+
+async def _create(s: Store, tid: str, r: redis.asyncio.Redis) -> list[Call[Any]]:
+    return [_creating(s, tid, priority=7, tenant="t", account="a", provider="p",
+                      metadata_json=b'{"m":1}')]  # fmt: skip
+
+
+async def _create_delayed(s: Store, tid: str, r: redis.asyncio.Redis) -> list[Call[Any]]:
+    return [_creating(s, tid, delay_ms=60_000), _creating(s, _twin(tid), not_before_ms=1)]
+
+
+async def _create_paused(s: Store, tid: str, r: redis.asyncio.Redis) -> list[Call[Any]]:
+    await s.pause("tenant:quiet")  # held, not ready
+    return [_creating(s, tid, tenant="quiet")]
+
+
+async def _create_deduped(s: Store, tid: str, r: redis.asyncio.Redis) -> list[Call[Any]]:
+    await s.run(_creating(s, _twin(tid), tenant="t", dedup_key="k1"))  # a live duplicate
+    return [_creating(s, tid, tenant="t", dedup_key="k1")]
+
+
+async def _create_dedup_twice(s: Store, tid: str, r: redis.asyncio.Redis) -> list[Call[Any]]:
+    # the second sees the first, created in the same call: ACCEPTED with the first's id
+    return [_creating(s, tid, dedup_key="k2"), _creating(s, _twin(tid), dedup_key="k2")]
+
+
+async def _create_taken(s: Store, tid: str, r: redis.asyncio.Redis) -> list[Call[Any]]:
+    await s.run(_creating(s, tid))
+    return [_creating(s, tid)]  # EXISTS: the decoder raises
+
+
+async def _create_bad(s: Store, tid: str, r: redis.asyncio.Redis) -> list[Call[Any]]:
+    bad_priority = _creating(s, tid, priority=7)
+    bad_priority.args[5] = 500
+    no_handler = _creating(s, _twin(tid), handler="")
+    return [bad_priority, no_handler]
+
+
+CREATES: list[Build] = [
+    _create, _create_delayed, _create_paused, _create_deduped, _create_dedup_twice,
+    _create_taken, _create_bad,
+]  # fmt: skip
+
+
 async def _state(r: redis.asyncio.Redis, keys: Keys, ids: list[str]) -> dict[str, Any]:
     """Everything the saves may have touched, with times reduced to 'set'."""
     tag = keys.tag(0)
@@ -265,17 +320,23 @@ async def _state(r: redis.asyncio.Redis, keys: Keys, ids: list[str]) -> dict[str
     out["counts"] = await r.hgetall(keys.counts(0))
     out["events"] = [fields for _, fields in await r.xrange(keys.events(0))]
     out["wake"] = await r.lrange(f"{tag}:wake", 0, -1)
-    out["dedup"] = sorted(await r.keys(f"{tag}:dedup:*"))  # private server: safe
+    dedup = sorted(await r.keys(f"{tag}:dedup:*"))  # private server: safe
+    out["dedup"] = {k[len(tag) :]: await r.get(k) for k in dedup}
     return out
 
 
 def _reply(result: Any) -> Any:
-    """A result as comparable across namespaces: errors by their Lua message."""
+    """A result as comparable across namespaces: errors by their Lua message (or the
+    decoder's, which names no namespace)."""
     if isinstance(result, Exception):
         text = str(result)
-        core = text[text.index("asynctaskd:") :] if "asynctaskd:" in text else "WRONGTYPE"
-        assert "asynctaskd:" in text or "WRONGTYPE" in text, text
-        return type(result).__name__, core.split(" script:")[0]
+        if "asynctaskd:" in text:
+            text = text[text.index("asynctaskd:") :]
+        elif "WRONGTYPE" in text:
+            text = "WRONGTYPE"
+        return type(result).__name__, text.split(" script:")[0]
+    if isinstance(result, Created):  # its times: how long after its creation it is due
+        return result.task_id, result.deduped, result.version, result.due_ms - result.created_ms
     return result
 
 
@@ -351,6 +412,23 @@ async def test_start_many_replies_and_writes_exactly_what_each_start_would(
     bad = ids[STARTS.index(_start_bad_count)]
     assert after[bad] == before[bad]  # failed alone, and wrote nothing
     await redis_client.delete(many.task(0, ids[STARTS.index(_start_corrupt)]))
+    await check_invariants(redis_client, many)
+
+
+async def test_create_many_replies_and_writes_exactly_what_each_create_would(
+    redis_client: redis.asyncio.Redis,
+) -> None:
+    _, replies, ids, _ = await _alone_and_many(redis_client, CREATES)
+    kinds = [type(x).__name__ for x in replies]
+    assert kinds.count("Created") == 7 and kinds.count("ScriptError") == 3, replies
+    deduped = [x for x in replies if getattr(x, "deduped", False)]
+    assert [x.task_id for x in deduped] == [
+        _twin(ids[CREATES.index(_create_deduped)]),
+        ids[CREATES.index(_create_dedup_twice)],
+    ]
+    many = Keys("many", 1)
+    held = await redis_client.zrange(f"{many.tag(0)}:held:tenant:quiet", 0, -1)
+    assert held == [ids[CREATES.index(_create_paused)].encode()]
     await check_invariants(redis_client, many)
 
 
