@@ -345,12 +345,22 @@ async def _evalsha_calls(r: redis.asyncio.Redis) -> int:
     return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
 
 
+MANY = Keys("many", 1)  # the namespace where the calls go in one script call
+
+
+async def _checked(r: redis.asyncio.Redis, corrupt: str | None = None) -> None:
+    """The invariants of the MANY namespace, once a corrupt task key is out of the way."""
+    if corrupt is not None:
+        await r.delete(MANY.task(0, corrupt))
+    await check_invariants(r, MANY)
+
+
 async def _alone_and_many(
     r: redis.asyncio.Redis, scenarios: list[Build]
 ) -> tuple[list[Any], list[Any], list[str], dict[str, Any]]:
     """Each scenario's calls run one by one in one namespace, and in one pipeline in
     another; returns both replies, the task ids and the state before the pipeline."""
-    alone, many = Store(r, Keys("one", 1)), Store(r, Keys("many", 1))
+    alone, many = Store(r, Keys("one", 1)), Store(r, MANY)
     await alone.prepare()
     await many.prepare()
     ids = [new_task_id() for _ in scenarios]
@@ -384,14 +394,12 @@ async def test_save_many_replies_and_writes_exactly_what_each_save_would(
     assert Code.NO_LEASE in codes
     finals = {x.status for x in replies if isinstance(x, Result) and x.status}
     assert {Status.CANCELED, Status.TRACKING_TIMED_OUT, Status.SUBMIT_UNKNOWN} <= finals
-    many = Keys("many", 1)
-    after = await _state(redis_client, many, ids)
+    after = await _state(redis_client, MANY, ids)
     assert after != before
     for tid, build in zip(ids, SAVES, strict=True):
         if build in (_bad_field, _bad_status):  # failed alone, and wrote nothing
             assert after[tid] == before[tid]
-    await redis_client.delete(many.task(0, ids[SAVES.index(_corrupt)]))
-    await check_invariants(redis_client, many)
+    await _checked(redis_client, ids[SAVES.index(_corrupt)])
 
 
 async def test_start_many_replies_and_writes_exactly_what_each_start_would(
@@ -404,15 +412,13 @@ async def test_start_many_replies_and_writes_exactly_what_each_start_would(
         Code.STALE_FENCE, Code.WRONG_VERSION, Code.NO_LEASE, Code.NOT_FOUND, Code.ILLEGAL,
         Code.CANCEL_REQUESTED, Code.STARTED,
     } <= set(codes)  # fmt: skip
-    many = Keys("many", 1)
-    after = await _state(redis_client, many, ids)
+    after = await _state(redis_client, MANY, ids)
     started = after[ids[STARTS.index(_start)]]
     assert started[b"started_fence"] == b"1" and started[b"submit_attempts"] == b"1"
     assert after[ids[STARTS.index(_start_idempotent)]][b"idempotent"] == b"1"
     bad = ids[STARTS.index(_start_bad_count)]
     assert after[bad] == before[bad]  # failed alone, and wrote nothing
-    await redis_client.delete(many.task(0, ids[STARTS.index(_start_corrupt)]))
-    await check_invariants(redis_client, many)
+    await _checked(redis_client, ids[STARTS.index(_start_corrupt)])
 
 
 async def test_create_many_replies_and_writes_exactly_what_each_create_would(
@@ -426,10 +432,9 @@ async def test_create_many_replies_and_writes_exactly_what_each_create_would(
         _twin(ids[CREATES.index(_create_deduped)]),
         ids[CREATES.index(_create_dedup_twice)],
     ]
-    many = Keys("many", 1)
-    held = await redis_client.zrange(f"{many.tag(0)}:held:tenant:quiet", 0, -1)
+    held = await redis_client.zrange(f"{MANY.tag(0)}:held:tenant:quiet", 0, -1)
     assert held == [ids[CREATES.index(_create_paused)].encode()]
-    await check_invariants(redis_client, many)
+    await _checked(redis_client)
 
 
 async def test_saves_to_one_shard_go_in_calls_of_at_most_32_in_their_order(
