@@ -81,22 +81,32 @@ local got = 0
 -- Look at one popped entry: claim it, set it aside, or drop it. `from` is the held
 -- dimension it was popped from (nil: the ready set). Returns false when the hold budget
 -- is spent and the entry went back where it came from.
+-- What a task's provider, tenant and account can hold it back by, if anything (limits, or a
+-- pause of submits): without either, its HMGET leaves those fields out (each field a task
+-- lacks costs a scan of the whole hash).
+local dims = admission_on() or (phase == 'submit' and paused_on())
 local function consider(id, score, from)
   local tk = task_key(id)
   -- pcall: a key of another type (WRONGTYPE) must not abort the whole claim
-  local t = redis.pcall('HMGET', tk, 'status', 'deadline_ms', 'cancel_requested', 'handler',
-                        'version', 'fence', 'provider', 'tenant', 'account', 'held',
-                        'submit_attempts', 'reclaims')
+  local t
+  if dims then
+    t = redis.pcall('HMGET', tk, 'status', 'deadline_ms', 'cancel_requested', 'handler',
+                    'version', 'fence', 'held', 'submit_attempts', 'reclaims',
+                    'provider', 'tenant', 'account')
+  else
+    t = redis.pcall('HMGET', tk, 'status', 'deadline_ms', 'cancel_requested', 'handler',
+                    'version', 'fence', 'held', 'submit_attempts', 'reclaims')
+  end
   local corrupt = type(t) ~= 'table' or t.err ~= nil
   if corrupt then t = {} end
   local status, deadline_ms, handler = t[1], tonumber(t[2]), t[4]
   -- counters this script, start and reap increment must be integers HINCRBY takes, or
   -- they would fail half-way: such a task is quarantined here, before anyone holds it
   if not corrupt and status and not (int_field(t[5]) and int_field(t[6])
-                                     and int_field(t[11]) and int_field(t[12])) then
+                                     and int_field(t[8]) and int_field(t[9])) then
     corrupt = true
   end
-  if from and not corrupt and t[10] ~= from then
+  if from and not corrupt and t[7] ~= from then
     dropped = dropped + 1                       -- stale entry of a held set: ignore it
     return true
   end
@@ -121,8 +131,8 @@ local function consider(id, score, from)
     emit(id, 'CANCELED', v)
     dropped = dropped + 1
   else
-    if t[10] then redis.call('HDEL', tk, 'held') end
-    local dim, g = blocker(phase, {handler, t[7], t[8], t[9]})
+    if t[7] then redis.call('HDEL', tk, 'held') end
+    local dim, g = blocker(phase, {handler, t[10] or false, t[11] or false, t[12] or false})
     local lane = g and g.lane
     if not dim and lane and (grants[lane] or 0) <= 0 then dim = 'rate:' .. lane end
     if dim then
