@@ -78,13 +78,14 @@ local hold_budget = 1000
 local want = (phase == 'submit') and {PENDING_SUBMIT = true} or {SUBMITTED = true, RUNNING = true}
 local got = 0
 
--- Look at one popped entry: claim it, set it aside, or drop it. `from` is the held
--- dimension it was popped from (nil: the ready set). Returns false when the hold budget
--- is spent and the entry went back where it came from.
 -- What a task's provider, tenant and account can hold it back by, if anything (limits, or a
 -- pause of submits): without either, its HMGET leaves those fields out (each field a task
 -- lacks costs a scan of the whole hash).
 local dims = admission_on() or (phase == 'submit' and paused_on())
+
+-- Look at one popped entry: claim it, set it aside, or drop it. `from` is the held
+-- dimension it was popped from (nil: the ready set). Returns false when the hold budget
+-- is spent and the entry went back where it came from.
 local function consider(id, score, from)
   local tk = task_key(id)
   -- pcall: a key of another type (WRONGTYPE) must not abort the whole claim
