@@ -382,6 +382,20 @@ class Daemon:
         self.stop()
 
 
+async def create_tasks(
+    store: Any,
+    ids: Sequence[str],
+    handler: str,
+    params: bytes = b"{}",
+    timeout_ms: int = 600_000,
+) -> None:
+    """Create one task per id through `store` (an asynctaskd Store), 1,000 calls a round
+    trip: the setup of the benches that start from tasks already waiting."""
+    calls = [store.ops.create(i, handler, params, timeout_ms=timeout_ms) for i in ids]
+    for start in range(0, len(calls), 1000):
+        await store.run_many(calls[start : start + 1000])
+
+
 @contextmanager
 def workdir(prefix: str) -> Iterator[Path]:
     with tempfile.TemporaryDirectory(prefix=prefix) as d:

@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -27,6 +28,10 @@ from asynctaskd.embedded import ServerProcess, find_binary
 from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.model import Status
 from asynctaskd.store import Batcher, Lease, Store, open_redis
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import create_tasks
 
 CLAIM_SHAPED = (
     "local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, 1) "
@@ -56,9 +61,7 @@ async def run(url: str, n: int, batch: int) -> dict[str, Any]:
     store = Store(redis, Keys())
     await store.prepare()
     ids = [new_task_id() for _ in range(n)]
-    creates = [store.ops.create(i, "h", b"{}", timeout_ms=3_600_000) for i in ids]
-    for s in range(0, n, 1000):
-        await store.run_many(creates[s : s + 1000])
+    await create_tasks(store, ids, "h", timeout_ms=3_600_000)
     # move every task to the query phase once (claim + start + save SUBMITTED)
     while True:
         got = await store.claim(0, "submit", 1000, 60_000, "seed")

@@ -36,6 +36,7 @@ from asynctaskd.store import Store
 from asynctaskd.worker import Worker
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench import create_tasks
 from bench.lifecycle import Instant
 
 
@@ -44,9 +45,7 @@ async def seed(url: str, n: int, shards: int) -> list[str]:
     store = Store(redis, Keys("atd", shards))
     await store.prepare()
     ids = [new_task_id(i % shards) for i in range(n)]
-    calls = [store.ops.create(t, "instant", b"{}", timeout_ms=600_000) for t in ids]
-    for s in range(0, n, 1000):
-        await store.run_many(calls[s : s + 1000])
+    await create_tasks(store, ids, "instant")
     await store.close()
     await redis.aclose()
     return ids

@@ -34,7 +34,7 @@ if __package__ in (None, ""):
 
 from asynctaskd.embedded import ServerProcess, find_binary
 from asynctaskd.fakevendor import Behaviour, FakeVendorProcess
-from bench import emit, machine, machine_line, run_child, say, table, workdir
+from bench import create_tasks, emit, machine, machine_line, run_child, say, table, workdir
 
 
 async def _worker(redis_url: str, vendor_url: str, tasks: int) -> dict[str, Any]:
@@ -52,9 +52,7 @@ async def _worker(redis_url: str, vendor_url: str, tasks: int) -> dict[str, Any]
     store = Store(redis, Keys())
     await store.prepare()
     ids = [new_task_id() for _ in range(tasks)]
-    create = [store.ops.create(i, "demo", b'{"n":1}', timeout_ms=600_000) for i in ids]
-    for start in range(0, tasks, 500):
-        await store.run_many(create[start : start + 500])
+    await create_tasks(store, ids, "demo", b'{"n":1}')
     config = parse_config(
         '[worker]\nmax_inflight = 100\nlease = "30s"\n[retry]\npoll_interval = "1ms"\n'
     )

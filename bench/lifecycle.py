@@ -16,6 +16,7 @@ import resource
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -28,6 +29,10 @@ from asynctaskd.handlers import HandlerContext, HandlerEntry, Submitted, Succeed
 from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.store import Store, open_redis
 from asynctaskd.worker import Worker
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import create_tasks
 
 
 class Instant:
@@ -103,9 +108,7 @@ async def run(url: str, n: int, inflight: int) -> dict[str, Any]:
     store = Store(redis, Keys())
     await store.prepare()
     ids = [new_task_id() for _ in range(n)]
-    calls = [store.ops.create(i, "instant", b"{}", timeout_ms=600_000) for i in ids]
-    for s in range(0, n, 1000):
-        await store.run_many(calls[s : s + 1000])
+    await create_tasks(store, ids, "instant")
     config = parse_config(
         f'[worker]\nmax_inflight = {inflight}\nlease = "30s"\n[retry]\npoll_interval = "1ms"\n'
     )
