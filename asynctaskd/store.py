@@ -152,40 +152,17 @@ def _bulk(value: Any) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(data), data)
 
 
-def _packed(args: Sequence[Any], head: bytes = b"", head_count: int = 0) -> bytes:
-    """A command as RESP: `head` (already packed, `head_count` items), then `args`."""
-    parts = [b"*%d\r\n" % (head_count + len(args)), head]
-    add = parts.append
-    for value in args:
-        # The exact common types inline (the hot path packs ~10 per save); anything
-        # else, subclasses included, through _bulk.
-        kind = type(value)
-        if kind is str:
-            data = value.encode()
-        elif kind is bytes:
-            data = value
-        elif kind is int:
-            data = b"%d" % value
-        else:
-            add(_bulk(value))
-            continue
-        add(b"$%d\r\n" % len(data))
-        add(data)
-        add(b"\r\n")
-    return b"".join(parts)
-
-
-def _packed_evalsha(sha: str, keys: Sequence[Any], args: Sequence[Any]) -> bytes:
-    """EVALSHA as RESP: packed by hiredis in C (~2.5x faster than `_packed`) wherever it
-    gives exactly the bytes `_packed` would, that is, for exact str, bytes, int and float
-    arguments (hiredis refuses the others, bool and int subclasses included)."""
-    command = ("EVALSHA", sha, len(keys), *keys, *args)
+def _packed(command: Sequence[Any]) -> bytes:
+    """A command as RESP: packed by hiredis in C wherever it gives exactly the bytes of
+    `_bulk`, that is, for exact str, bytes, int and float arguments (~2.4 us for a save's
+    EVALSHA, ~6 us in Python); hiredis refuses the others, bool and int subclasses
+    included, and `_bulk` encodes them, or says why it cannot."""
     if _pack_command is not None:
         try:
-            return _pack_command(command)
+            return _pack_command(tuple(command))
         except TypeError:
-            pass  # an argument of another type: `_packed` encodes it, or says why it cannot
-    return _packed(command)
+            pass
+    return b"*%d\r\n" % len(command) + b"".join([_bulk(value) for value in command])
 
 
 def _s(v: Any) -> str:
@@ -841,7 +818,10 @@ class Store(_Base):
         batch as unavailable, and the callers retry (a save is fenced and versioned).
         """
         scripts = self.scripts
-        commands = [_packed_evalsha(scripts[c.script].sha, c.keys, c.args) for c in calls]
+        commands = [
+            _packed(("EVALSHA", scripts[c.script].sha, len(c.keys), *c.keys, *c.args))
+            for c in calls
+        ]
         if trailer is not None:
             commands.append(_packed(trailer))
         pool = (client or self.redis).connection_pool
