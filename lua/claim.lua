@@ -78,10 +78,14 @@ local hold_budget = 1000
 local want = (phase == 'submit') and {PENDING_SUBMIT = true} or {SUBMITTED = true, RUNNING = true}
 local got = 0
 
--- What a task's provider, tenant and account can hold it back by, if anything (limits, or a
--- pause of submits): without either, its HMGET leaves those fields out (each field a task
--- lacks costs a scan of the whole hash).
-local dims = admission_on() or (phase == 'submit' and paused_on())
+-- The fields a claim decides on. A task's provider, tenant and account matter only to
+-- limits, or to a pause of submits: without either, they are left out (each field a task
+-- lacks costs HMGET a scan of the whole hash, and most tasks have none of the three).
+local READ = {'status', 'deadline_ms', 'cancel_requested', 'handler', 'version', 'fence',
+              'held', 'submit_attempts', 'reclaims'}
+if admission_on() or (phase == 'submit' and paused_on()) then
+  READ[10], READ[11], READ[12] = 'provider', 'tenant', 'account'
+end
 
 -- Look at one popped entry: claim it, set it aside, or drop it. `from` is the held
 -- dimension it was popped from (nil: the ready set). Returns false when the hold budget
@@ -89,15 +93,7 @@ local dims = admission_on() or (phase == 'submit' and paused_on())
 local function consider(id, score, from)
   local tk = task_key(id)
   -- pcall: a key of another type (WRONGTYPE) must not abort the whole claim
-  local t
-  if dims then
-    t = redis.pcall('HMGET', tk, 'status', 'deadline_ms', 'cancel_requested', 'handler',
-                    'version', 'fence', 'held', 'submit_attempts', 'reclaims',
-                    'provider', 'tenant', 'account')
-  else
-    t = redis.pcall('HMGET', tk, 'status', 'deadline_ms', 'cancel_requested', 'handler',
-                    'version', 'fence', 'held', 'submit_attempts', 'reclaims')
-  end
+  local t = redis.pcall('HMGET', tk, unpack(READ))
   local corrupt = type(t) ~= 'table' or t.err ~= nil
   if corrupt then t = {} end
   local status, deadline_ms, handler = t[1], tonumber(t[2]), t[4]
