@@ -5,7 +5,7 @@ per task (INFO commandstats delta), daemon CPU seconds, peak RSS, and the Redis 
 measured in the same run (EVALSHA of a claim-shaped script, pipelined and not), then a
 JSON line. Every run checks that all tasks SUCCEEDED and each was submitted once.
 
-    python bench/lifecycle.py [--tasks 20000] [--inflight 1000]
+    python bench/lifecycle.py [--tasks 20000] [--inflight 1000] [--batch 100]
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ return #ids
     return {"evalsha_per_s": plain, "evalsha_pipelined_per_s": piped}
 
 
-async def run(url: str, n: int, inflight: int) -> dict[str, Any]:
+async def run(url: str, n: int, inflight: int, batch: int) -> dict[str, Any]:
     from redis import Redis
 
     sync = Redis.from_url(url)
@@ -110,7 +110,8 @@ async def run(url: str, n: int, inflight: int) -> dict[str, Any]:
     ids = [new_task_id() for _ in range(n)]
     await create_tasks(store, ids, "instant")
     config = parse_config(
-        f'[worker]\nmax_inflight = {inflight}\nlease = "30s"\n[retry]\npoll_interval = "1ms"\n'
+        f'[worker]\nmax_inflight = {inflight}\nbatch_size = {batch}\nlease = "30s"\n'
+        '[retry]\npoll_interval = "1ms"\n'
     )
     handler = Instant()
     entry = {"instant": HandlerEntry(key="instant", handler=handler, provider="instant")}
@@ -138,6 +139,7 @@ async def run(url: str, n: int, inflight: int) -> dict[str, Any]:
     return {
         "tasks": n,
         "inflight": inflight,
+        "batch": batch,
         "wall_s": wall,
         "tasks_per_s": n / wall,
         "redis_commands_per_task": commands / n,
@@ -155,6 +157,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", type=int, default=20_000)
     parser.add_argument("--inflight", type=int, default=1000)
+    parser.add_argument("--batch", type=int, default=100, help="tasks per claim (batch_size)")
     parser.add_argument("--server", default="redis-server")
     parser.add_argument("--no-ceiling", action="store_true", help="skip the Redis ceiling")
     args = parser.parse_args()
@@ -169,14 +172,19 @@ def main() -> int:
             options: dict[str, Any] = {"loop_factory": uvloop.new_event_loop}
         except ImportError:
             options = {}
-        result = anyio.run(run, server.url, args.tasks, args.inflight, backend_options=options)
+        result = anyio.run(
+            run, server.url, args.tasks, args.inflight, args.batch, backend_options=options
+        )
         if args.no_ceiling:
             ceiling = {"evalsha_per_s": float("nan"), "evalsha_pipelined_per_s": float("nan")}
         else:
             ceiling = anyio.run(redis_ceiling, server.url, backend_options=options)
     result.update(ceiling)
     result["lifecycles_vs_evalsha_ceiling"] = result["tasks_per_s"] / ceiling["evalsha_per_s"]
-    print(f"W1 lifecycle ({args.server}): {result['tasks']} tasks, {result['inflight']} in flight")  # noqa: T201
+    print(  # noqa: T201
+        f"W1 lifecycle ({args.server}): {result['tasks']} tasks, {result['inflight']} in flight, "
+        f"claims of {result['batch']}"
+    )
     for k in (
         "tasks_per_s",
         "redis_commands_per_task",
