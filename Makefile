@@ -4,6 +4,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# Test processes for `make test` (pytest-xdist); TEST_JOBS=0 runs the suite in one.
+TEST_JOBS ?= 2
 
 .PHONY: venv test test-fast lint typecheck demo bench chaos clean
 
@@ -17,7 +19,7 @@ venv: $(STAMP)
 
 ## The whole suite, slow and chaos tests included (CI runs this).
 test: $(STAMP)
-	$(BIN)/python -m pytest --run-slow --run-chaos --durations=25 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --run-slow --run-chaos --durations=25 -n $(TEST_JOBS) $(PYTEST_ARGS)
 
 ## The fast suite only (a few seconds).
 test-fast: $(STAMP)
