@@ -56,7 +56,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Annotated, Any, Final, Literal, Self
@@ -144,6 +144,7 @@ class _LogEntry(msgspec.Struct, frozen=True, kw_only=True):
     at: float
 
 
+_Answer = Callable[[Any], Awaitable[web.Response]]
 _encode = msgspec.json.Encoder().encode
 _decode_submit = msgspec.json.Decoder(_SubmitBody).decode
 _decode_object = msgspec.json.Decoder(dict[str, Any]).decode
@@ -175,7 +176,7 @@ def _view(job: _Job) -> dict[str, Any]:
 
 
 class FakeVendor:
-    """The server's state and request handlers; `app` is the aiohttp application."""
+    """The server's state and request handlers; `handle` answers each request."""
 
     def __init__(self, behaviour: Behaviour | None = None) -> None:
         self.behaviour = behaviour if behaviour is not None else Behaviour()
@@ -184,20 +185,38 @@ class FakeVendor:
         self._by_key: dict[str, str] = {}
         self._log: list[_LogEntry] = []
         self._next_number = 1
-        self.app = web.Application(client_max_size=16 * 1024 * 1024)
-        self.app.add_routes(
-            [
-                web.post("/v1/jobs", self._submit),
-                web.get("/v1/jobs/{id}", self._query),
-                web.post("/v1/jobs/{id}/cancel", self._cancel),
-                web.get("/_health", self._health),
-                web.get("/_log", self._get_log),
-                web.get("/_jobs", self._get_jobs),
-                web.get("/_config", self._get_config),
-                web.post("/_config", self._set_config),
-                web.post("/_reset", self._reset),
-            ]
-        )
+        # Routes for aiohttp's low-level server: its application router costs more than
+        # the fake vendor's own work on a request. `_paths` has whole paths, `_job_paths`
+        # what follows /v1/jobs/<id> (None: nothing follows); the answer gets the request,
+        # or the job id.
+        self._paths: dict[str, dict[str, _Answer]] = {
+            "/v1/jobs": {"POST": self._submit},
+            "/_health": {"GET": self._health},
+            "/_log": {"GET": self._get_log},
+            "/_jobs": {"GET": self._get_jobs},
+            "/_config": {"GET": self._get_config, "POST": self._set_config},
+            "/_reset": {"POST": self._reset},
+        }
+        self._job_paths: dict[str | None, dict[str, _Answer]] = {
+            None: {"GET": self._query},
+            "cancel": {"POST": self._cancel},
+        }
+
+    async def handle(self, request: web.BaseRequest) -> web.Response:
+        """Answer one request (the handler of aiohttp's low-level server)."""
+        path = request.path
+        arg: Any = request
+        routes = self._paths.get(path)
+        if routes is None and path.startswith("/v1/jobs/"):
+            arg, slash, action = path[len("/v1/jobs/") :].partition("/")
+            routes = self._job_paths.get(action if slash else None) if arg else None
+        if routes is None:
+            return _error(404, "not_found", f"nothing is served at {path}")
+        answer = routes.get(request.method)
+        if answer is None:
+            allow = {"Allow": ", ".join(routes)}
+            return _error(405, "method_not_allowed", f"{request.method} {path}", allow)
+        return await answer(arg)
 
     def configure(self, changes: dict[str, Any]) -> Behaviour:
         """Apply a partial update; raises `msgspec.ValidationError` and changes nothing if bad."""
@@ -265,7 +284,7 @@ class FakeVendor:
             self._by_key[key] = job.id
         return job
 
-    async def _submit(self, request: web.Request) -> web.Response:
+    async def _submit(self, request: web.BaseRequest) -> web.Response:
         key = request.headers.get("Idempotency-Key") or None
         try:
             body = _decode_submit(await request.read())
@@ -294,9 +313,9 @@ class FakeVendor:
         self._record("created", job.id, body.ref, key)
         return _json(answer, 201)
 
-    async def _query(self, request: web.Request) -> web.Response:
+    async def _query(self, job_id: str) -> web.Response:
         await self._delay(self.behaviour.query_latency)
-        job = self._jobs.get(request.match_info["id"])
+        job = self._jobs.get(job_id)
         if job is None:
             return _error(404, "not_found", "no such job")
         if (fault := self._fault()) is not None:
@@ -311,33 +330,33 @@ class FakeVendor:
                     job.status = "failed"
         return _json(_view(job))
 
-    async def _cancel(self, request: web.Request) -> web.Response:
-        job = self._jobs.get(request.match_info["id"])
+    async def _cancel(self, job_id: str) -> web.Response:
+        job = self._jobs.get(job_id)
         if job is None:
             return _error(404, "not_found", "no such job")
         if job.status not in _TERMINAL:
             job.status = "canceled"
         return _json(_view(job))
 
-    async def _health(self, request: web.Request) -> web.Response:
+    async def _health(self, request: web.BaseRequest) -> web.Response:
         return _json({"ok": True})
 
-    async def _get_log(self, request: web.Request) -> web.Response:
+    async def _get_log(self, request: web.BaseRequest) -> web.Response:
         return _json(self._log)
 
-    async def _get_jobs(self, request: web.Request) -> web.Response:
+    async def _get_jobs(self, request: web.BaseRequest) -> web.Response:
         return _json(list(self._jobs.values()))
 
-    async def _get_config(self, request: web.Request) -> web.Response:
+    async def _get_config(self, request: web.BaseRequest) -> web.Response:
         return _json(self.behaviour)
 
-    async def _set_config(self, request: web.Request) -> web.Response:
+    async def _set_config(self, request: web.BaseRequest) -> web.Response:
         try:
             return _json(self.configure(_decode_object(await request.read())))
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return _error(400, "invalid_config", str(exc))
 
-    async def _reset(self, request: web.Request) -> web.Response:
+    async def _reset(self, request: web.BaseRequest) -> web.Response:
         self.reset()
         return _json({"ok": True})
 
@@ -348,8 +367,19 @@ async def run_server(
 ) -> AsyncIterator[str]:
     """Serve a fake vendor on the running asyncio loop; yields its base URL."""
     vendor = FakeVendor(behaviour)
+    loop = asyncio.get_running_loop()
+
+    def request(
+        message: Any, payload: Any, protocol: Any, writer: Any, task: Any
+    ) -> web.BaseRequest:
+        # As the low-level server's own, with the body limit an Application would set.
+        return web.BaseRequest(
+            message, payload, protocol, writer, task, loop, client_max_size=16 * 1024 * 1024
+        )
+
     # No access log: it would cost more than the requests themselves.
-    runner = web.AppRunner(vendor.app, access_log=None, handle_signals=False, shutdown_timeout=0.25)
+    server = web.Server(vendor.handle, request_factory=request, access_log=None)
+    runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=0.25)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port, backlog=4096)

@@ -236,6 +236,46 @@ def test_unknown_job_is_404(http: httpx.Client) -> None:
     assert response.json()["error"]["code"] == "not_found"
 
 
+@pytest.mark.parametrize(
+    "path", ["/v1/job", "/v1/jobs/", "/v1/jobs/job_1/", "/v1/jobs/job_1/cancel/now", "/_logs"]
+)
+def test_a_path_nothing_serves_is_404(http: httpx.Client, path: str) -> None:
+    submit(http)  # job_1 exists, whatever its number
+    for method in ("GET", "POST"):
+        response = http.request(method, path)
+        assert response.status_code == 404, (method, path)
+        assert response.json()["error"]["code"] == "not_found"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allow"),
+    [
+        ("GET", "/v1/jobs", "POST"),
+        ("POST", "/v1/jobs/job_1", "GET"),
+        ("GET", "/v1/jobs/job_1/cancel", "POST"),
+        ("DELETE", "/_config", "GET, POST"),
+        ("GET", "/_reset", "POST"),
+    ],
+)
+def test_a_method_a_path_does_not_take_is_405(
+    http: httpx.Client, method: str, path: str, allow: str
+) -> None:
+    response = http.request(method, path)
+    assert response.status_code == 405
+    assert response.headers["Allow"] == allow
+    assert response.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_a_submit_body_over_a_mebibyte_is_taken(http: httpx.Client) -> None:
+    # The server's body limit is 16 MiB (aiohttp's default would refuse this with 413).
+    big = "x" * (3 * 1024 * 1024)
+    created = http.post("/v1/jobs", json={"input": big, "ref": "big"})
+    assert created.status_code == 201
+    for _ in range(STARTED_WITH.polls_to_done):
+        done = poll(http, created.json()["id"])
+    assert done["status"] == "succeeded" and done["result"]["output"] == big
+
+
 def test_invalid_submit_is_400_and_logged(vendor: FakeVendorProcess, http: httpx.Client) -> None:
     response = http.post("/v1/jobs", json={"ref": "no input"})
     assert response.status_code == 400
