@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 import msgspec
@@ -105,54 +105,27 @@ def _utf8(v: bytes) -> str:
     return v.decode("utf-8", "replace")
 
 
-# The checks below say what is wrong with a field once _decode_task has failed on one.
-
-
-def _int(v: bytes | None, task_id: str, name: str) -> None:
-    if v:
-        try:
-            int(v)
-        except ValueError:
-            raise CorruptTask(task_id, f"field {name} is {v[:40]!r}, not an integer") from None
-
-
-def _float(v: bytes | None, task_id: str, name: str) -> None:
-    if v:
-        try:
-            float(v)
-        except ValueError:
-            raise CorruptTask(task_id, f"field {name} is {v[:40]!r}, not a number") from None
-
-
-def _json(v: bytes | None, task_id: str, name: str) -> None:
-    if v:
-        try:
-            _DECODE(v)
-        except msgspec.DecodeError as exc:
-            raise CorruptTask(task_id, f"field {name} is not valid JSON ({exc})") from None
-
-
-# Every field _decode_task parses, in the order it parses them: the first that fails here
-# is the one it failed on.
-_CHECKS: Final = (
-    (b"handle", _json),
-    (b"created_ms", _int),
-    (b"deadline_ms", _int),
-    (b"progress", _float),
-    (b"updated_ms", _int),
-    (b"due_ms", _int),
-    (b"finished_ms", _int),
-    (b"params", _json),
-    (b"metadata", _json),
-    (b"result", _json),
-    (b"priority", _int),
-    (b"version", _int),
-    (b"submit_attempts", _int),
-    (b"poll_count", _int),
-    (b"consecutive_errors", _int),
-    (b"fence", _int),
-    (b"started_fence", _int),
-    (b"reclaims", _int),
+# Every field _decode_task parses and how, in the order it parses them: when it fails, the
+# first of these that does not parse is the field it failed on.
+_CHECKS: Final[tuple[tuple[bytes, Callable[[bytes], object]], ...]] = (
+    (b"handle", _DECODE),
+    (b"created_ms", int),
+    (b"deadline_ms", int),
+    (b"progress", float),
+    (b"updated_ms", int),
+    (b"due_ms", int),
+    (b"finished_ms", int),
+    (b"params", _DECODE),
+    (b"metadata", _DECODE),
+    (b"result", _DECODE),
+    (b"priority", int),
+    (b"version", int),
+    (b"submit_attempts", int),
+    (b"poll_count", int),
+    (b"consecutive_errors", int),
+    (b"fence", int),
+    (b"started_fence", int),
+    (b"reclaims", int),
 )
 
 
@@ -172,11 +145,17 @@ def decode_task(hash_: Mapping[bytes, bytes], task_id: str | None = None) -> Tas
 def _diagnosis(hash_: Mapping[bytes, bytes], task_id: str | None, exc: Exception) -> CorruptTask:
     """What is wrong with a hash `_decode_task` could not read (it raised `exc`)."""
     tid = _text(hash_.get(b"id")) or task_id or "?"
-    try:
-        for name, check in _CHECKS:
-            check(hash_.get(name), tid, name.decode())
-    except CorruptTask as named:
-        return named
+    for name, parse in _CHECKS:
+        v = hash_.get(name)
+        if not v:
+            continue
+        try:
+            parse(v)
+        except (ValueError, msgspec.DecodeError) as bad:
+            if parse is _DECODE:
+                return CorruptTask(tid, f"field {name.decode()} is not valid JSON ({bad})")
+            kind = "an integer" if parse is int else "a number"
+            return CorruptTask(tid, f"field {name.decode()} is {v[:40]!r}, not {kind}")
     # Anything else a hostile hash can provoke is corrupt data too, never a crash.
     return CorruptTask(tid, f"unreadable ({type(exc).__name__}: {exc})"[:300])
 
