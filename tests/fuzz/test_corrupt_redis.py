@@ -279,7 +279,11 @@ async def test_claim_quarantines_or_skips_corrupt_tasks(
     for tid in broken:
         got = await get_or_corrupt(store, tid)  # a Task or CorruptTask, nothing else
         if tid in claimed:
-            assert isinstance(got, Task)
+            # A query claim does not read params (only the submit call uses them): a task
+            # whose params alone are corrupt is polled, and get() still reports them.
+            assert isinstance(got, Task) or (
+                phase == "query" and got is not None and got.reason.startswith("field params ")
+            ), got
         elif isinstance(got, CorruptTask):
             assert tid in quarantined or not await _claimable(redis_client, tid, phase)
 
