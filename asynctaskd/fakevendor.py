@@ -212,7 +212,7 @@ class FakeVendor:
             routes = self._job_paths.get(action if slash else None) if arg else None
         if routes is None:
             return _error(404, "not_found", f"nothing is served at {path}")
-        answer = routes.get(request.method)
+        answer = routes.get("GET" if request.method == "HEAD" else request.method)
         if answer is None:
             allow = {"Allow": ", ".join(routes)}
             return _error(405, "method_not_allowed", f"{request.method} {path}", allow)

@@ -266,6 +266,14 @@ def test_a_method_a_path_does_not_take_is_405(
     assert response.json()["error"]["code"] == "method_not_allowed"
 
 
+def test_head_answers_as_get_without_a_body(http: httpx.Client) -> None:
+    job_id = submit(http).json()["id"]
+    head = http.head(f"/v1/jobs/{job_id}")
+    assert head.status_code == 200 and head.content == b""
+    assert int(head.headers["Content-Length"]) > 0  # the length a GET's body has
+    assert http.head("/v1/jobs").status_code == 405  # no GET there either
+
+
 def test_a_submit_body_over_a_mebibyte_is_taken(http: httpx.Client) -> None:
     # The server's body limit is 16 MiB (aiohttp's default would refuse this with 413).
     big = "x" * (3 * 1024 * 1024)
