@@ -117,8 +117,8 @@ _CHECKS: Final[tuple[tuple[bytes, Callable[[bytes], object]], ...]] = (
     (b"finished_ms", int),
     (b"params", _DECODE),
     (b"metadata", _DECODE),
-    (b"result", _DECODE),
     (b"priority", int),
+    (b"result", _DECODE),
     (b"version", int),
     (b"submit_attempts", int),
     (b"poll_count", int),
@@ -212,47 +212,19 @@ def _decode_task(hash_: Mapping[bytes, bytes], task_id: str | None) -> Task:
     finished_at = n / 1000.0 if n >= 0 else None
     v = get(b"error_code")
     error = None if v is None else TaskError(_utf8(v), _text(get(b"error_message")) or "")
-    v = get(b"params")
-    params = _DECODE(v) if v else None
-    v = get(b"metadata")
-    metadata = _DECODE(v) if v else None
-    v = get(b"result")
-    result = _DECODE(v) if v else None
-    v = get(b"tenant")
-    tenant = _utf8(v) if v else ""
-    v = get(b"account")
-    account = _utf8(v) if v else ""
-    v = get(b"provider")
-    provider = _utf8(v) if v else handler
-    v = get(b"priority")
-    priority = int(v) if v else 0
-    v = get(b"version")
-    version = int(v) if v else 0
-    v = get(b"submit_attempts")
-    submit_attempts = int(v) if v else 0
-    v = get(b"poll_count")
-    poll_count = int(v) if v else 0
-    v = get(b"consecutive_errors")
-    consecutive_errors = int(v) if v else 0
-    v = get(b"fence")
-    fence = int(v) if v else 0
-    v = get(b"started_fence")
-    started_fence = int(v) if v else 0
-    v = get(b"reclaims")
-    reclaims = int(v) if v else 0
     return Task(
         id=tid,
         handler=handler,
         status=status,
-        params=params,
-        metadata=metadata,
-        tenant=tenant,
-        account=account,
-        provider=provider,
-        priority=priority,
+        params=_DECODE(v) if (v := get(b"params")) else None,
+        metadata=_DECODE(v) if (v := get(b"metadata")) else None,
+        tenant=_utf8(v) if (v := get(b"tenant")) else "",
+        account=_utf8(v) if (v := get(b"account")) else "",
+        provider=_utf8(v) if (v := get(b"provider")) else handler,
+        priority=int(v) if (v := get(b"priority")) else 0,
         external_id=_text(get(b"external_id")),
         handle=handle,
-        result=result,
+        result=_DECODE(v) if (v := get(b"result")) else None,
         error=error,
         progress=progress,
         stage=_text(get(b"stage")),
@@ -262,16 +234,16 @@ def _decode_task(hash_: Mapping[bytes, bytes], task_id: str | None) -> Task:
         deadline_at=deadline / 1000.0,
         due_at=due_at,
         finished_at=finished_at,
-        version=version,
-        submit_attempts=submit_attempts,
-        poll_count=poll_count,
-        consecutive_errors=consecutive_errors,
+        version=int(v) if (v := get(b"version")) else 0,
+        submit_attempts=int(v) if (v := get(b"submit_attempts")) else 0,
+        poll_count=int(v) if (v := get(b"poll_count")) else 0,
+        consecutive_errors=int(v) if (v := get(b"consecutive_errors")) else 0,
         cancel_requested=get(b"cancel_requested") == b"1",
         dedup_key=_dedup_key(_text(get(b"dedup"))),
-        fence=fence,
+        fence=int(v) if (v := get(b"fence")) else 0,
         owner=_text(get(b"owner")),
-        started_fence=started_fence,
-        reclaims=reclaims,
+        started_fence=int(v) if (v := get(b"started_fence")) else 0,
+        reclaims=int(v) if (v := get(b"reclaims")) else 0,
         idempotent=get(b"idempotent") == b"1",
     )
 
