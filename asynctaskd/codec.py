@@ -97,12 +97,12 @@ _STATUSES: Final = {s.value.encode(): s for s in Status}
 _DECODE: Final = _DECODER.decode
 
 
-def _text(v: bytes | None) -> str | None:
-    return None if v is None else v.decode("utf-8", "replace")
-
-
 def _utf8(v: bytes) -> str:
     return v.decode("utf-8", "replace")
+
+
+def _text(v: bytes | None) -> str | None:
+    return None if v is None else _utf8(v)
 
 
 # Every field _decode_task parses and how, in the order it parses them: when it fails, the
@@ -173,13 +173,13 @@ def _decode_task(hash_: Mapping[bytes, bytes], task_id: str | None) -> Task:
     # parse raises here, and decode_task's _diagnosis names its field.
     get = hash_.get
     v = get(b"id")
-    tid = v.decode("utf-8", "replace") if v else task_id or "?"
+    tid = _utf8(v) if v else task_id or "?"
     if task_id is not None and tid != task_id:
         raise CorruptTask(task_id, f"field id is {tid!r}")
     v = get(b"handler")
     if not v:
         raise CorruptTask(tid, "field handler is missing")
-    handler = v.decode("utf-8", "replace")
+    handler = _utf8(v)
     v = get(b"status")
     status = None if v is None else _STATUSES.get(v)
     if status is None:
