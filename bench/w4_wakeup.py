@@ -28,10 +28,9 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import redis.asyncio
-
 from asynctaskd.client import AsyncClient
 from asynctaskd.fakevendor import Behaviour, FakeVendorProcess
+from asynctaskd.store import open_redis
 from bench import (
     Daemon,
     arun,
@@ -54,7 +53,7 @@ async def _submits(
     sent: dict[str, float] = {}
     call_s: list[float] = []
     ping_s: list[float] = []
-    async with AsyncClient.from_url(url) as client, redis.asyncio.Redis.from_url(url) as r:
+    async with AsyncClient.from_url(url) as client, open_redis(url) as r:
         await client.handlers()  # connect before timing
         await r.ping()
         for i in range(n):
