@@ -150,3 +150,9 @@ async def check_invariants(r: redis.asyncio.Redis, keys: Keys) -> None:
         scope = k.decode()[len(f"{tag}:inflight:") :]
         actual_sets[scope] = {m.decode() for m in await r.smembers(k)}
     assert actual_sets == expected_sets, f"in-flight sets {actual_sets} vs {expected_sets}"
+
+
+async def evalsha_calls(r: redis.asyncio.Redis) -> int:
+    """EVALSHA calls the server has run so far (INFO commandstats)."""
+    stats = await r.info("commandstats")
+    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))

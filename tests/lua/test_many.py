@@ -2,9 +2,9 @@
 call, each exactly as the single script alone.
 
 The main tests build the same tasks, with the same ids, in two namespaces, run the calls
-one by one with `start` (`save`) in the first and in one `start_many` (`save_many`) in
-the second (through the store's pipeline, which coalesces them), and require the same
-replies and the same data after.
+one by one with `create` (`start`, `save`) in the first and in one `create_many`
+(`start_many`, `save_many`) in the second (through the store's pipeline, which coalesces
+them), and require the same replies and the same data after.
 """
 
 from __future__ import annotations
@@ -21,7 +21,15 @@ from asynctaskd.model import Status
 from asynctaskd.store import Call, Code, Created, Lease, Result, Store
 from tests.conftest import wait_until
 
-from .helpers import INDEXES, check_invariants, claim_one, create, lease_expired, submitted
+from .helpers import (
+    INDEXES,
+    check_invariants,
+    claim_one,
+    create,
+    evalsha_calls,
+    lease_expired,
+    submitted,
+)
 
 
 async def _submitting(
@@ -340,11 +348,6 @@ def _reply(result: Any) -> Any:
     return result
 
 
-async def _evalsha_calls(r: redis.asyncio.Redis) -> int:
-    stats = await r.info("commandstats")
-    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
-
-
 MANY = Keys("many", 1)  # the namespace where the calls go in one script call
 
 
@@ -375,9 +378,9 @@ async def _alone_and_many(
             replies_alone.append(await alone.run(call))
         except ScriptError as exc:
             replies_alone.append(exc)
-    evalsha_before = await _evalsha_calls(r)
+    evalsha_before = await evalsha_calls(r)
     replies_many, rerun, _ = await many.pipeline(calls["many"])
-    assert await _evalsha_calls(r) == evalsha_before + 1, "not one script call"
+    assert await evalsha_calls(r) == evalsha_before + 1, "not one script call"
     assert rerun == [False] * len(calls["many"])
     assert [_reply(x) for x in replies_many] == [_reply(x) for x in replies_alone]
     assert await _state(r, many.keys, ids) == await _state(r, alone.keys, ids)
@@ -385,7 +388,7 @@ async def _alone_and_many(
 
 
 async def test_save_many_replies_and_writes_exactly_what_each_save_would(
-    redis_client: redis.asyncio.Redis, keys: Keys
+    redis_client: redis.asyncio.Redis,
 ) -> None:
     _, replies, ids, before = await _alone_and_many(redis_client, SAVES)
     codes = [x.code if isinstance(x, Result) else "error" for x in replies]
@@ -452,9 +455,9 @@ async def test_saves_to_one_shard_go_in_calls_of_at_most_32_in_their_order(
     wire, carried = store._coalesced(calls)
     assert [w.script for w in wire] == ["save_many", "save_many", "start", "save_many"]
     assert [len(g) for g in carried or []] == [32, 32, 1, 6]
-    before = await _evalsha_calls(redis_client)
+    before = await evalsha_calls(redis_client)
     results, _, _ = await store.pipeline(calls)
-    assert await _evalsha_calls(redis_client) == before + 4
+    assert await evalsha_calls(redis_client) == before + 4
     assert results[40] == Result(Code.OK, results[40].version)
     saved = results[:40] + results[41:]
     assert all(r.code is Code.OK and r.status is Status.RUNNING for r in saved)
