@@ -62,7 +62,8 @@ from types import TracebackType
 from typing import Annotated, Any, Final, Literal, Self
 
 import msgspec
-from aiohttp import web
+
+from .fakehttp import Answer, Request, error_body, serving
 
 __all__ = [
     "Behaviour",
@@ -144,20 +145,21 @@ class _LogEntry(msgspec.Struct, frozen=True, kw_only=True):
     at: float
 
 
-_Answer = Callable[[Any], Awaitable[web.Response]]
+# A route answers at once, or with an awaitable when it has to wait (an injected latency
+# or ambiguity): the server gives a request a task only then.
+_Reply = Answer | Awaitable[Answer]
+_Route = Callable[[Any], _Reply]
 _encode = msgspec.json.Encoder().encode
 _decode_submit = msgspec.json.Decoder(_SubmitBody).decode
 _decode_object = msgspec.json.Decoder(dict[str, Any]).decode
 
 
-def _json(body: object, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(body=_encode(body), status=status, content_type=_JSON, headers=headers)
+def _json(body: object, status: int = 200, headers: dict[str, str] | None = None) -> Answer:
+    return Answer(status, _encode(body), headers)
 
 
-def _error(
-    status: int, code: str, message: str, headers: dict[str, str] | None = None
-) -> web.Response:
-    return _json({"error": {"code": code, "message": message}}, status, headers)
+def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> Answer:
+    return Answer(status, error_body(code, message), headers)
 
 
 def _view(job: _Job) -> dict[str, Any]:
@@ -185,11 +187,9 @@ class FakeVendor:
         self._by_key: dict[str, str] = {}
         self._log: list[_LogEntry] = []
         self._next_number = 1
-        # Routes for aiohttp's low-level server: its application router costs more than
-        # the fake vendor's own work on a request. `_paths` has whole paths, `_job_paths`
-        # what follows /v1/jobs/<id> (None: nothing follows); the answer gets the request,
-        # or the job id.
-        self._paths: dict[str, dict[str, _Answer]] = {
+        # `_paths` has whole paths, `_job_paths` what follows /v1/jobs/<id> (None: nothing
+        # follows); the route gets the request, or the job id.
+        self._paths: dict[str, dict[str, _Route]] = {
             "/v1/jobs": {"POST": self._submit},
             "/_health": {"GET": self._health},
             "/_log": {"GET": self._get_log},
@@ -197,13 +197,13 @@ class FakeVendor:
             "/_config": {"GET": self._get_config, "POST": self._set_config},
             "/_reset": {"POST": self._reset},
         }
-        self._job_paths: dict[str | None, dict[str, _Answer]] = {
+        self._job_paths: dict[str | None, dict[str, _Route]] = {
             None: {"GET": self._query},
             "cancel": {"POST": self._cancel},
         }
 
-    async def handle(self, request: web.BaseRequest) -> web.Response:
-        """Answer one request (the handler of aiohttp's low-level server)."""
+    def handle(self, request: Request) -> _Reply:
+        """Answer one request (the handler `fakehttp.serving` calls)."""
         path = request.path
         arg: Any = request
         routes = self._paths.get(path)
@@ -216,7 +216,7 @@ class FakeVendor:
         if answer is None:
             allow = {"Allow": ", ".join(routes)}
             return _error(405, "method_not_allowed", f"{request.method} {path}", allow)
-        return await answer(arg)
+        return answer(arg)
 
     def configure(self, changes: dict[str, Any]) -> Behaviour:
         """Apply a partial update; raises `msgspec.ValidationError` and changes nothing if bad."""
@@ -233,13 +233,12 @@ class FakeVendor:
         self._log.clear()
         self._rng.seed(self.behaviour.seed)
 
-    async def _delay(self, latency: float) -> None:
+    def _delay(self, latency: float) -> float:
+        """Seconds a call waits before its answer is decided (drawing the jitter)."""
         jitter = self.behaviour.latency_jitter
-        delay = latency + (self._rng.uniform(0.0, jitter) if jitter else 0.0)
-        if delay > 0:
-            await asyncio.sleep(delay)
+        return latency + (self._rng.uniform(0.0, jitter) if jitter else 0.0)
 
-    def _fault(self) -> web.Response | None:
+    def _fault(self) -> Answer | None:
         b = self.behaviour
         if not (b.throttle_rate or b.error_rate):
             return None
@@ -284,14 +283,19 @@ class FakeVendor:
             self._by_key[key] = job.id
         return job
 
-    async def _submit(self, request: web.BaseRequest) -> web.Response:
-        key = request.headers.get("Idempotency-Key") or None
+    def _submit(self, request: Request) -> _Reply:
+        key = request.header("Idempotency-Key") or None
         try:
-            body = _decode_submit(await request.read())
+            body = _decode_submit(request.body)
         except msgspec.DecodeError as exc:
             self._record("invalid", None, None, key)
             return _error(400, "invalid_request", str(exc))
-        await self._delay(self.behaviour.submit_latency)
+        delay = self._delay(self.behaviour.submit_latency)
+        if delay > 0:
+            return self._later(delay, lambda: self._submit_now(request, body, key))
+        return self._submit_now(request, body, key)
+
+    def _submit_now(self, request: Request, body: _SubmitBody, key: str | None) -> _Reply:
         if (fault := self._fault()) is not None:
             self._record("throttled" if fault.status == 429 else "error", None, body.ref, key)
             return fault
@@ -300,21 +304,30 @@ class FakeVendor:
             job = self._jobs[job_id]
             return _json({"id": job.id, "status": job.status})
         job = self._create(body, key)
-        answer = {"id": job.id, "status": job.status}
+        answer = _json({"id": job.id, "status": job.status}, 201)
         b = self.behaviour
         if b.ambiguous_rate and self._rng.random() < b.ambiguous_rate:
             self._record("ambiguous", job.id, body.ref, key)
-            if self._rng.random() < 0.5 and request.transport is not None:
-                # Aborting makes aiohttp's write fail quietly: the client sees a reset.
-                request.transport.abort()
-            else:
-                await asyncio.sleep(b.ambiguous_delay)
-            return _json(answer, 201)
+            if self._rng.random() < 0.5:
+                request.abort()  # the client sees a reset or an EOF, never the answer
+                return answer
+            return self._later(b.ambiguous_delay, lambda: answer)
         self._record("created", job.id, body.ref, key)
-        return _json(answer, 201)
+        return answer
 
-    async def _query(self, job_id: str) -> web.Response:
-        await self._delay(self.behaviour.query_latency)
+    async def _later(self, delay: float, then: Callable[[], _Reply]) -> Answer:
+        """Wait `delay` seconds, then answer what `then` answers."""
+        await asyncio.sleep(delay)
+        reply = then()
+        return reply if isinstance(reply, Answer) else await reply
+
+    def _query(self, job_id: str) -> _Reply:
+        delay = self._delay(self.behaviour.query_latency)
+        if delay > 0:
+            return self._later(delay, lambda: self._query_now(job_id))
+        return self._query_now(job_id)
+
+    def _query_now(self, job_id: str) -> Answer:
         job = self._jobs.get(job_id)
         if job is None:
             return _error(404, "not_found", "no such job")
@@ -330,7 +343,7 @@ class FakeVendor:
                     job.status = "failed"
         return _json(_view(job))
 
-    async def _cancel(self, job_id: str) -> web.Response:
+    def _cancel(self, job_id: str) -> Answer:
         job = self._jobs.get(job_id)
         if job is None:
             return _error(404, "not_found", "no such job")
@@ -338,25 +351,25 @@ class FakeVendor:
             job.status = "canceled"
         return _json(_view(job))
 
-    async def _health(self, request: web.BaseRequest) -> web.Response:
+    def _health(self, request: Request) -> Answer:
         return _json({"ok": True})
 
-    async def _get_log(self, request: web.BaseRequest) -> web.Response:
+    def _get_log(self, request: Request) -> Answer:
         return _json(self._log)
 
-    async def _get_jobs(self, request: web.BaseRequest) -> web.Response:
+    def _get_jobs(self, request: Request) -> Answer:
         return _json(list(self._jobs.values()))
 
-    async def _get_config(self, request: web.BaseRequest) -> web.Response:
+    def _get_config(self, request: Request) -> Answer:
         return _json(self.behaviour)
 
-    async def _set_config(self, request: web.BaseRequest) -> web.Response:
+    def _set_config(self, request: Request) -> Answer:
         try:
-            return _json(self.configure(_decode_object(await request.read())))
+            return _json(self.configure(_decode_object(request.body)))
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return _error(400, "invalid_config", str(exc))
 
-    async def _reset(self, request: web.BaseRequest) -> web.Response:
+    def _reset(self, request: Request) -> Answer:
         self.reset()
         return _json({"ok": True})
 
@@ -367,27 +380,8 @@ async def run_server(
 ) -> AsyncIterator[str]:
     """Serve a fake vendor on the running asyncio loop; yields its base URL."""
     vendor = FakeVendor(behaviour)
-    loop = asyncio.get_running_loop()
-
-    def request(
-        message: Any, payload: Any, protocol: Any, writer: Any, task: Any
-    ) -> web.BaseRequest:
-        # As the low-level server's own, with the body limit an Application would set.
-        return web.BaseRequest(
-            message, payload, protocol, writer, task, loop, client_max_size=16 * 1024 * 1024
-        )
-
-    # No access log: it would cost more than the requests themselves.
-    server = web.Server(vendor.handle, request_factory=request, access_log=None)
-    runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=0.25)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, host, port, backlog=4096)
-        await site.start()
-        bound_port = runner.addresses[0][1]
+    async with serving(vendor.handle, host, port) as bound_port:
         yield f"http://{host}:{bound_port}"
-    finally:
-        await runner.cleanup()
 
 
 async def serve(

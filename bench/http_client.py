@@ -6,19 +6,20 @@ handlers get: `make_http_client`, whose plain requests go through `Http1Pool`) a
 ``aiohttp`` for reference.
 
 Run with ``python bench/http_client.py`` (``--help`` for the knobs). The fake vendor
-(`asynctaskd.fakevendor`, aiohttp.web on uvloop) serves in its own process; each cell (one
-client at one concurrency) runs in a fresh child process that GETs one job's status 4,000
-times with 1, 100 or 1,000 requests in flight. All four clients get the same connection
-limit (1,000) and run on the same event loop (uvloop when installed).
+(`asynctaskd.fakevendor`, on `asynctaskd.fakehttp` and uvloop) serves in its own
+process; each cell (one client at one concurrency) runs in a fresh child process that
+GETs one job's status 4,000 times with 1, 100 or 1,000 requests in flight. All four
+clients get the same connection limit (1,000) and run on the same event loop (uvloop
+when installed).
 
 A cell first warms its pool: every worker makes one request and waits for the others, so
-the timed part measures a long-lived client, not the connect storm (the fake vendor
-listens with aiohttp's default backlog of 128, which makes 1,000 simultaneous connects
-stall a second on SYN retransmits). A cell stops at its request count or its time budget,
-whichever comes first (caps shrink if the whole run would pass ``--deadline``, 55 s); a
-capped cell is marked ``*`` and reports the rate over the requests it finished. A capped
-child exits without closing its client, because httpx's pool takes tens of seconds to
-cancel a thousand waiting requests; that keeps a run under a minute.
+the timed part measures a long-lived client, not the connect storm (1,000 simultaneous
+connects can overflow a listen backlog and stall a second on SYN retransmits). A cell
+stops at its request count or its time budget, whichever comes first (caps shrink if the
+whole run would pass ``--deadline``, 55 s); a capped cell is marked ``*`` and reports the
+rate over the requests it finished. A capped child exits without closing its client,
+because httpx's pool takes tens of seconds to cancel a thousand waiting requests; that
+keeps a run under a minute.
 
 Prints a table on stdout, then one JSON line ``{"bench": "http_client", ...}``.
 """
