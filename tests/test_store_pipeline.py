@@ -9,7 +9,12 @@ handed out again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
+import struct
+from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import redis.asyncio
@@ -143,6 +148,76 @@ async def test_a_connection_killed_mid_batch_is_unavailable_and_never_reused(
         [store.ops.cancel(created.task_id)], ("ECHO", "fresh")
     )
     assert isinstance(results[0], Result) and trailers == [b"fresh"]
+
+
+class _ResettingProxy:
+    """A TCP proxy in front of the real server that can reset its clients' connections
+    (RST, as a peer's crash or a middlebox does), which `CLIENT KILL`'s close cannot."""
+
+    def __init__(self, target: str) -> None:
+        parts = urlsplit(target)
+        self._target = (parts.hostname or "127.0.0.1", parts.port or 6379)
+        self._clients: list[asyncio.StreamWriter] = []
+        self.url = ""
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._clients.append(writer)
+        upstream_reader, upstream_writer = await asyncio.open_connection(*self._target)
+        await asyncio.gather(
+            self._pipe(reader, upstream_writer), self._pipe(upstream_reader, writer)
+        )
+
+    def reset_all(self) -> None:
+        for writer in self._clients:
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()
+
+    @contextlib.asynccontextmanager
+    async def serving(self) -> AsyncIterator[str]:
+        server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            server.close()
+            for writer in self._clients:
+                writer.transport.abort()
+
+
+async def test_a_connection_reset_while_replies_are_awaited_is_unavailable(
+    redis_client: redis.asyncio.Redis, redis_url: str, keys: Keys
+) -> None:
+    proxy = _ResettingProxy(redis_url)
+    async with proxy.serving() as url:
+        client = open_redis(url)
+        try:
+            store = Store(client, keys)
+            await store.prepare()
+            created = await create(store)
+            batch = asyncio.create_task(
+                store.pipeline([store.ops.cancel(created.task_id)], ("WAIT", 1, 30_000))
+            )
+            await wait_until(lambda: _blocked_in(redis_client, "wait"), "the batch in WAIT")
+            proxy.reset_all()
+            # The reset reaches the parser's read as ConnectionResetError: unavailable, like
+            # any dropped connection, so that callers retry (a save that must land does).
+            with pytest.raises(StoreUnavailable) as caught:
+                await batch
+            assert isinstance(caught.value.__cause__, ConnectionResetError)
+            _, _, trailers = await store.pipeline(
+                [store.ops.cancel(created.task_id)], ("ECHO", "fresh")
+            )
+            assert trailers == [b"fresh"]
+        finally:
+            await client.aclose()
 
 
 async def test_replies_may_take_the_socket_timeout_plus_the_trailer_wait(
