@@ -19,6 +19,7 @@ from .keys import HANDLER_KEY_RE
 
 __all__ = [
     "Config",
+    "Delay",
     "Duration",
     "HandlerConfig",
     "LimitConfig",
@@ -71,10 +72,28 @@ class Duration(float):
         return cls(seconds)
 
 
+class Delay(Duration):
+    """A Duration that may also be 0, which turns off what it delays."""
+
+    @classmethod
+    def parse(cls, value: object) -> Delay:
+        if isinstance(value, str) and (m := _DURATION.fullmatch(value.strip())):
+            value = float(m[1]) * cls._UNITS[m[2]]
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
+            return cls(0.0)
+        try:
+            return cls(Duration.parse(value))
+        except ValueError:
+            raise ValueError(
+                f"expected 0 or a duration like '2ms' or '1s', got {value!r}"
+            ) from None
+
+
 def decode_hook(type_: type, value: object) -> object:
-    """msgspec dec_hook for the config types (Duration), for every decoder of config data."""
-    if type_ is Duration:
-        return Duration.parse(value)
+    """msgspec dec_hook for the config types (Duration, Delay), for every decoder of config
+    data."""
+    if type_ is Duration or type_ is Delay:
+        return type_.parse(value)
     raise NotImplementedError(f"no decoder for {type_!r}")
 
 
@@ -126,6 +145,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     watchdog: Duration = Duration(60)
     # How long the save of a returned vendor handle is retried while our fence is current.
     save_retry_for: Duration = Duration(300)
+    # After a claim round that found less due work than it asked for, wait this long before
+    # the next, so that it takes what comes due meanwhile in one round trip (0: at once).
+    claim_linger: Delay = Delay(0.002)
 
 
 class RetryConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -137,6 +159,9 @@ class RetryConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     max_consecutive_errors: Annotated[int, msgspec.Meta(ge=1)] = 10
     max_submit_retries: Annotated[int, msgspec.Meta(ge=0)] = 5  # never-sent, before FAILED
     jitter: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.2
+    # Each scheduled poll waits poll_interval times a random factor in [1 - j, 1 + j], so
+    # that tasks submitted or recovered together do not stay in lockstep.
+    poll_jitter: Annotated[float, msgspec.Meta(ge=0, le=0.5)] = 0.05
 
 
 class ReaperConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -321,6 +346,12 @@ def _check(config: Config, text: str) -> Iterator[tuple[list[str], str]]:
         yield ["$.redis.namespace"], "expected 1-32 characters of A-Z a-z 0-9 _ . -"
     if config.worker.lease < 1:
         yield ["$.worker.lease"], f"must be at least 1s, got {float(config.worker.lease):g}s"
+    if config.worker.claim_linger > 1:
+        yield (
+            ["$.worker.claim_linger"],
+            f"must be at most 1s, got {float(config.worker.claim_linger):g}s: it delays "
+            "due work after every claim round that found little (a few ms is plenty)",
+        )
     first, most = config.retry.first_error_delay, config.retry.max_error_delay
     if first > most:
         yield (

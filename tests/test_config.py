@@ -10,6 +10,7 @@ import pytest
 
 from asynctaskd.config import (
     Config,
+    Delay,
     Duration,
     HandlerConfig,
     LimitConfig,
@@ -118,6 +119,31 @@ def test_duration_from_toml() -> None:
     assert config.retry.poll_interval == 0.5
     handler = parse_config(PYTHON_HANDLER + 'poll_interval = "10s"\n').handlers[0]
     assert handler.poll_interval == 10.0
+
+
+@pytest.mark.parametrize(("value", "seconds"), [(0, 0.0), (0.0, 0.0), ("0ms", 0.0), ("2ms", 0.002)])
+def test_a_delay_may_be_zero(value: object, seconds: float) -> None:
+    delay = Delay.parse(value)
+    assert isinstance(delay, Delay) and delay == seconds
+
+
+@pytest.mark.parametrize("value", [-1, "-2ms", "soon", True, None, float("nan")])
+def test_a_delay_rejects(value: object) -> None:
+    with pytest.raises(ValueError, match="expected 0 or a duration"):
+        Delay.parse(value)
+
+
+def test_claim_linger_and_poll_jitter_defaults_and_bounds() -> None:
+    config = parse_config("")
+    assert (config.worker.claim_linger, config.retry.poll_jitter) == (0.002, 0.05)
+    config = parse_config("[worker]\nclaim_linger = 0\n[retry]\npoll_jitter = 0\n")
+    assert (config.worker.claim_linger, config.retry.poll_jitter) == (0.0, 0.0)
+    assert error_of('[worker]\nclaim_linger = "2s"\n').startswith(
+        "config.toml:2: worker.claim_linger: must be at most 1s, got 2s"
+    )
+    assert error_of("[retry]\npoll_jitter = 0.6\n").startswith(
+        "config.toml:2: retry.poll_jitter: expected float <= 0.5"
+    )
 
 
 # ---- errors name the file, the line and the key ----

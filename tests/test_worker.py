@@ -542,6 +542,142 @@ async def test_new_work_wakes_an_idle_worker_fast(store: Store) -> None:
     assert submitted_at[0] - t0 < 1.0
 
 
+async def _poll_delays_ms(store: Store, ids: list[str]) -> list[int]:
+    """Each task's scheduled delay: its save set due_ms and updated_ms from one clock read."""
+    delays = []
+    for tid in ids:
+        raw = await store.redis.hmget(store.ops._task(tid)[1], "due_ms", "updated_ms")
+        delays.append(int(raw[0]) - int(raw[1]))
+    return delays
+
+
+async def _run_until(worker: Worker, done: Callable[[], Awaitable[bool]], what: str) -> None:
+    """Run `worker` until `done()` holds (tasks that poll for hours never let it go idle)."""
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(worker.run)
+        with anyio.fail_after(10):
+            await wait_until(done, what)
+        worker.stop(now=True)
+
+
+async def _all_polled(store: Store, ids: list[str], polls: int) -> bool:
+    for tid in ids:
+        task = await store.get(tid)
+        if task is None or task.poll_count < polls:
+            return False
+        if task.status is not (Status.RUNNING if polls else Status.SUBMITTED):
+            return False
+    return True
+
+
+async def _poll_now(store: Store, ids: list[str]) -> None:
+    """Make each task's next poll due at once, as if its interval had passed."""
+    await store.redis.zadd(store.keys.scheduled(0, "query"), dict.fromkeys(ids, 0))
+
+
+@pytest.mark.parametrize("jitter", [0.2, 0.0])
+async def test_scheduled_polls_are_jittered_so_tasks_of_one_burst_spread(
+    store: Store, jitter: float
+) -> None:
+    h = Scripted()
+    h.on_query = lambda ctx: Running()  # no hint: the configured interval, jittered
+    ids = await submit_many(store, 60)
+    config = make_config(retry={"poll_interval": "10s", "poll_jitter": jitter})
+    async with httpx.AsyncClient() as http:
+        worker = Worker(store, entry(h), config, http=http)
+        await _run_until(worker, lambda: _all_polled(store, ids, 0), "every submit saved")
+        after_submit = await _poll_delays_ms(store, ids)
+        await _poll_now(store, ids)
+        worker = Worker(store, entry(h), config, http=http)
+        await _run_until(worker, lambda: _all_polled(store, ids, 1), "every first poll saved")
+        after_poll = await _poll_delays_ms(store, ids)
+    for delays in (after_submit, after_poll):
+        assert all(10_000 * (1 - jitter) <= d <= 10_000 * (1 + jitter) + 1 for d in delays)
+        if jitter:
+            # 60 draws of +-20%: a spread of under 2 s would mean no jitter at all
+            assert max(delays) - min(delays) > 2_000, delays
+        else:
+            assert set(delays) == {10_000}
+
+
+async def test_a_handlers_next_poll_hint_is_kept_exact(store: Store) -> None:
+    h = Scripted()
+    h.on_query = lambda ctx: Running(next_poll=3.0)
+    ids = await submit_many(store, 20)
+    config = make_config(retry={"poll_interval": "10s", "poll_jitter": 0.5})
+    async with httpx.AsyncClient() as http:
+        worker = Worker(store, entry(h), config, http=http)
+        await _run_until(worker, lambda: _all_polled(store, ids, 0), "every submit saved")
+        await _poll_now(store, ids)
+        worker = Worker(store, entry(h), config, http=http)
+        await _run_until(worker, lambda: _all_polled(store, ids, 1), "every first poll saved")
+    assert await _poll_delays_ms(store, ids) == [3_000] * 20
+
+
+async def _claimed_at(store: Store, task_id: str) -> float | None:
+    task = await store.get(task_id)
+    return None if task is None or task.status is Status.PENDING_SUBMIT else anyio.current_time()
+
+
+async def test_after_a_partial_claim_round_the_next_waits_the_linger(store: Store) -> None:
+    h = Scripted()
+    h.on_query = lambda ctx: Running()
+    first = (await submit_many(store, 1))[0]
+    config = make_config(worker={"claim_linger": "1s"}, retry={"poll_interval": "1h"})
+    async with httpx.AsyncClient() as http, anyio.create_task_group() as tg:
+        worker = Worker(store, entry(h), config, http=http)
+        tg.start_soon(worker.run)
+        with anyio.fail_after(5):
+            # One task found where up to 50 were asked for: a partial round, then the linger.
+            first_at = await wait_until(lambda: _claimed_at(store, first), "the first claim")
+            second = (await submit_many(store, 1))[0]
+            second_at = await wait_until(lambda: _claimed_at(store, second), "the second")
+        worker.stop(now=True)
+    # Due at once, yet claimed only when the linger ended (a lower bound: a slow host only
+    # makes it later). Without the linger the wake-up would have claimed it within ms.
+    assert second_at - first_at >= 0.8
+
+
+async def test_full_claim_rounds_claim_again_at_once(store: Store) -> None:
+    h = Scripted()
+    h.on_query = lambda ctx: Running()
+    ids = await submit_many(store, 250)
+    config = make_config(
+        worker={"claim_linger": "1s", "batch_size": 50, "max_inflight": 1000},
+        retry={"poll_interval": "1h"},
+    )
+    async with httpx.AsyncClient() as http:
+        worker = Worker(store, entry(h), config, http=http)
+        t0 = anyio.current_time()
+        await _run_until(worker, lambda: _all_polled(store, ids, 0), "all 250 submitted")
+        elapsed = anyio.current_time() - t0
+    # Five full rounds of 50 went back to back. Lingering after each would take 5 s.
+    assert elapsed < 3.0, elapsed
+
+
+async def test_a_drain_cuts_the_claim_linger_short(store: Store) -> None:
+    h = Scripted()
+    h.on_query = lambda ctx: Running()
+    task_id = (await submit_many(store, 1))[0]
+    config = make_config(worker={"claim_linger": "1s"}, retry={"poll_interval": "1h"})
+    async with httpx.AsyncClient() as http:
+        worker = Worker(store, entry(h), config, http=http)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(worker.run)
+            with anyio.fail_after(5):
+                await wait_until(lambda: _claimed_at(store, task_id), "the claim")
+                await wait_until(lambda: _saved(store, task_id), "the submit's save")
+            stopped_at = anyio.current_time()
+            worker.stop()
+        # The loop was lingering (one task of 50 asked for); stop() ends that wait at once.
+        assert anyio.current_time() - stopped_at < 0.5
+
+
+async def _saved(store: Store, task_id: str) -> bool:
+    task = await store.get(task_id)
+    return task is not None and task.status is Status.SUBMITTED
+
+
 async def _true_after_idle(worker: Worker) -> bool:
     return worker.last_claim_at > 0 and worker._sleep_until != float("inf")
 
