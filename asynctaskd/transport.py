@@ -493,13 +493,22 @@ def _buffered(
     http_version: bytes,
     reason_phrase: bytes,
 ) -> httpx.Response:
-    """A response whose body was read whole: already read unless it must be decoded."""
-    response = _Response(
-        status_code=status,
-        stream=httpx.ByteStream(body),
-        extensions={"http_version": http_version, "reason_phrase": reason_phrase},
-    )
+    """A response whose body was read whole: already read unless it must be decoded.
+
+    Built as `Response(status, stream=...)` builds it, attribute for attribute, without
+    the constructor's empty `Headers` and copies (~1.2 us of a vendor call's ~2 here);
+    tests/test_transport.py checks the attributes against httpx's own response."""
+    response = _Response.__new__(_Response)
+    response.status_code = status
     response.headers = built = _headers(headers)
+    response._request = None
+    response.next_request = None
+    response.extensions = {"http_version": http_version, "reason_phrase": reason_phrase}
+    response.history = []
+    response.is_closed = response.is_stream_consumed = False
+    response.default_encoding = "utf-8"
+    response.stream = httpx.ByteStream(body)
+    response._num_bytes_downloaded = 0
     # Scanned raw (the lowered names _headers made): the first lookup in httpx's Headers
     # works out their text encoding.
     if not any(lowered == b"content-encoding" for _, lowered, _ in built._list):

@@ -32,6 +32,7 @@ from asynctaskd.config import parse_config
 from asynctaskd.daemon import shared_http_client
 from asynctaskd.transport import (
     AiohttpTransport,
+    _buffered,
     _headers,
     _mapped_errors,
     _Phase,
@@ -333,6 +334,34 @@ async def test_the_direct_send_path_answers_exactly_as_httpx_own_path(
     assert direct.elapsed > datetime.timedelta(0)
     lines = [r.getMessage() for r in caplog.records if r.name == "httpx"]
     assert len(lines) == 2 and lines[0] == lines[1]
+
+
+@pytest.mark.parametrize("encoded", [False, True], ids=["plain", "gzip"])
+def test_a_buffered_response_has_what_httpx_constructor_gives_it(encoded: bool) -> None:
+    """`_buffered` builds the response attribute by attribute: the same attributes, with
+    the same values, as `httpx.Response(status, stream=...)`, and for a body that needs no
+    decoding what `aread()` then sets. A new httpx that sets more in its constructor fails
+    here, not in a handler."""
+    body = b'{"ok": true}'
+    raw = [(b"Content-Type", b"application/json"), (b"X-Many", b"1"), (b"x-many", b"2")]
+    if encoded:
+        raw.append((b"Content-Encoding", b"gzip"))
+    ours = _buffered(201, raw, body, b"HTTP/1.1", b"Created")
+    theirs = httpx.Response(
+        201,
+        headers=raw,
+        stream=httpx.ByteStream(body),
+        extensions={"http_version": b"HTTP/1.1", "reason_phrase": b"Created"},
+    )
+    if not encoded:
+        theirs.read()  # what the direct path leaves: the body read, the stream consumed
+    # (`read()` also leaves an identity `_decoder`, which httpx makes when one is needed.)
+    left_out = ("headers", "stream", "_decoder")
+    expected = {k: v for k, v in vars(theirs).items() if k not in left_out}
+    got = {k: v for k, v in vars(ours).items() if k not in left_out}
+    assert got == expected
+    assert ours.headers.multi_items() == theirs.headers.multi_items()
+    assert type(ours) is not httpx.Response and isinstance(ours, httpx.Response)
 
 
 URL_SAMPLES = [
