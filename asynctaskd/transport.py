@@ -699,14 +699,15 @@ class _Client(httpx.AsyncClient):
         response = await self._buffering.handle_buffered(request)
         response.request = request
         response.default_encoding = self._default_encoding
-        _log.info(
-            'HTTP Request: %s %s "%s %d %s"',
-            request.method,
-            request.url,
-            response.http_version,
-            response.status_code,
-            response.reason_phrase,
-        )
+        if _log.isEnabledFor(logging.INFO):  # its arguments cost ~0.5 us to work out
+            _log.info(
+                'HTTP Request: %s %s "%s %d %s"',
+                request.method,
+                request.url,
+                response.http_version,
+                response.status_code,
+                response.reason_phrase,
+            )
         if response.has_redirect_location:
             response.next_request = self._build_redirect_request(request, response)
         if not response.is_stream_consumed:  # an encoded body: httpx decodes it here
