@@ -409,7 +409,13 @@ class Http1Pool:
         if close is None or _REQUEST_LINE.fullmatch(line) is None:
             close = self._check(request, line, block, headers)
         timeouts = request.extensions.get("timeout") or {}
-        connection = await self._acquire(request, timeouts)
+        url = request.url
+        secure = url.scheme == "https"
+        key = (url.raw_scheme, url.raw_host, url.port or (443 if secure else 80))
+        # An idle connection without a coroutine of its own (most requests): ~0.6 us less.
+        connection = None if self._closed else self._reuse(key)
+        if connection is None:
+            connection = await self._acquire(request, key, secure, timeouts)
         try:
             try:
                 answer = await connection.exchange(
@@ -462,34 +468,42 @@ class Http1Pool:
 
     # -- connections --------------------------------------------------------------------
 
+    def _reuse(self, key: tuple[bytes, bytes, int]) -> _Connection | None:
+        """An idle connection to `key` that is still good to send on, or None."""
+        idle = self._idle.get(key)
+        while idle:
+            connection = idle.pop()
+            transport = connection.transport
+            if (
+                connection.closed
+                or transport is None
+                or transport.is_closing()
+                or (self._idle_for(connection) > _PROBE_AFTER_S and _stirred(transport))
+            ):
+                connection.close()  # the server closed it while it was idle
+            elif self._expired(connection):
+                for stale in [connection, *idle]:  # the ones below went idle earlier
+                    stale.close()
+            else:
+                return connection
+        return None
+
     async def _acquire(
-        self, request: httpx.Request, timeouts: dict[str, float | None]
+        self,
+        request: httpx.Request,
+        key: tuple[bytes, bytes, int],
+        secure: bool,
+        timeouts: dict[str, float | None],
     ) -> _Connection:
         """A connection for the request's origin: idle, new, or the first to free up."""
         if self._closed:
             raise RuntimeError("the HTTP pool is closed")
-        url = request.url
-        secure = url.scheme == "https"
-        key = (url.raw_scheme, url.raw_host, url.port or (443 if secure else 80))
         waited = False
         deadline: float | None = None
         while True:
-            idle = self._idle.get(key)
-            while idle:
-                connection = idle.pop()
-                transport = connection.transport
-                if (
-                    connection.closed
-                    or transport is None
-                    or transport.is_closing()
-                    or (self._idle_for(connection) > _PROBE_AFTER_S and _stirred(transport))
-                ):
-                    connection.close()  # the server closed it while it was idle
-                elif self._expired(connection):
-                    for stale in [connection, *idle]:  # the ones below went idle earlier
-                        stale.close()
-                else:
-                    return connection
+            connection = self._reuse(key)
+            if connection is not None:
+                return connection
             if self._max is None or len(self._all) + self._opening < self._max or self._evict():
                 return await self._open(request, key, secure, timeouts.get("connect"))
             if not waited:
