@@ -285,15 +285,21 @@ class _Connection(asyncio.Protocol):
             headers.append((name, value))
             lowered = name.lower()
             if lowered == b"content-length":
-                lengths.update(part.strip(b" \t") for part in value.split(b","))
+                if b"," in value:  # "5, 5": a list of values, which must agree
+                    lengths.update(part.strip(b" \t") for part in value.split(b","))
+                else:
+                    lengths.add(value)
             elif lowered == b"transfer-encoding":
                 coding = value.rpartition(b",")[2].strip(b" \t").lower()
             elif lowered == b"connection":
                 connection += b"," + value.lower()
         if 100 <= status < 200 and status != 101:
             return  # 100 Continue, 103 Early Hints: the real answer follows
-        tokens = {token.strip(b" \t") for token in connection.split(b",")}
-        self.reusable = b"close" not in tokens if minor == b"1" else b"keep-alive" in tokens
+        if connection:
+            tokens = {token.strip(b" \t") for token in connection.split(b",")}
+            self.reusable = b"close" not in tokens if minor == b"1" else b"keep-alive" in tokens
+        else:
+            self.reusable = minor == b"1"  # HTTP/1.1 keeps the connection, 1.0 closes it
         if self._head_only or status in (101, 204, 304):
             self._framing = _NO_BODY
             self.reusable = self.reusable and status != 101
