@@ -500,6 +500,11 @@ class Profiler:
 
     def __init__(self, pid: int, out: Path, rate: int = 250) -> None:
         exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        if not Path(exe).exists():
+            raise SystemExit(
+                "--profile needs py-spy, a profiler that is not a project dependency: "
+                f"{sys.executable} -m pip install py-spy"
+            )
         self.out = out
         self.process = subprocess.Popen(
             [
