@@ -12,8 +12,11 @@ pipelined batches of 1,000, against one private redis-server (no AOF, no RDB):
 3. Scale: N stored tasks (1,000,000 FULL, 100,000 quick), created the same way, 90%
    cancelled (CANCELED, terminal): `used_memory` delta / N, with and without the events
    stream (capped at 100,000 entries, so its share shrinks as N grows); then the same
-   claim-of-100 loop as the baseline; the ratio of the two p50s says whether claim cost
-   depends on the number of stored tasks.
+   claim-of-100 loop as the baseline. Its backlog is 10% of N (100 against 100,000 at
+   FULL), so the ratio to the baseline holds a bigger ready set as well as the stored
+   tasks; hence
+4. Same backlog: the N/10 pending tasks alone, no terminal ones, and the same claim loop:
+   the ratio of (3) to this is what the terminal tasks themselves cost a claim.
 
 Checks: the shape tasks all SUCCEEDED; the counters (`counts` hash) say exactly 90% of N
 CANCELED and 10% PENDING_SUBMIT; every claim got 100 tasks and every release succeeded.
@@ -271,6 +274,17 @@ async def scenario(url: str, n: int, rounds: int) -> dict[str, Any]:
     out["large"] = await stored(n)
     pending = n - n * 9 // 10
     out["claim_breakdown"] = await claim_breakdown(store, rounds=max(1, min(50, pending // 100)))
+
+    # 4. the same backlog without the terminal tasks
+    await redis.flushdb()
+    await store.prepare()
+    await create(store, pending)
+    c = await counts(store)
+    out["backlog_only"] = {
+        "pending": pending,
+        "counts_ok": c == {"PENDING_SUBMIT": pending},
+        **await claim_loop(store, rounds),
+    }
     await redis.flushdb()
     await redis.aclose()
     return out
@@ -293,13 +307,18 @@ def run(
     r["claim_server_mean_ratio_large_vs_small"] = (
         large["claim100_server_us_mean"] / small["claim100_server_us_mean"]
     )
+    alone = r["backlog_only"]
+    r["claim_p50_ratio_large_vs_backlog_only"] = large["claim100_p50_ms"] / alone["claim100_p50_ms"]
+    r["claim_server_mean_ratio_large_vs_backlog_only"] = (
+        large["claim100_server_us_mean"] / alone["claim100_server_us_mean"]
+    )
     if ceiling.get("evalsha_per_s"):
         # How many claim-shaped EVALSHAs (at the ceiling rate) one claim of 100 costs Redis.
         r["claim100_in_ceiling_evalsha"] = (
             large["claim100_server_us_mean"] / 1e6 * ceiling["evalsha_per_s"]
         )
     r["ok"] = r["shape_all_succeeded"] and all(
-        x["counts_ok"] and x["claims_ok"] for x in (small, large)
+        x["counts_ok"] and x["claims_ok"] for x in (small, large, alone)
     )
     return r
 
@@ -346,6 +365,18 @@ def report(r: dict[str, Any]) -> None:
             s["claim100_server_p99_us"],
             big["claim100_server_p99_us"],
             "",
+        ],
+        [
+            f"same, {r['backlog_only']['pending']:,} pending alone: Redis-side mean us",
+            "",
+            r["backlog_only"]["claim100_server_us_mean"],
+            f"terminal tasks' share: x{r['claim_server_mean_ratio_large_vs_backlog_only']:.2f}",
+        ],
+        [
+            "  p50 ms",
+            "",
+            r["backlog_only"]["claim100_p50_ms"],
+            f"x{r['claim_p50_ratio_large_vs_backlog_only']:.2f}",
         ],
         ["create (pipelined) /s", s["create_per_s"], big["create_per_s"], ""],
         ["cancel (pipelined) /s", s["cancel_per_s"], big["cancel_per_s"], ""],
