@@ -233,10 +233,11 @@ class FakeVendor:
         self._log.clear()
         self._rng.seed(self.behaviour.seed)
 
-    def _delay(self, latency: float) -> float:
-        """Seconds a call waits before its answer is decided (drawing the jitter)."""
+    def _after(self, latency: float, then: Callable[[], _Reply]) -> _Reply:
+        """What `then` answers, after `latency` plus the drawn jitter (at once if none)."""
         jitter = self.behaviour.latency_jitter
-        return latency + (self._rng.uniform(0.0, jitter) if jitter else 0.0)
+        delay = latency + (self._rng.uniform(0.0, jitter) if jitter else 0.0)
+        return self._later(delay, then) if delay > 0 else then()
 
     def _fault(self) -> Answer | None:
         b = self.behaviour
@@ -290,10 +291,9 @@ class FakeVendor:
         except msgspec.DecodeError as exc:
             self._record("invalid", None, None, key)
             return _error(400, "invalid_request", str(exc))
-        delay = self._delay(self.behaviour.submit_latency)
-        if delay > 0:
-            return self._later(delay, lambda: self._submit_now(request, body, key))
-        return self._submit_now(request, body, key)
+        return self._after(
+            self.behaviour.submit_latency, lambda: self._submit_now(request, body, key)
+        )
 
     def _submit_now(self, request: Request, body: _SubmitBody, key: str | None) -> _Reply:
         if (fault := self._fault()) is not None:
@@ -322,10 +322,7 @@ class FakeVendor:
         return reply if isinstance(reply, Answer) else await reply
 
     def _query(self, job_id: str) -> _Reply:
-        delay = self._delay(self.behaviour.query_latency)
-        if delay > 0:
-            return self._later(delay, lambda: self._query_now(job_id))
-        return self._query_now(job_id)
+        return self._after(self.behaviour.query_latency, lambda: self._query_now(job_id))
 
     def _query_now(self, job_id: str) -> Answer:
         job = self._jobs.get(job_id)
