@@ -61,15 +61,21 @@ class Duration(float):
     @classmethod
     def parse(cls, value: object) -> Duration:
         """Build a Duration from a number of seconds or a string with a unit; ValueError if not."""
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            seconds = float(value)
-        elif isinstance(value, str) and (m := _DURATION.fullmatch(value.strip())):
-            seconds = float(m[1]) * cls._UNITS[m[2]]
-        else:
+        seconds = cls._seconds(value)
+        if seconds is None:
             raise ValueError(f"expected seconds or a duration like '30s' or '5m', got {value!r}")
         if not math.isfinite(seconds) or seconds <= 0:
             raise ValueError(f"expected a positive duration, got {value!r}")
         return cls(seconds)
+
+    @classmethod
+    def _seconds(cls, value: object) -> float | None:
+        """The seconds `value` says (a number, or a string with a unit), or None."""
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str) and (m := _DURATION.fullmatch(value.strip())):
+            return float(m[1]) * cls._UNITS[m[2]]
+        return None
 
 
 class Delay(Duration):
@@ -77,16 +83,10 @@ class Delay(Duration):
 
     @classmethod
     def parse(cls, value: object) -> Delay:
-        if isinstance(value, str) and (m := _DURATION.fullmatch(value.strip())):
-            value = float(m[1]) * cls._UNITS[m[2]]
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
-            return cls(0.0)
-        try:
-            return cls(Duration.parse(value))
-        except ValueError:
-            raise ValueError(
-                f"expected 0 or a duration like '2ms' or '1s', got {value!r}"
-            ) from None
+        seconds = cls._seconds(value)
+        if seconds is None or not math.isfinite(seconds) or seconds < 0:
+            raise ValueError(f"expected 0 or a duration like '2ms' or '1s', got {value!r}")
+        return cls(seconds)
 
 
 def decode_hook(type_: type, value: object) -> object:
