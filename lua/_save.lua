@@ -5,6 +5,11 @@
 -- (save.lua states the contract). It returns save's reply, and raises on bad arguments or
 -- a corrupt hash, before anything is written.
 
+-- The longest delay a save accepts: 10 years, as the client's longest delay. NOW + delay_ms
+-- then stays an integer that a double holds exactly and int_s writes as digits; a larger
+-- one would be written as a float ("1e+17"), which no reader takes for a due time.
+local MAX_DELAY_MS = 316224000000
+
 local WRITABLE = {handle = true, external_id = true, result = true, error_code = true,
   error_message = true, progress = true, stage = true, message = true,
   consecutive_errors = true, poll_count = true}
@@ -14,7 +19,7 @@ local function save_one(k, A, o, n)
   local id, fence, want = A[o + 1], A[o + 2], A[o + 4]
   if n < 5 then error('asynctaskd: save takes at least 5 arguments, got ' .. n) end
   if not KNOWN[want] then error('asynctaskd: ARGV status is not a status: ' .. tostring(want)) end
-  local delay_ms = int_arg(A[o + 5], 'delay_ms', 0)
+  local delay_ms = int_arg(A[o + 5], 'delay_ms', 0, MAX_DELAY_MS)
   if n % 2 ~= 1 then error('asynctaskd: save takes field, value pairs after ARGV[5]') end
   local first, stop = o + 6, o + n
   for i = first, stop, 2 do

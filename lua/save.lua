@@ -6,7 +6,8 @@
 -- ARGV[2] fence            fence the worker received from claim
 -- ARGV[3] version          version the worker last read
 -- ARGV[4] status           the status the outcome asks for
--- ARGV[5] delay_ms         next due time from now for a non-terminal status, integer >= 0
+-- ARGV[5] delay_ms         next due time from now for a non-terminal status, integer
+--                          from 0 to 316224000000 (10 years)
 -- ARGV[6..] field, value   pairs to write; only handle, external_id, result, error_code,
 --                          error_message, progress, stage, message, consecutive_errors,
 --                          poll_count; an empty value deletes the field; a field given

@@ -130,6 +130,11 @@ async def _bad_status(s: Store, tid: str, r: redis.asyncio.Redis) -> list[Call[R
     return [call]
 
 
+async def _huge_delay(s: Store, tid: str, r: redis.asyncio.Redis) -> list[Call[Result]]:
+    # past 2^53 ms: it would be stored as a float ("1e+17") no reader takes
+    return [s.ops.save(await _querying(s, tid), Status.RUNNING, delay_ms=10**17)]
+
+
 async def _corrupt(s: Store, tid: str, r: redis.asyncio.Redis) -> list[Call[Result]]:
     await r.set(s.ops._task(tid)[1], "not a hash")
     return [s.ops.save(Lease(tid, 1, 1), Status.FAILED)]
@@ -176,8 +181,8 @@ async def _clears(s: Store, tid: str, r: redis.asyncio.Redis) -> list[Call[Resul
 
 SAVES: list[Build] = [
     _handle, _retry, _progress, _done, _failed, _cancel_in_query, _cancel_in_submit,
-    _stale, _wrong_version, _missing, _illegal, _bad_field, _bad_status, _corrupt,
-    _parked, _unknown, _past_deadline, _twice, _clears,
+    _stale, _wrong_version, _missing, _illegal, _bad_field, _bad_status, _huge_delay,
+    _corrupt, _parked, _unknown, _past_deadline, _twice, _clears,
 ]  # fmt: skip
 
 
@@ -392,7 +397,7 @@ async def test_save_many_replies_and_writes_exactly_what_each_save_would(
 ) -> None:
     _, replies, ids, before = await _alone_and_many(redis_client, SAVES)
     codes = [x.code if isinstance(x, Result) else "error" for x in replies]
-    assert codes.count(Code.OK) == 12 and codes.count("error") == 3, codes
+    assert codes.count(Code.OK) == 12 and codes.count("error") == 4, codes
     assert {Code.STALE_FENCE, Code.WRONG_VERSION, Code.NOT_FOUND, Code.ILLEGAL} <= set(codes)
     assert Code.NO_LEASE in codes
     finals = {x.status for x in replies if isinstance(x, Result) and x.status}
@@ -400,7 +405,7 @@ async def test_save_many_replies_and_writes_exactly_what_each_save_would(
     after = await _state(redis_client, MANY, ids)
     assert after != before
     for tid, build in zip(ids, SAVES, strict=True):
-        if build in (_bad_field, _bad_status):  # failed alone, and wrote nothing
+        if build in (_bad_field, _bad_status, _huge_delay):  # failed alone, wrote nothing
             assert after[tid] == before[tid]
     await _checked(redis_client, ids[SAVES.index(_corrupt)])
 

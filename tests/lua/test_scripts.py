@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import anyio
@@ -503,6 +504,35 @@ async def test_prelude_writes_times_and_integers_as_plain_text(
             "number",
             "number",
         ]
+
+
+MAX_DELAY_MS = 10 * 366 * 86_400_000  # what save takes at most: the client's 10 years
+
+
+@pytest.mark.parametrize(
+    "delay_ms", [10**17, MAX_DELAY_MS + 1, "1e400", "nan", -1, "0.5"],
+    ids=["1e17", "past-the-maximum", "infinite", "nan", "negative", "fraction"],
+)  # fmt: skip
+async def test_save_refuses_a_due_time_that_is_no_sane_integer(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys, delay_ms: object
+) -> None:
+    # A due time past 2^53 ms was written as a float ("1e+17"): the task could no longer
+    # be read (CorruptTask) nor listed. The save refuses it before it writes anything.
+    lease = await submitted(store)
+    c = await claim_one(store, "query")
+    before = await snapshot(redis_client, keys, lease.task_id)
+    events = await redis_client.xlen(keys.events(0))
+    with pytest.raises(ScriptError, match="delay_ms"):
+        await store.save(c.lease, Status.RUNNING, delay_ms=delay_ms)  # type: ignore[arg-type]
+    assert await snapshot(redis_client, keys, lease.task_id) == before
+    assert await redis_client.xlen(keys.events(0)) == events
+    # The longest delay it takes is stored as an integer, and the task reads back.
+    r = await store.save(c.lease, Status.RUNNING, delay_ms=MAX_DELAY_MS)
+    assert r.code is Code.OK
+    task = await store.get(lease.task_id)
+    assert task is not None and task.due_at is not None
+    assert task.due_at == pytest.approx(time.time() + MAX_DELAY_MS / 1000, abs=5)
+    await check_invariants(redis_client, keys)
 
 
 async def test_save_refuses_fields_it_does_not_own(store: Store) -> None:
