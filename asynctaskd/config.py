@@ -155,6 +155,7 @@ class RetryConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
     poll_interval: Duration = Duration(5)
     first_error_delay: Duration = Duration(1)
+    # Also caps a Retry-After, and a next_poll hint beyond the poll interval.
     max_error_delay: Duration = Duration(300)
     max_consecutive_errors: Annotated[int, msgspec.Meta(ge=1)] = 10
     max_submit_retries: Annotated[int, msgspec.Meta(ge=0)] = 5  # never-sent, before FAILED

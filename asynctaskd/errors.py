@@ -106,7 +106,8 @@ class HandlerError(AsyncTaskdError):
     """Raised by a handler to say how a failed vendor call should be treated.
 
     `code` is a short machine-readable reason stored with the task; `retry_after`
-    (seconds) delays the next call at least that long.
+    (seconds) delays the next call at least that long, but at most `retry.max_error_delay`
+    and never past the task's deadline.
     """
 
     def __init__(

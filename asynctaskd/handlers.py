@@ -43,7 +43,9 @@ class Running(msgspec.Struct, frozen=True, kw_only=True):
     """The vendor job is still going. All fields optional.
 
     `handle` replaces the stored query handle (vendors that rotate cursors);
-    `next_poll` (seconds) asks for the next query sooner or later than configured.
+    `next_poll` (seconds) asks for the next query sooner or later than configured: kept
+    exact, but never past the task's deadline nor beyond the poll interval or
+    `retry.max_error_delay`, whichever is longer.
     """
 
     progress: float | None = None

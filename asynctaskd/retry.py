@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import random
 from typing import Final
 
@@ -10,7 +11,19 @@ import httpx
 
 from .errors import NotSent, PermanentError, RetryableError
 
-__all__ = ["SubmitFailure", "backoff", "clamp_delay", "classify_submit_error", "retry_after"]
+__all__ = [
+    "MAX_DELAY_MS",
+    "SubmitFailure",
+    "backoff",
+    "clamp_delay",
+    "classify_submit_error",
+    "delay_ms",
+    "retry_after",
+]
+
+# The longest delay the save script takes (lua/_save.lua): 10 years, as the client's
+# longest delay, so every due time is an integer a double holds exactly.
+MAX_DELAY_MS: Final = 10 * 366 * 86_400_000
 
 # Requests that provably never left this process (no connection was made to the vendor).
 _NEVER_SENT: Final = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, NotSent)
@@ -64,6 +77,23 @@ def retry_after(exc: BaseException) -> float | None:
     return None
 
 
-def clamp_delay(delay: float, now: float, deadline_at: float, floor: float = 0.0) -> float:
-    """Never schedule past the deadline: a task due after it would only time out later."""
-    return max(floor, min(delay, max(0.0, deadline_at - now)))
+def clamp_delay(
+    delay: float, now: float, deadline_at: float, floor: float = 0.0, cap: float = math.inf
+) -> float:
+    """`delay`, but never past the deadline (a task due after it would only time out
+    later) and never above `cap`; a NaN delay counts as `floor`.
+
+    Delays can come from a vendor (Retry-After) or a handler (`next_poll`): a huge one
+    must not park a task for good, nor reach Redis as a number it cannot store."""
+    if not delay >= floor:  # also NaN
+        return floor
+    return max(floor, min(delay, cap, max(0.0, deadline_at - now)))
+
+
+def delay_ms(delay: float) -> int:
+    """`delay` seconds as the save script's `delay_ms`: an integer from 0 to MAX_DELAY_MS."""
+    if not delay > 0:  # also NaN
+        return 0
+    if delay >= MAX_DELAY_MS / 1000:  # also infinity, which round() refuses
+        return MAX_DELAY_MS
+    return round(delay * 1000)

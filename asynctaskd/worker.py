@@ -34,7 +34,14 @@ from .handlers import (
 )
 from .metrics import Metrics
 from .model import Phase, Status, Task
-from .retry import SubmitFailure, backoff, clamp_delay, classify_submit_error, retry_after
+from .retry import (
+    SubmitFailure,
+    backoff,
+    clamp_delay,
+    classify_submit_error,
+    delay_ms,
+    retry_after,
+)
 from .store import PROMOTE_LIMIT, Batcher, Claimed, Code, Gate, Lease, Result, Store
 
 __all__ = ["Worker", "default_worker_id"]
@@ -681,7 +688,7 @@ class Worker:
             attempt += 1
             try:
                 call = self.store.ops.save(
-                    active.lease, status, delay_ms=round(delay * 1000), fields=fields
+                    active.lease, status, delay_ms=delay_ms(delay), fields=fields
                 )
                 result, _ = await self.batcher.call(call)
             except StoreUnavailable as exc:
@@ -816,7 +823,7 @@ class Worker:
                 active, Status.SUBMIT_UNKNOWN, fields={"error_code": code, "error_message": message}
             )
         elif kind is SubmitFailure.THROTTLED:
-            delay = self._retry_delay(exc, 1)
+            delay = self._retry_delay(exc, 1, task)
             await self._save_started(
                 active,
                 Status.PENDING_SUBMIT,
@@ -835,7 +842,7 @@ class Worker:
                 },
             )
         else:
-            delay = self._retry_delay(exc, attempts)
+            delay = self._retry_delay(exc, attempts, task)
             await self._save_started(
                 active,
                 Status.PENDING_SUBMIT,
@@ -880,8 +887,12 @@ class Worker:
         now = time.time()
         poll = entry.poll_interval or float(self.config.retry.poll_interval)
         if isinstance(out, Running):
-            hint = out.next_poll  # a handler's own hint is kept exact (not NaN, not < 0)
-            delay = float(hint) if hint is not None and hint >= 0 else self._jittered(poll)
+            hint = out.next_poll  # a handler's own hint is kept exact (not NaN, not < 0)...
+            if hint is not None and hint >= 0:
+                # ...within what the config would ever wait: it may come from a vendor.
+                delay = min(float(hint), max(poll, float(self.config.retry.max_error_delay)))
+            else:
+                delay = self._jittered(poll)
             fields: dict[str, Any] = {"poll_count": task.poll_count + 1, "consecutive_errors": ""}
             progress = valid_progress(out.progress)
             if progress is not None:
@@ -967,7 +978,9 @@ class Worker:
             await self._save(
                 active,
                 task.status,
-                delay=delay,
+                delay=clamp_delay(
+                    delay, time.time(), task.deadline_at, cap=float(retry.max_error_delay)
+                ),
                 fields={"error_code": code, "error_message": message},
             )
             return
@@ -985,11 +998,10 @@ class Worker:
                 },
             )
             return
-        delay = self._retry_delay(exc, errors)
         await self._save(
             active,
             task.status,
-            delay=clamp_delay(delay, time.time(), task.deadline_at),
+            delay=self._retry_delay(exc, errors, task),
             fields={"consecutive_errors": errors, "error_code": code, "error_message": message},
         )
 
@@ -1000,18 +1012,19 @@ class Worker:
         (or recovered after a crash) in one burst would stay in lockstep for good: the
         vendor would see bursts instead of a steady rate, and the burst's last tasks would
         wait behind the rest on every poll. A little jitter spreads them within a few polls.
-        A handler's own `next_poll` hint is kept exact."""
+        A handler's own `next_poll` hint is kept exact (within bounds: see `_query`)."""
         if not self.poll_jitter:
             return poll
         return poll * (1.0 + self.rng.uniform(-self.poll_jitter, self.poll_jitter))
 
-    def _retry_delay(self, exc: BaseException, failures: int) -> float:
-        """Backoff for the n-th failure in a row, but never sooner than a Retry-After."""
+    def _retry_delay(self, exc: BaseException, failures: int, task: Task) -> float:
+        """Backoff for the n-th failure in a row, but never sooner than a Retry-After; and
+        never later than `max_error_delay` or the task's deadline, whatever it asked for."""
         r = self.config.retry
-        wait = backoff(
-            failures, float(r.first_error_delay), float(r.max_error_delay), r.jitter, self.rng
-        )
-        return max(retry_after(exc) or 0.0, wait)
+        most = float(r.max_error_delay)
+        wait = backoff(failures, float(r.first_error_delay), most, r.jitter, self.rng)
+        delay = max(retry_after(exc) or 0.0, wait)
+        return clamp_delay(delay, time.time(), task.deadline_at, cap=most)
 
     async def _cancel_remote(
         self, entry: HandlerEntry, task: Task, query_handle: dict[str, Any], ctx: HandlerContext

@@ -19,6 +19,7 @@ import msgspec
 import pytest
 import redis.asyncio
 
+from asynctaskd.client import AsyncClient
 from asynctaskd.codec import encode_json
 from asynctaskd.config import Config, HandlerConfig, parse_config
 from asynctaskd.embedded import ServerProcess, find_binary
@@ -455,10 +456,32 @@ async def test_submit_429_retry_after_is_honoured_then_succeeds(
     script, url = vendor
     script.submit = [status(429, {"Retry-After": "1"}), json({"id": "job-1"}, 201)]
     task = await run_one(store, handler_for(scripted_options(url)),
-                         make_config(max_submit_retries=0))  # fmt: skip
+                         make_config(max_submit_retries=0, max_error_delay="2s"))  # fmt: skip
     assert task.status is Status.SUCCEEDED
     first, second = script.calls("POST", "/jobs")
     assert second.at - first.at >= 0.95
+
+
+@pytest.mark.parametrize("phase", ["submit", "query"])
+async def test_a_huge_retry_after_is_clamped_and_the_task_stays_readable(
+    store: Store, vendor: tuple[Scripted, str], redis_client: redis.asyncio.Redis, phase: str
+) -> None:
+    # Stored as due_ms 1.0e+17 it made the task unreadable (CorruptTask) and unlisted.
+    script, url = vendor
+    throttled = status(429, {"Retry-After": "100000000000000"})
+    if phase == "submit":
+        script.submit = [throttled, json({"id": "job-1"}, 201)]
+    else:
+        script.query = [throttled, json({"status": "done", "output": {"ok": True}})]
+    task = await run_one(store, handler_for(scripted_options(url)),
+                         make_config(max_submit_retries=0, max_error_delay="100ms"))  # fmt: skip
+    assert task.status is Status.SUCCEEDED
+    first, second = (
+        script.calls("POST", "/jobs") if phase == "submit" else script.calls("GET", "/jobs/")
+    )
+    assert 0.09 <= second.at - first.at < 5  # max_error_delay, not 3 million years
+    page = await AsyncClient(redis_client).list()
+    assert [t.id for t in page.tasks] == [task.id]
 
 
 async def test_submit_503_with_retry_after_date_throttles(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -13,6 +14,7 @@ import httpx
 import pytest
 import redis.asyncio
 
+from asynctaskd.client import AsyncClient
 from asynctaskd.codec import encode_json
 from asynctaskd.config import Config, parse_config
 from asynctaskd.demo import DemoHandler
@@ -271,8 +273,59 @@ async def test_retry_after_is_respected(store: Store) -> None:
 
     h.on_query = on_query
     await submit_many(store, 1)
-    await run(store, h)
+    await run(store, h, make_config(retry={"max_error_delay": "1s"}))
     assert len(seen) == 2 and seen[1] - seen[0] >= 0.39
+
+
+HUGE = 100_000_000_000_000.0  # seconds: a Retry-After a vendor really sent
+
+
+@pytest.mark.parametrize(
+    ("phase", "first"),
+    [
+        ("submit", RetryableError("429", throttled=True, retry_after=HUGE)),
+        ("submit", NotSent("refused", retry_after=HUGE)),
+        ("query", RetryableError("429", throttled=True, retry_after=HUGE)),
+        ("query", RetryableError("429", throttled=True, retry_after=math.inf)),
+        ("query", RetryableError("503", retry_after=HUGE)),
+        ("query", Running(next_poll=HUGE)),
+        ("query", Running(next_poll=math.inf)),
+    ],
+    ids=["submit-throttled", "submit-never-sent", "query-throttled", "query-throttled-inf",
+         "query-error", "next-poll", "next-poll-inf"],
+)  # fmt: skip
+async def test_a_huge_delay_is_clamped_to_max_error_delay(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys, phase: str, first: Any
+) -> None:
+    # A Retry-After of 1e14 s was saved as due_ms 1e17 (a float in Redis: the task could not
+    # be read or listed); an infinite one broke the save; a huge one that was clamped only
+    # by the deadline left the task waiting that long. Each is capped at max_error_delay.
+    h = Scripted()
+    seen: list[float] = []
+    script = iter([first])
+
+    def call(ctx: HandlerContext) -> Any:
+        seen.append(anyio.current_time())
+        default = Submitted("x-" + ctx.task_id) if phase == "submit" else Succeeded(1)
+        return next(script, default)
+
+    if phase == "submit":
+        h.on_submit = call
+    else:
+        h.on_query = call
+    [tid] = await submit_many(store, 1, timeout_ms=3_600_000)
+    async with httpx.AsyncClient() as http:
+        worker = Worker(store, entry(h), make_config(), http=http)
+        with anyio.fail_after(10):
+            await worker.run_until_idle()
+    task = await store.get(tid)
+    assert task is not None and task.status is Status.SUCCEEDED
+    # Called again after max_error_delay (200 ms): not sooner (as after a failed save,
+    # which releases the task), nor much later (a slow host only adds a little).
+    assert len(seen) == 2 and 0.19 <= seen[1] - seen[0] < 2.0
+    page = await AsyncClient(redis_client, namespace=keys.namespace).list()
+    assert [t.id for t in page.tasks] == [tid]
+    await check_invariants(redis_client, keys)
 
 
 async def test_vendor_failure_and_progress(store: Store) -> None:

@@ -1,0 +1,52 @@
+"""Pure schedule decisions: delays stay within the deadline, the cap and what Redis stores."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from asynctaskd.retry import MAX_DELAY_MS, clamp_delay, delay_ms
+
+NOW = 1_700_000_000.0
+
+
+@pytest.mark.parametrize(
+    ("delay", "cap", "expected"),
+    [
+        (5.0, math.inf, 5.0),
+        (5.0, 2.0, 2.0),  # the cap
+        (1e14, 300.0, 300.0),  # a vendor's Retry-After of three million years
+        (math.inf, 300.0, 300.0),
+        (1e14, math.inf, 3600.0),  # the deadline, an hour away
+        (math.nan, 300.0, 0.5),  # the floor
+        (0.1, 300.0, 0.5),
+    ],
+)
+def test_clamp_delay_keeps_within_floor_cap_and_deadline(
+    delay: float, cap: float, expected: float
+) -> None:
+    assert clamp_delay(delay, NOW, NOW + 3600, floor=0.5, cap=cap) == expected
+
+
+def test_clamp_delay_after_the_deadline_is_the_floor() -> None:
+    assert clamp_delay(10.0, NOW, NOW - 5) == 0.0
+    assert clamp_delay(10.0, NOW, NOW - 5, floor=0.5) == 0.5
+
+
+@pytest.mark.parametrize(
+    ("delay", "expected"),
+    [
+        (0.0, 0),
+        (1.2344, 1234),
+        (-3.0, 0),
+        (math.nan, 0),
+        (1e14, MAX_DELAY_MS),
+        (math.inf, MAX_DELAY_MS),
+        (MAX_DELAY_MS / 1000, MAX_DELAY_MS),
+    ],
+)
+def test_delay_ms_is_always_an_integer_the_save_script_takes(delay: float, expected: int) -> None:
+    ms = delay_ms(delay)
+    assert ms == expected and type(ms) is int
+    assert 0 <= ms <= 10 * 366 * 86_400_000  # lua/_save.lua's MAX_DELAY_MS
