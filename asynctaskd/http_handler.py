@@ -32,7 +32,10 @@ systemd's LoadCredential=). `{x?}` is optional: missing, it renders as "" in tex
 the key from a JSON object. `{{` and `}}` are literal braces. A string that is exactly one
 placeholder keeps the JSON type of its value (numbers stay numbers, objects stay objects);
 inside text, values are rendered as text and, in URLs, percent-encoded (`{base_url}` is
-inserted as is). Values from task params are data: they are never expanded again.
+inserted as is). Values from task params are data: they are never expanded again. A value
+that would land in a URL as a dot segment (`.` or `..`, alone or between slashes) or with a
+control character, or in a header with a control or non-ASCII character, is refused: the
+task fails (`UNSAFE_VALUE`, `INVALID_HEADER`) and nothing is sent.
 
 Credentials may appear only in headers and in `base_url`; they are read on first use and
 then kept, never stored in Redis, and replaced by `***` in every error message and log line
@@ -42,14 +45,14 @@ vendor's answer (a vendor may quote the request). They are sent only to `base_ur
 
 How HTTP outcomes map to the worker's classification (`retry.classify_submit_error`):
 connect errors, DNS, pool timeouts and unreadable credentials raise `NotSent` (provably
-never sent); a request the templates made unsendable (a missing param, a bad URL or header)
-raises `PermanentError` before anything is sent; read timeouts, resets, protocol errors and
-the total timeout raise a plain `RetryableError` (ambiguous in submit); 429, and 503 with
-Retry-After, raise `RetryableError(throttled=True, retry_after=...)`; other 5xx a plain
-`RetryableError`; 4xx (except 408 and 429, or the `errors.permanent` list) `PermanentError`.
-A 2xx answer that is not JSON, lacks the id or status, or has them of the wrong type is
-vendor garbage: a `RetryableError` quoting the first 200 characters of the body (ambiguous
-in submit: the job may exist; an error-budget error in query).
+never sent); a request the templates made unsendable (a missing param, an unsafe value, a
+bad URL or header) raises `PermanentError` before anything is sent; read timeouts, resets,
+protocol errors and the total timeout raise a plain `RetryableError` (ambiguous in submit);
+429, and 503 with Retry-After, raise `RetryableError(throttled=True, retry_after=...)`;
+other 5xx a plain `RetryableError`; 4xx (except 408 and 429, or the `errors.permanent` list)
+`PermanentError`. A 2xx answer that is not JSON, lacks the id or status, or has them of the
+wrong type is vendor garbage: a `RetryableError` quoting the first 200 characters of the
+body (ambiguous in submit: the job may exist; an error-budget error in query).
 """
 
 from __future__ import annotations
@@ -230,6 +233,12 @@ _NAMES: Final = frozenset(
 _ENV_NAME: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _CREDENTIAL_NAME: Final = re.compile(r"[A-Za-z0-9_.@-]+")
 _HEADER_NAME: Final = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+# A value placed in a URL must not be, or contain, a dot segment ("." or ".." alone or
+# between slashes: once a server or proxy decodes %2F, "../x" climbs too), nor a control
+# character (C0, DEL, C1). Percent-encoding would keep "%0A" out of the request line, but
+# such a value is no id or name any vendor expects: it is refused, never sent.
+_CONTROL: Final = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # C0, DEL, C1
+_UNSAFE_IN_URL: Final = re.compile(_CONTROL.pattern + r"|(?:^|[/\\])\.\.?(?:[/\\]|$)")
 
 
 class _TemplateError(ValueError):
@@ -354,6 +363,18 @@ class _SecretMissing(Exception):
 class _ValueMissing(Exception):
     def __init__(self, ref: _Ref) -> None:
         super().__init__(ref.text)
+        self.ref = ref
+
+
+class _ValueRefused(Exception):
+    """A placeholder's value that must not land in a URL (see `_UNSAFE_IN_URL`)."""
+
+    def __init__(self, ref: _Ref, value: str) -> None:
+        if _CONTROL.search(value):
+            why = "has a control character"
+        else:
+            why = "is or holds a dot segment ('.' or '..') that would change the URL's path"
+        super().__init__(f"the value of {ref.text} {why}")
         self.ref = ref
 
 
@@ -763,6 +784,9 @@ class HttpHandler:
             raise PermanentError(
                 f"{what}: {exc.ref.text} has no value in {source}", code="MISSING_VALUE"
             ) from None
+        except _ValueRefused as exc:
+            # Producer input (or a vendor's id): it would be refused on every attempt.
+            raise PermanentError(f"{what}: {exc}; nothing was sent", code="UNSAFE_VALUE") from None
         return url, headers, content
 
     def _render_headers(
@@ -771,9 +795,9 @@ class HttpHandler:
         headers: dict[str, str] = {}
         for name, template in templates:
             value = self._render_text(template, v)
-            if "\r" in value or "\n" in value or not value.isascii():
+            if not value.isascii() or _CONTROL.search(value):
                 raise PermanentError(
-                    f"header {name}: the value has a line break or a non-ASCII character",
+                    f"header {name}: the value has a control or a non-ASCII character",
                     code="INVALID_HEADER",
                 )
             headers[name] = value
@@ -805,6 +829,8 @@ class HttpHandler:
             value = self._value(part, v)
             text = "" if value is _MISSING else _as_text(value)
             if url and part.kind != "base_url":
+                if _UNSAFE_IN_URL.search(text):
+                    raise _ValueRefused(part, text)
                 text = quote(text, safe="")
             out.append(text)
         return "".join(out)
@@ -991,6 +1017,10 @@ class HttpHandler:
                 source = value
         except _ValueMissing as exc:
             raise _CopyError(f"{exc.ref.text} has no value") from None
+        except _ValueRefused as exc:
+            raise PermanentError(
+                f"finalize: {exc}; nothing was sent", code="UNSAFE_VALUE"
+            ) from None
         if _origin(source)[0] not in ("http", "https"):
             raise _CopyError(f"not an http(s) URL: {self._secrets.redact(source)[:200]!r}")
         headers: dict[str, str] = {}

@@ -1001,8 +1001,46 @@ async def test_unsendable_header_fails_for_good_without_a_call(
     options = scripted_options(url, submit={"headers": {"X-Title": "{params.title}"}})
     handler = handler_for(options)
     async with make_http_client() as http:
-        for title in ("naïve", "two\r\nX-Injected: 1"):
+        for title in ("naïve", "two\r\nX-Injected: 1", "nul\x00", "tab\there", "bell\x07",
+                      "del\x7f", "c1\x85"):  # fmt: skip
             with pytest.raises(PermanentError, match="X-Title") as info:
                 await handler.submit({"title": title}, ctx_for(http))
             assert info.value.code == "INVALID_HEADER"
     assert script.seen == []
+
+
+UNSAFE = ["..", ".", "../jobs", "a/../..", "..\\jobs", "nul\x00", "lf\n", "tab\t", "del\x7f",
+          "c1\x85"]  # fmt: skip
+
+
+@pytest.mark.parametrize("value", UNSAFE)
+@pytest.mark.parametrize(
+    "url", ["{base_url}/v1/{params.space}/jobs", "{base_url}/jobs?space={params.space}"],
+    ids=["path", "query"],
+)  # fmt: skip
+async def test_a_url_value_with_a_dot_segment_or_control_character_is_never_sent(
+    vendor: tuple[Scripted, str], url: str, value: str
+) -> None:
+    # "{base_url}/v1/{params.space}/jobs" with space ".." went to /jobs: a producer's value
+    # climbed the vendor's API with our credentials.
+    script, base = vendor
+    handler = handler_for(scripted_options(base, submit={"url": url}))
+    async with make_http_client() as http:
+        with pytest.raises(PermanentError, match=r"\{params\.space\}") as info:
+            await handler.submit({"space": value}, ctx_for(http))
+    assert info.value.code == "UNSAFE_VALUE"
+    assert "nothing was sent" in info.value.message
+    assert script.seen == []
+
+
+async def test_a_vendor_id_that_would_climb_the_query_url_fails_the_task(
+    store: Store, vendor: tuple[Scripted, str]
+) -> None:
+    script, url = vendor
+    script.submit = [json({"id": ".."}, 201)]
+    task = await run_one(store, handler_for(scripted_options(url)))
+    assert task.status is Status.FAILED
+    code, message = error_of(task)
+    assert code == "UNSAFE_VALUE"
+    assert message.startswith("query: the value of {external_id} is or holds a dot segment")
+    assert script.calls("GET", "/") == []

@@ -699,8 +699,11 @@ async def test_finalize_ends_in_a_defined_outcome(
     finalize, result = substitute(substitute(case, VENDOR, vendor.url), "<dir>", str(tmp_path))
     out = await drive(vendor, {**options, "finalize": finalize}, answer, "finalize", result)
     tally(out, "finalize")
-    if isinstance(out, HandlerError):
-        # A copy that failed leaves the task RUNNING: finalize is retried, never final.
+    if isinstance(out, PermanentError):
+        # A file id that would change the download URL's path, refused before any request.
+        assert out.code == "UNSAFE_VALUE", repr(out)
+    elif isinstance(out, HandlerError):
+        # A copy that failed leaves the task RUNNING: finalize is retried.
         assert isinstance(out, RetryableError) and not isinstance(out, NotSent), repr(out)
         assert out.code == "FINALIZE_FAILED", repr(out)
     assert not leaked_lines(caplog)
