@@ -40,8 +40,14 @@ task fails (`UNSAFE_VALUE`, `INVALID_HEADER`) and nothing is sent.
 Credentials may appear only in headers and in `base_url`; they are read on first use and
 then kept, never stored in Redis, and replaced by `***` in every error message and log line
 this module produces (httpx's request lines included) and in every value read from a
-vendor's answer (a vendor may quote the request). They are sent only to `base_url`'s origin
-(finalize downloads from other hosts get no vendor headers).
+vendor's answer (a vendor may quote the request). They are sent only to `base_url`'s origin;
+finalize sends them only with a URL its `download` template made there, never with a URL a
+vendor's answer chose.
+
+Finalize downloads URLs the vendor chose, so only from hosts the handler declares
+(`finalize.hosts`, and the host the `download` template names) and never from a private,
+loopback or link-local address unless `finalize.allow_private_addresses` (see
+`asynctaskd.downloads`, which also says how DNS is handled).
 
 How HTTP outcomes map to the worker's classification (`retry.classify_submit_error`):
 connect errors, DNS, pool timeouts and unreadable credentials raise `NotSent` (provably
@@ -65,7 +71,7 @@ import mimetypes
 import os
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Final, Literal, NoReturn, get_args, get_origin
@@ -76,6 +82,7 @@ import httpx
 import msgspec
 
 from .config import Duration, HandlerConfig, line_of
+from .downloads import DownloadFailed, DownloadRefused, Downloads, host_pattern, origin_of
 from .errors import ConfigError, NotSent, PermanentError, RetryableError
 from .handlers import Failed, HandlerContext, Running, Submitted, Succeeded
 from .transport import make_http_client
@@ -157,6 +164,12 @@ class FinalizeOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     dir: str | None = None  # write <dir>/<task_id>-<n>.<ext>
     put: str | None = None  # or HTTP PUT to this template ({name}, {task_id})
     download: str | None = None  # template with {value}: turns an id into a download URL
+    # Hosts result URLs may be downloaded from ("files.example.com", "*.example.com"), besides
+    # the one the download template names; none by default.
+    hosts: list[str] = []
+    # Also download from private, loopback and link-local addresses (an internal vendor, or
+    # a local fake in tests); off by default, whatever a host name resolves to.
+    allow_private_addresses: bool = False
     headers: dict[str, str] = {}  # sent with each PUT (credentials allowed)
     attempts: Annotated[int, msgspec.Meta(ge=1, le=10)] = 3
     timeout: Duration = Duration(300)  # per copy: download and upload of one file
@@ -528,6 +541,7 @@ class _Plan:
     cancel: _Request | None
     finalize_files: tuple[_Pointer, ...]
     finalize_download: _Template | None
+    finalize_hosts: tuple[str, ...]
     finalize_put: _Template | None
     finalize_headers: tuple[tuple[str, _Template], ...]
 
@@ -605,7 +619,8 @@ class HttpHandler:
         self._http: httpx.AsyncClient | None = None
         self._secrets = _Secrets()
         self._base_url: str | None = None
-        self._base_origin: tuple[str, str] | None = None
+        self._base_origin: tuple[str, str, int | None] | None = None
+        self._download_home: tuple[str, str, int | None] | _Missing | None = _MISSING
         errors = plan.options.errors
         self._permanent = None if errors.permanent is None else frozenset(errors.permanent)
         self._retryable = frozenset(errors.retryable)
@@ -713,31 +728,49 @@ class HttpHandler:
 
         Each `files` pointer names a value or a list of values. Without `download`, only
         http(s) URLs are copied (other values, such as text output, are left alone); with
-        it, every value is turned into a URL first (e.g. a file id). Any failure raises
-        RetryableError: the task stays RUNNING and the worker retries.
+        it, every value is turned into a URL first (e.g. a file id).
+
+        The vendor chooses these URLs, so they are fetched only from `hosts` (and the host
+        the `download` template names), never from a private, loopback or link-local
+        address unless `allow_private_addresses` (`asynctaskd.downloads` says how, DNS
+        included), and without the vendor's credentials unless the `download` template
+        made the URL on `base_url`'s origin. A URL refused so fails the task for good
+        (PermanentError, FINALIZE_REFUSED; an unsafe `{value}`, UNSAFE_VALUE): nothing is
+        sent. Any other failure raises RetryableError: the task stays RUNNING and the
+        worker retries.
         """
         options = self.plan.options.finalize
         if options is None:
             return result
         result = msgspec.json.decode(msgspec.json.encode(result))  # a private copy
         n = 0
-        for pointer in self.plan.finalize_files:
-            found = pointer.get(result)
-            if found is _MISSING or found is None:
-                continue
-            values = found if isinstance(found, list) else [found]
-            copies: list[Any] = []
-            for value in values:
-                if isinstance(value, bool) or not isinstance(value, str | int):
-                    copies.append(value)
+        t = self.options.timeouts
+        downloads = Downloads(
+            self.plan.finalize_hosts,
+            allow_private=options.allow_private_addresses,
+            connect=float(t.connect),
+            read=float(t.read),
+        )
+        async with downloads:
+            for pointer in self.plan.finalize_files:
+                found = pointer.get(result)
+                if found is _MISSING or found is None:
                     continue
-                is_url = isinstance(value, str) and _origin(value)[0] in ("http", "https")
-                if self.plan.finalize_download is None and not is_url:
-                    copies.append(value)
-                    continue
-                copies.append(await self._copy_with_retries(str(value), n, options, ctx))
-                n += 1
-            result = pointer.set(result, copies if isinstance(found, list) else copies[0])
+                values = found if isinstance(found, list) else [found]
+                copies: list[Any] = []
+                for value in values:
+                    if isinstance(value, bool) or not isinstance(value, str | int):
+                        copies.append(value)
+                        continue
+                    is_url = isinstance(value, str) and _origin(value)[0] in ("http", "https")
+                    if self.plan.finalize_download is None and not is_url:
+                        copies.append(value)
+                        continue
+                    copies.append(
+                        await self._copy_with_retries(str(value), n, options, ctx, downloads)
+                    )
+                    n += 1
+                result = pointer.set(result, copies if isinstance(found, list) else copies[0])
         return result
 
     async def aclose(self) -> None:
@@ -761,8 +794,27 @@ class HttpHandler:
     def _base(self) -> str:
         if self._base_url is None:
             self._base_url = self._render_text(self.plan.base_url, _Vars("", ""))
-            self._base_origin = _origin(self._base_url)
+            self._base_origin = origin_of(self._base_url)
         return self._base_url
+
+    def _download_origin(self) -> tuple[str, str, int | None] | None:
+        """The origin every URL the `download` template makes has, or None when a value
+        lands in its scheme or authority (then its host must be in `finalize.hosts`)."""
+        if isinstance(self._download_home, _Missing):
+            template = self.plan.finalize_download
+            assert template is not None
+            fixed: list[str] = []
+            for part in template.parts:
+                if isinstance(part, str):
+                    fixed.append(part)
+                elif part.kind == "base_url":
+                    fixed.append(self._base())
+                else:
+                    break
+            text = "".join(fixed)
+            whole = re.match(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*[/?#]", text)
+            self._download_home = origin_of(text) if whole else None
+        return self._download_home
 
     def _prepare(
         self, request: _Request, v: _Vars, what: str
@@ -978,19 +1030,32 @@ class HttpHandler:
     # --- finalize ------------------------------------------------------------------------------
 
     async def _copy_with_retries(
-        self, value: str, n: int, options: FinalizeOptions, ctx: HandlerContext
+        self,
+        value: str,
+        n: int,
+        options: FinalizeOptions,
+        ctx: HandlerContext,
+        downloads: Downloads,
     ) -> str:
         last = ""
         for attempt in range(options.attempts):
             if attempt:
                 await anyio.sleep(min(5.0, 0.2 * 2 ** (attempt - 1)))
             try:
-                return await self._copy(value, n, options, ctx)
+                return await self._copy(value, n, options, ctx, downloads)
+            except DownloadRefused as exc:
+                # Every attempt would be refused the same way: fail the task, say why.
+                why = self._secrets.redact(str(exc))
+                raise PermanentError(
+                    f"finalize: result file {n}: {why}; nothing was sent",
+                    code="FINALIZE_REFUSED",
+                ) from None
             except (
-                httpx.HTTPError,
-                httpx.InvalidURL,  # the vendor's file URL is not one httpx can send to
+                httpx.HTTPError,  # the PUT
+                httpx.InvalidURL,
                 ValueError,
                 OSError,
+                DownloadFailed,
                 _CopyError,
                 _SecretMissing,
             ) as exc:
@@ -1007,12 +1072,21 @@ class HttpHandler:
             code="FINALIZE_FAILED",
         )
 
-    async def _copy(self, value: str, n: int, options: FinalizeOptions, ctx: HandlerContext) -> str:
+    async def _copy(
+        self,
+        value: str,
+        n: int,
+        options: FinalizeOptions,
+        ctx: HandlerContext,
+        downloads: Downloads,
+    ) -> str:
         plan = self.plan
         v = _Vars(ctx.task_id, ctx.idempotency_key, base_url=self._base(), value=value)
+        home = None
         try:
             if plan.finalize_download is not None:
                 source = self._render_text(plan.finalize_download, v, url=True)
+                home = self._download_origin()
             else:
                 source = value
         except _ValueMissing as exc:
@@ -1021,28 +1095,26 @@ class HttpHandler:
             raise PermanentError(
                 f"finalize: {exc}; nothing was sent", code="UNSAFE_VALUE"
             ) from None
-        if _origin(source)[0] not in ("http", "https"):
-            raise _CopyError(f"not an http(s) URL: {self._secrets.redact(source)[:200]!r}")
+        url = downloads.check(source, also=None if home is None else home[1])
         headers: dict[str, str] = {}
-        if _origin(source) == self._base_origin:
-            # Vendor credentials go to the vendor only, never to a third-party file host.
+        if home is not None and home == self._base_origin and origin_of(str(url)) == home:
+            # Vendor credentials go only with a URL our own template made on the vendor's
+            # origin: never to another host, nor to a path a vendor's answer chose.
             headers = self._render_headers(plan.base_headers, v)
         client = self._client(ctx)
         with anyio.fail_after(float(options.timeout)):
-            async with client.stream(
-                "GET", source, headers=headers, timeout=self._timeout
-            ) as response:
-                if not 200 <= response.status_code < 300:
-                    raise _CopyError(f"download answered {response.status_code}")
+            async with downloads.get(url, headers) as response:
+                if not 200 <= response.status < 300:
+                    raise _CopyError(f"download answered {response.status}")
                 length = response.headers.get("content-length")
                 if length and length.isdigit() and int(length) > options.max_bytes:
                     raise _CopyError(f"file is {length} bytes, over finalize.max_bytes")
                 content_type = response.headers.get("content-type", "")
                 v.name = f"{ctx.task_id}-{n}{_extension(source, content_type)}"
                 if options.dir is not None:
-                    return await self._write_file(response, options, v.name)
+                    return await self._write_file(response.chunks(), options, v.name)
                 data = bytearray()
-                async for chunk in response.aiter_bytes():
+                async for chunk in response.chunks():
                     data += chunk
                     if len(data) > options.max_bytes:
                         raise _CopyError("file is over finalize.max_bytes")
@@ -1061,7 +1133,7 @@ class HttpHandler:
             return target
 
     async def _write_file(
-        self, response: httpx.Response, options: FinalizeOptions, name: str
+        self, chunks: AsyncIterator[bytes], options: FinalizeOptions, name: str
     ) -> str:
         assert options.dir is not None
         directory = anyio.Path(options.dir)
@@ -1070,7 +1142,7 @@ class HttpHandler:
         partial = directory / f".{name}.partial"
         size = 0
         async with await anyio.open_file(partial, "wb") as out:
-            async for chunk in response.aiter_bytes():
+            async for chunk in chunks:
                 size += len(chunk)
                 if size > options.max_bytes:
                     raise _CopyError("file is over finalize.max_bytes")
@@ -1278,6 +1350,7 @@ class _Builder:
         else:
             result = tuple((k, self.pointer(p, f"query.result.{k}")) for k, p in q.result.items())
         files: tuple[_Pointer, ...] = ()
+        hosts: list[str] = []
         download = put = None
         finalize_headers: tuple[tuple[str, _Template], ...] = ()
         if (f := o.finalize) is not None:
@@ -1290,6 +1363,11 @@ class _Builder:
             files = tuple(self.pointer(p, f"finalize.files[{i}]") for i, p in enumerate(f.files))
             if f.download is not None:
                 download = self.url(f.download, "finalize.download", _TASK | {"base_url", "value"})
+            for i, entry in enumerate(f.hosts):
+                try:
+                    hosts.append(host_pattern(entry))
+                except ValueError as exc:
+                    self.fail(f"finalize.hosts[{i}]", str(exc))
             if f.put is not None:
                 put = self.url(f.put, "finalize.put", _TASK | {"name"})
             finalize_headers = self.headers(
@@ -1325,6 +1403,7 @@ class _Builder:
             cancel=cancel,
             finalize_files=files,
             finalize_download=download,
+            finalize_hosts=tuple(hosts),
             finalize_put=put,
             finalize_headers=finalize_headers,
         )

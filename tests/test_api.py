@@ -60,6 +60,7 @@ def test_import_direction() -> None:
         "connection": {"store", "client", "worker", "daemon", "cli", "handlers"},
         "transport": {"store", "client", "worker", "daemon", "handlers", "connection"},
         "http1": {"store", "client", "worker", "daemon", "handlers", "transport", "connection"},
+        "downloads": {"store", "client", "worker", "daemon", "handlers", "http_handler"},
     }
     for name, banned in forbidden.items():
         path = PACKAGE / f"{name}.py"

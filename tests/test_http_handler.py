@@ -195,6 +195,8 @@ async def replicate(
 
 
 BATCH = {"input_file_id": "file-abc123", "endpoint": "/v1/chat/completions"}
+# The fakes serve files on 127.0.0.1, which finalize refuses unless told: opt in, visibly.
+LOOPBACK_FAKE: dict[str, Any] = {"hosts": ["127.0.0.1"], "allow_private_addresses": True}
 
 
 async def test_openai_example_succeeds_with_metadata_and_counts(
@@ -302,7 +304,8 @@ async def test_openai_example_finalize_downloads_output_files(
 ) -> None:
     _, url = openai
     finalize = {"files": ["/output_file_id", "/error_file_id"], "dir": str(tmp_path),
-                "download": "{base_url}/v1/files/{value}/content"}  # fmt: skip
+                "download": "{base_url}/v1/files/{value}/content",
+                **LOOPBACK_FAKE}  # fmt: skip
     handler = load_example("openai-batch.toml", url, finalize=finalize)
     [task] = await run_tasks(store, handler, [BATCH])
     assert task.status is Status.SUCCEEDED
@@ -318,7 +321,8 @@ async def test_replicate_example_succeeds_and_copies_outputs(
     store: Store, replicate: tuple[ReplicatePredictions, str], tmp_path: Path
 ) -> None:
     fake, url = replicate
-    handler = load_example("replicate-predictions.toml", url, finalize={"dir": str(tmp_path)})
+    handler = load_example("replicate-predictions.toml", url,
+                           finalize={"dir": str(tmp_path), **LOOPBACK_FAKE})  # fmt: skip
     params = {"version": "5c7d5dc6dd8bf75c1acaa8565735e7986bc5b66206b55cca93cb72c9bf15ccaa",
               "input": {"text": "Alice", "steps": 4}}  # fmt: skip
     [task] = await run_tasks(store, handler, [params])
@@ -759,7 +763,7 @@ async def test_finalize_puts_files_and_keeps_vendor_credentials_home(
             url,
             headers={"Authorization": "Bearer {env:VENDOR_TOKEN}"},
             finalize={"files": ["/data"], "put": files_url + "/store/{task_id}/{name}",
-                      "headers": {"Authorization": store_auth}},
+                      "headers": {"Authorization": store_auth}, **LOOPBACK_FAKE},
         )  # fmt: skip
         task = await run_one(store, handler_for(options))
     assert task.status is Status.SUCCEEDED
@@ -783,7 +787,7 @@ async def test_finalize_failure_keeps_the_task_running_until_a_copy_lands(
     script.files = [status(503)] * 2 + [garbage(b"%PDF-1.7 ...", content_type="application/pdf")]
     script.query = [json({"status": "done", "output": {"pdf": f"{url}/files/doc"}})]
     options = scripted_options(url, finalize={"files": ["/pdf"], "dir": str(tmp_path),
-                                              "attempts": 2})  # fmt: skip
+                                              "attempts": 2, **LOOPBACK_FAKE})  # fmt: skip
     handler = handler_for(options)
     async with make_http_client() as http:
         with pytest.raises(RetryableError, match="failed 2 times") as info:
@@ -798,6 +802,141 @@ async def test_finalize_failure_keeps_the_task_running_until_a_copy_lands(
     assert path == tmp_path / f"{task.id}-0.pdf"
     assert await anyio.Path(path).read_bytes() == b"%PDF-1.7 ..."
     assert [p async for p in anyio.Path(tmp_path).glob(".*partial")] == []
+
+
+def files_server() -> tuple[Scripted, Any]:
+    """Another local server answering GET /files/...: a host that is not the vendor's."""
+    files = Scripted(files=[garbage(b"%PDF-1.7 internal", content_type="application/pdf")])
+    return files, serve(files.app())
+
+
+@pytest.mark.parametrize(
+    ("finalize", "why"),
+    [
+        ({}, "'127.0.0.1' is not among the hosts"),
+        ({"hosts": ["example.com", "*.example.com"]}, "'127.0.0.1' is not among the hosts"),
+        ({"hosts": ["127.0.0.1"]}, "127.0.0.1 is a loopback address"),
+    ],
+    ids=["no-hosts", "other-hosts", "loopback-not-allowed"],
+)
+async def test_finalize_downloads_only_from_declared_public_hosts(
+    store: Store, vendor: tuple[Scripted, str], tmp_path: Path, finalize: dict[str, Any],
+    why: str,
+) -> None:  # fmt: skip
+    # A vendor's result named an internal address, and finalize fetched it.
+    script, url = vendor
+    files, serving = files_server()
+    async with serving as files_url:
+        script.query = [json({"status": "done", "output": {"pdf": f"{files_url}/files/x.pdf"}})]
+        options = scripted_options(
+            url, finalize={"files": ["/pdf"], "dir": str(tmp_path), **finalize}
+        )
+        task = await run_one(store, handler_for(options))
+    assert task.status is Status.FAILED
+    code, message = error_of(task)
+    assert code == "FINALIZE_REFUSED"
+    assert why in message and "nothing was sent" in message
+    assert files.seen == []
+    assert [p async for p in anyio.Path(tmp_path).iterdir()] == []
+
+
+@pytest.mark.parametrize(
+    "address", ["169.254.169.254", "10.1.2.3", "[fd00::1]", "[::ffff:127.0.0.1]", "[fe80::1]"]
+)
+async def test_finalize_refuses_a_private_address_literal_without_connecting(
+    vendor: tuple[Scripted, str], tmp_path: Path, address: str
+) -> None:
+    _, url = vendor
+    options = scripted_options(url, finalize={"files": ["/f"], "dir": str(tmp_path),
+                                              "hosts": [address]})  # fmt: skip
+    handler = handler_for(options)
+    async with make_http_client() as http:
+        with anyio.fail_after(5), pytest.raises(PermanentError) as info:
+            await handler.finalize({"f": f"http://{address}/latest/meta-data/"}, ctx_for(http))
+    assert info.value.code == "FINALIZE_REFUSED"
+    assert "finalize.allow_private_addresses is off" in info.value.message
+
+
+async def test_finalize_refuses_a_declared_name_that_resolves_to_a_private_address(
+    vendor: tuple[Scripted, str], tmp_path: Path
+) -> None:
+    # A public-looking name is only as public as the addresses it resolves to.
+    _, url = vendor
+    files, serving = files_server()
+    async with serving as files_url, make_http_client() as http:
+        name_url = files_url.replace("127.0.0.1", "localhost") + "/files/x.pdf"
+        finalize = {"files": ["/f"], "dir": str(tmp_path), "hosts": ["localhost"]}
+        handler = handler_for(scripted_options(url, finalize=finalize))
+        with pytest.raises(PermanentError) as info:
+            await handler.finalize({"f": name_url}, ctx_for(http))
+        assert info.value.code == "FINALIZE_REFUSED"
+        assert re.search(r"'localhost' resolves to (127\.0\.0\.1|::1), a loopback address",
+                         info.value.message)  # fmt: skip
+        assert files.seen == []
+        # The same name, allowed to be private: then it is the address that decided.
+        allowed = handler_for(
+            scripted_options(url, finalize={**finalize, "allow_private_addresses": True})
+        )
+        copied = await allowed.finalize({"f": name_url}, ctx_for(http, "t-2"))
+    assert copied == {"f": str(tmp_path / "t-2-0.pdf")}
+    assert len(files.seen) == 1
+
+
+async def test_finalize_sends_vendor_credentials_only_with_its_own_download_template(
+    vendor: tuple[Scripted, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Any URL on the vendor's origin used to get the vendor's credentials: a result could
+    # point them at any path of the vendor's API (and store what it answered).
+    script, url = vendor
+    monkeypatch.setenv("VENDOR_TOKEN", "vendor-secret-789")
+    script.files = [garbage(b"file bytes", content_type="application/octet-stream")]
+    headers = {"Authorization": "Bearer {env:VENDOR_TOKEN}"}
+    finalize = {"files": ["/f"], "dir": str(tmp_path), **LOOPBACK_FAKE}
+    async with make_http_client() as http:
+        as_given = handler_for(scripted_options(url, headers=headers, finalize=finalize))
+        await as_given.finalize({"f": f"{url}/files/a.bin"}, ctx_for(http, "t-1"))
+        templated = handler_for(scripted_options(
+            url, headers=headers, finalize={**finalize, "download": "{base_url}/files/{value}"}
+        ))  # fmt: skip
+        await templated.finalize({"f": "b.bin"}, ctx_for(http, "t-2"))
+    first, second = script.calls("GET", "/files/")
+    assert first.path == "/files/a.bin" and "Authorization" not in first.headers
+    assert second.path == "/files/b.bin"
+    assert second.headers["Authorization"] == "Bearer vendor-secret-789"
+
+
+async def test_finalize_download_template_refuses_a_value_that_climbs(
+    vendor: tuple[Scripted, str], tmp_path: Path
+) -> None:
+    script, url = vendor
+    finalize = {"files": ["/f"], "dir": str(tmp_path), "download": "{base_url}/files/{value}",
+                **LOOPBACK_FAKE}  # fmt: skip
+    handler = handler_for(scripted_options(url, finalize=finalize))
+    async with make_http_client() as http:
+        with pytest.raises(PermanentError, match=r"\{value\} is or holds a dot segment") as info:
+            await handler.finalize({"f": "../jobs/j-1"}, ctx_for(http))
+    assert info.value.code == "UNSAFE_VALUE"
+    assert script.seen == []
+
+
+@pytest.mark.parametrize(
+    ("finalize", "key", "message"),
+    [
+        ({"hosts": ["https://files.example.com"]}, "finalize.hosts[0]", "no scheme, port or path"),
+        ({"hosts": ["ok.example.com", "a.example.com:8443"]}, "finalize.hosts[1]", "no scheme"),
+        ({"hosts": ["*"]}, "finalize.hosts[0]", "expected a host name"),
+        ({"hosts": ["127.1"]}, "finalize.hosts[0]", "or an IP address"),
+        ({"allow_private_addresses": "yes"}, "finalize.allow_private_addresses", "bool"),
+    ],
+)
+def test_finalize_host_options_are_checked(
+    finalize: dict[str, Any], key: str, message: str
+) -> None:
+    options = scripted_options("http://127.0.0.1:9", finalize={"files": ["/f"], "dir": "/tmp",
+                                                               **finalize})  # fmt: skip
+    with pytest.raises(ConfigError, match=re.escape(f"options.{key}: ")) as info:
+        handler_for(options)
+    assert message in str(info.value)
 
 
 # ---- config errors: key path and line ----------------------------------------------------------

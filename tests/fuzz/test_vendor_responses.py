@@ -677,6 +677,9 @@ def finalize_cases(draw: st.DrawFn) -> tuple[dict[str, Any], Any]:
         finalize["dir"] = "<dir>"
     if draw(st.booleans()):
         finalize["download"] = "{base_url}/files/{value}"
+    # The fuzzed vendor is on loopback: allowed or not, declared or not.
+    finalize["hosts"] = draw(st.sampled_from([[], ["127.0.0.1"], ["127.0.0.1", "localhost"]]))
+    finalize["allow_private_addresses"] = draw(st.booleans())
     return finalize, {"files": files, "text": draw(texts)}
 
 
@@ -697,11 +700,15 @@ async def test_finalize_ends_in_a_defined_outcome(
     caplog.set_level(logging.DEBUG)
     caplog.clear()
     finalize, result = substitute(substitute(case, VENDOR, vendor.url), "<dir>", str(tmp_path))
+    seen = len(vendor.requests)
     out = await drive(vendor, {**options, "finalize": finalize}, answer, "finalize", result)
     tally(out, "finalize")
     if isinstance(out, PermanentError):
-        # A file id that would change the download URL's path, refused before any request.
-        assert out.code == "UNSAFE_VALUE", repr(out)
+        # A URL finalize may not fetch, or a file id that would change the download URL's
+        # path: refused for good, before any request of that copy.
+        assert out.code in ("FINALIZE_REFUSED", "UNSAFE_VALUE"), repr(out)
+        if not isinstance(result["files"], list):
+            assert len(vendor.requests) == seen, "a refused download reached the vendor"
     elif isinstance(out, HandlerError):
         # A copy that failed leaves the task RUNNING: finalize is retried.
         assert isinstance(out, RetryableError) and not isinstance(out, NotSent), repr(out)
@@ -793,16 +800,20 @@ async def test_a_credential_in_the_reason_phrase_stays_out_of_httpx_logs(
     assert not leaked_lines(caplog)
 
 
-async def test_finalize_with_a_file_url_httpx_refuses_is_retried(
+async def test_finalize_with_an_unusable_file_url_is_retried(
     vendor: Vendor, tmp_path: Path
 ) -> None:
-    """httpx.InvalidURL is no httpx.HTTPError: it escaped finalize unclassified."""
-    finalize = {"files": ["/files"], "dir": str(tmp_path), "attempts": 1}
+    """httpx.InvalidURL is no httpx.HTTPError: it escaped finalize unclassified. Such a URL
+    is still a retried copy failure (whatever hosts are allowed), and never fetched."""
+    finalize = {"files": ["/files"], "dir": str(tmp_path), "attempts": 1,
+                "hosts": ["127.0.0.1"], "allow_private_addresses": True}  # fmt: skip
     options = {**base_options(), "finalize": finalize}
+    seen = len(vendor.requests)
     for url in (f"{vendor.url}/files/\x1f", "http://\x00/nul"):
         out = await drive(vendor, options, Answer(), "finalize", {"files": url})
         assert isinstance(out, RetryableError) and out.code == "FINALIZE_FAILED", out
-        assert "InvalidURL" in out.message
+        assert "not a usable URL" in out.message
+    assert len(vendor.requests) == seen
 
 
 # ---- found by this fuzzing outside http_handler.py ----------------------------------------------
