@@ -847,7 +847,9 @@ class HttpHandler:
         headers: dict[str, str] = {}
         for name, template in templates:
             value = self._render_text(template, v)
-            if not value.isascii() or _CONTROL.search(value):
+            # ASCII and printable: no control character (a space is printable). Two C calls,
+            # not a regex search: every request renders its headers.
+            if not (value.isascii() and value.isprintable()):
                 raise PermanentError(
                     f"header {name}: the value has a control or a non-ASCII character",
                     code="INVALID_HEADER",
@@ -881,7 +883,9 @@ class HttpHandler:
             value = self._value(part, v)
             text = "" if value is _MISSING else _as_text(value)
             if url and part.kind != "base_url":
-                if _UNSAFE_IN_URL.search(text):
+                # Most values hold no dot and no control character (isprintable is False for
+                # every one): the search runs only for the rest.
+                if ("." in text or not text.isprintable()) and _UNSAFE_IN_URL.search(text):
                     raise _ValueRefused(part, text)
                 text = quote(text, safe="")
             out.append(text)
