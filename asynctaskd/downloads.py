@@ -32,6 +32,7 @@ from typing import Final
 
 import aiohttp
 import aiohttp.abc
+import anyio.to_thread
 import httpx
 import yarl
 
@@ -185,7 +186,8 @@ class _PublicOnly(aiohttp.abc.AbstractResolver):
 
 @functools.cache
 def _ssl_context() -> ssl.SSLContext:
-    # The trust store the handlers' httpx client uses; loading it takes milliseconds.
+    # The trust store the handlers' httpx client uses. Loading it takes a tenth of a second
+    # or more: done once, in a worker thread (see `Downloads.__aenter__`).
     return httpx.create_ssl_context()
 
 
@@ -247,8 +249,10 @@ class Downloads:
         return url
 
     async def __aenter__(self) -> Downloads:
+        # A thread, not the event loop: the first call loads the trust store.
+        trust = await anyio.to_thread.run_sync(_ssl_context)
         self._resolver = None if self._allow_private else _PublicOnly()
-        connector = aiohttp.TCPConnector(resolver=self._resolver, ssl=_ssl_context())
+        connector = aiohttp.TCPConnector(resolver=self._resolver, ssl=trust)
         self._session = aiohttp.ClientSession(
             connector=connector,
             timeout=self._timeout,
