@@ -134,13 +134,25 @@ def _host_of(url: yarl.URL) -> str:
     return host
 
 
+def _failed(exc: BaseException, url: yarl.URL | str) -> DownloadFailed:
+    """DownloadFailed for `exc`, without the URL. aiohttp and yarl quote it in their
+    messages, and a vendor's file URL may carry a token (a presigned URL's signature) that
+    must reach neither a log line nor an error stored with the task."""
+    text = f"{type(exc).__name__}: {exc}"
+    shown = {str(url)} | ({url.human_repr()} if isinstance(url, yarl.URL) else set())
+    for form in sorted(shown, key=len, reverse=True):
+        if form:
+            text = text.replace(form, "<url>")
+    return DownloadFailed(re.sub(r"url='[^']*'", "url=<url>", text))
+
+
 def _parse(text: str) -> yarl.URL:
     if _NOT_IN_A_URL.search(text):
         raise DownloadFailed("not a usable URL: it has a control character")
     try:
         url = yarl.URL(text)
     except (ValueError, TypeError) as exc:
-        raise DownloadFailed(f"not a usable URL: {exc}") from None
+        raise DownloadFailed(f"not a usable URL: {_failed(exc, text)}") from None
     if url.scheme not in ("http", "https") or not url.absolute or not url.raw_host:
         raise DownloadFailed("not an absolute http(s) URL")
     return url
@@ -194,8 +206,9 @@ def _ssl_context() -> ssl.SSLContext:
 class Download:
     """An answer whose body has not been read: `status`, `headers`, and `chunks()`."""
 
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
+    def __init__(self, response: aiohttp.ClientResponse, url: yarl.URL) -> None:
         self._response = response
+        self._url = url
         self.status = response.status
         self.headers: Mapping[str, str] = response.headers  # case-insensitive
 
@@ -205,7 +218,7 @@ class Download:
             async for chunk in self._response.content.iter_chunked(64 * 1024):
                 yield chunk
         except (TimeoutError, aiohttp.ClientError) as exc:
-            raise DownloadFailed(f"{type(exc).__name__}: {exc}") from None
+            raise _failed(exc, self._url) from None
 
 
 class Downloads:
@@ -284,10 +297,10 @@ class Downloads:
         except aiohttp.ClientConnectorError as exc:
             if isinstance(exc.os_error, _NonPublicAddress):
                 raise DownloadRefused(str(exc.os_error)) from None
-            raise DownloadFailed(f"{type(exc).__name__}: {exc}") from None
+            raise _failed(exc, url) from None
         except (TimeoutError, aiohttp.ClientError) as exc:
-            raise DownloadFailed(f"{type(exc).__name__}: {exc}") from None
+            raise _failed(exc, url) from None
         try:
-            yield Download(response)
+            yield Download(response, url)
         finally:
             response.release()

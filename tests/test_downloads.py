@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from typing import Any
 
@@ -160,3 +161,32 @@ async def test_the_resolver_returns_public_answers_as_they_are() -> None:
     inner: Any = Answers("93.184.215.14", "2606:2800::1")
     found = await _PublicOnly(inner).resolve("files.example.com", 443)
     assert [f["host"] for f in found] == ["93.184.215.14", "2606:2800::1"]
+
+
+async def test_a_failure_message_never_shows_the_url() -> None:
+    # aiohttp quotes the URL in its errors; a presigned URL carries its signature there.
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: zz\r\n\r\nhello")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with Downloads(["127.0.0.1"], allow_private=True) as d:
+            url = d.check(f"http://127.0.0.1:{port}/f?X-Signature=sig-SECRET-0123")
+
+            async def fetch() -> None:
+                async with d.get(url, {}) as got:
+                    async for _ in got.chunks():
+                        pass
+
+            with pytest.raises(DownloadFailed) as info:
+                await fetch()
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert "Content-Length" in str(info.value)  # what went wrong is still said
+    assert "sig-SECRET-0123" not in str(info.value)
+    assert "url=<url>" in str(info.value)
