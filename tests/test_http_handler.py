@@ -932,7 +932,7 @@ async def test_finalize_download_template_refuses_a_value_that_climbs(
 def test_finalize_host_options_are_checked(
     finalize: dict[str, Any], key: str, message: str
 ) -> None:
-    options = scripted_options("http://127.0.0.1:9", finalize={"files": ["/f"], "dir": "/tmp",
+    options = scripted_options("http://127.0.0.1:9", finalize={"files": ["/f"], "dir": "/srv/out",
                                                                **finalize})  # fmt: skip
     with pytest.raises(ConfigError, match=re.escape(f"options.{key}: ")) as info:
         handler_for(options)
