@@ -48,9 +48,10 @@ UNITS = ROOT / "systemd"
 METRIC_NAME = re.compile(r"\basynctaskd_[a-z_]+\b")
 HISTOGRAM_SUFFIX = re.compile(r"_(bucket|sum|count)$")
 GRAFANA_BUILTINS = {"__rate_interval", "__range", "__interval", "__all"}
-# `scope` and `lane` name configured limits (providers, accounts; tenants summed as one).
+# `scope` and `lane` name configured limits (providers, accounts; tenants summed as one);
+# `mode`, `fsync` and `state` are the fixed states of the durability state sets.
 BOUNDED_LABELS = {"handler", "op", "outcome", "status", "phase", "code", "kind", "script",
-                  "version", "scope", "lane"}  # fmt: skip
+                  "version", "scope", "lane", "mode", "fsync", "state"}  # fmt: skip
 
 # Proxies from the environment must never see requests to loopback.
 _http = urllib.request.build_opener(urllib.request.ProxyHandler({}))
