@@ -123,6 +123,19 @@ class Daemon:
             return False, f"due work waited {stalled:.0f}s without a claim"
         return True, "ready"
 
+    def readyz(self) -> tuple[bool, str]:
+        """`/readyz`: `ready()`, and on a line of its own what the durability gate enforces.
+
+        The gate never decides readiness: readiness drives the systemd watchdog, and a
+        daemon restarted every WatchdogSec for a setting of Redis would only stop all
+        work. A gate that is off is reported here, in metrics and by an alert instead.
+        """
+        ok, why = self.ready()
+        report = self.durability.report if self.durability is not None else None
+        if report is not None:
+            why += "\ndurability: " + report.detail
+        return ok, why
+
     async def serve(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         config = self.config
         async with redis_url(config) as url:
@@ -180,7 +193,7 @@ class Daemon:
         async with anyio.create_task_group() as tg:
             if config.metrics.enabled:
                 host, port = parse_listen(config.metrics.listen)
-                await tg.start(serve_health, host, port, self.metrics, self.ready)
+                await tg.start(serve_health, host, port, self.metrics, self.readyz)
                 tg.start_soon(self._loop_lag)
             tg.start_soon(run_reaper, store, config, self.metrics)
             tg.start_soon(self._heartbeat, store, worker, handlers)
@@ -238,6 +251,7 @@ class Daemon:
                     "started_at": self.started_at,
                     "heartbeat_at": time.time(),
                     "draining": worker.draining,
+                    "durability": durability and durability.report,  # what its gate enforces
                 }
             )
             try:
