@@ -233,6 +233,8 @@ def test_dashboard_has_what_operators_asked_for() -> None:
         "Redis call latency p99 by script",
         "Event loop lag p99",
         "Durability gate latency",
+        "Durability gate by daemon",
+        "Daemons with started marks at risk",
     }
     assert wanted <= titles, wanted - titles
     exprs = {p["title"]: " ".join(t["expr"] for t in p["targets"]) for p in _panels()}
@@ -254,6 +256,7 @@ def test_every_alert_is_documented_and_unit_tested_both_ways() -> None:
         "AsyncTaskdDueLagHigh",
         "AsyncTaskdNoClaimsWhileDue",
         "AsyncTaskdRedisUnreachable",
+        "AsyncTaskdDurabilityGateOff",
     } <= set(alerts)
     headings = set(re.findall(r"^### (\w+)$", DEPLOY.read_text(), re.M))
     for name, block in alerts.items():
