@@ -693,6 +693,43 @@ def test_a_gate_that_is_off_shows_in_metrics_readyz_stats_and_the_log(
 
 
 @pytest.mark.slow
+def test_auto_turns_the_gate_on_in_a_running_daemon_once_the_server_can_honour_it(
+    tmp_path: Path, vendor: FakeVendorProcess
+) -> None:
+    """A server with WAITAOF but AOF off: no gate at start. AOF switched on at runtime: the
+    next check turns the gate on, and the worker's submits wait for WAITAOF from then on."""
+    binary = find_binary("valkey-server")
+    if binary is None:
+        pytest.skip("valkey-server is not installed")
+    with ServerProcess(binary) as server, SyncRedis.from_url(server.url) as admin:
+        port = free_port()
+        config = _config_with_redis(tmp_path, server.url, vendor.url, port,
+                                    durability_check_interval="100ms")  # fmt: skip
+        proc = start_daemon(config)
+        base = f"http://127.0.0.1:{port}"
+
+        def metric(name: str, **labels: str) -> float | None:
+            return _sample(_get(base + "/metrics")[1], name, **labels)
+
+        try:
+            wait_until_sync(lambda: _readyz(base)[0] == 200, "readyz 200", timeout=15)
+            assert metric("asynctaskd_durability_gate", mode="off") == 1
+            admin.config_set("appendonly", "yes")
+            wait_until_sync(lambda: metric("asynctaskd_durability_gate", mode="waitaof") == 1,
+                            "the gate to turn on", timeout=15)  # fmt: skip
+            assert "gate WAITAOF 1 0 (auto: AOF on, with WAITAOF)" in _readyz(base)[1][1]
+            store = SyncStore(admin, Keys())
+            ids = create(store, 5)
+            wait_until_sync(lambda: statuses(store, ids) == {Status.SUCCEEDED: 5},
+                            "tasks done", timeout=30)  # fmt: skip
+            gated = "asynctaskd_durability_gate_seconds_count"
+            assert metric(gated, outcome="ok") == 5  # each submit waited for WAITAOF
+        finally:
+            code = _stop(proc)
+    assert code == 0
+
+
+@pytest.mark.slow
 def test_readyz_turns_503_when_redis_goes_away(tmp_path: Path, vendor: FakeVendorProcess) -> None:
     binary = find_binary("redis-server") or find_binary("valkey-server")
     if binary is None:
