@@ -6,7 +6,7 @@ Drain order on SIGTERM or SIGINT (a second signal skips to step 3):
   3. cancel the calls still running;
   4. release their leases, shielded and capped at 2 s, so peers take over at once
      (a submit cut off after its vendor call started is parked in SUBMIT_UNKNOWN);
-  5. stop the reaper, heartbeat and health listener;
+  5. stop the reaper, heartbeat, durability checks and health listener;
   6. close the HTTP client and Redis (and stop an embedded server);
   7. exit 0.
 SIGHUP reloads the handler table from the config file.
