@@ -470,6 +470,17 @@ def _limits(client: Any, args: argparse.Namespace) -> int:
     raise AssertionError(f"unhandled limits action {action}")
 
 
+_RISK = ("at_risk", "unknown")  # a crash of Redis can lose a started mark, or nobody knows
+
+
+def _durability(daemon: dict[str, Any]) -> str:
+    """What a daemon's heartbeat says about its durability gate (none from older versions)."""
+    report = daemon.get("durability")
+    if not isinstance(report, dict):
+        return "gate=? marks=?"
+    return f"gate={report.get('mode')} marks={report.get('marks')}"
+
+
 def _stats(client: Any, args: argparse.Namespace) -> int:
     def render() -> str:
         s = client.stats()
@@ -489,11 +500,14 @@ def _stats(client: Any, args: argparse.Namespace) -> int:
             lines += [f"  {d}  {info.get('note', '')}" for d, info in sorted(paused.items())]
         lines.append("")
         lines.append(f"live daemons: {len(s.daemons)}")
-        lines += [
-            f"  {d.get('id')}  inflight={d.get('inflight')} "
-            f"handlers={','.join(d.get('handlers', []))}"
-            for d in s.daemons
-        ]
+        for d in s.daemons:
+            lines.append(
+                f"  {d.get('id')}  inflight={d.get('inflight')} "
+                f"handlers={','.join(d.get('handlers', []))} {_durability(d)}"
+            )
+            report = d.get("durability")
+            if isinstance(report, dict) and (report.get("held") or report.get("marks") in _RISK):
+                lines.append(f"    durability: {report.get('detail')}")
         return "\n".join(lines)
 
     if args.command == "stats":

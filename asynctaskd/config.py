@@ -116,6 +116,9 @@ class RedisConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     socket_timeout: Duration = Duration(5)
     durability: Literal["auto", "waitaof", "wait", "off"] = "auto"
     durability_timeout: Duration = Duration(1)
+    # How often the daemon reads the server's persistence settings again to report what
+    # its gate enforces (metrics, /readyz, heartbeat); a reconnect also triggers a check.
+    durability_check_interval: Duration = Duration(60)
     wait_replicas: Annotated[int, msgspec.Meta(ge=0)] = 0
     # TLS for rediss:// and rediss+sentinel:// URLs: PEM files, read when the daemon starts.
     # The URL options ssl_ca_certs, ssl_certfile, ssl_keyfile, ssl_cert_reqs do the same;

@@ -6,7 +6,7 @@ Drain order on SIGTERM or SIGINT (a second signal skips to step 3):
   3. cancel the calls still running;
   4. release their leases, shielded and capped at 2 s, so peers take over at once
      (a submit cut off after its vendor call started is parked in SUBMIT_UNKNOWN);
-  5. stop the reaper, heartbeat and health listener;
+  5. stop the reaper, heartbeat, durability checks and health listener;
   6. close the HTTP client and Redis (and stop an embedded server);
   7. exit 0.
 SIGHUP reloads the handler table from the config file.
@@ -32,6 +32,7 @@ from . import __version__, admission, http_handler, systemd
 from .client import AsyncClient
 from .config import Config, load_config, parse_listen
 from .connection import open_async
+from .durability import DurabilityWatch
 from .embedded import ServerProcess, valkey_binary
 from .errors import ConfigError, ScriptError, StoreUnavailable
 from .handlers import HandlerEntry, load_handlers
@@ -105,6 +106,7 @@ class Daemon:
         self.metrics = Metrics()
         self.worker: Worker | None = None
         self.redis_ok = False
+        self.durability: DurabilityWatch | None = None
         self.started_at = time.time()
         self._loaded: list[HandlerEntry] = []  # every handler built, for closing at exit
 
@@ -120,6 +122,19 @@ class Daemon:
         if stalled > float(self.config.worker.watchdog):
             return False, f"due work waited {stalled:.0f}s without a claim"
         return True, "ready"
+
+    def readyz(self) -> tuple[bool, str]:
+        """`/readyz`: `ready()`, and on a line of its own what the durability gate enforces.
+
+        The gate never decides readiness: readiness drives the systemd watchdog, and a
+        daemon restarted every WatchdogSec for a setting of Redis would only stop all
+        work. A gate that is off is reported here, in metrics and by an alert instead.
+        """
+        ok, why = self.ready()
+        report = self.durability.report if self.durability is not None else None
+        if report is not None:
+            why += "\ndurability: " + report.detail
+        return ok, why
 
     async def serve(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         config = self.config
@@ -157,16 +172,9 @@ class Daemon:
                 delay = min(5.0, delay * 2)
         self.redis_ok = True
         await _check_server(store)
-        gate = await store.detect_gate(
-            config.redis.durability,
-            round(float(config.redis.durability_timeout) * 1000),
-            config.redis.wait_replicas,
-        )
-        if gate is None and config.redis.durability != "off":
-            logger.warning(
-                "no durability gate (no AOF with WAITAOF, no replicas): a crash of Redis "
-                "itself can lose a started mark unless it runs with appendfsync always"
-            )
+        durability = DurabilityWatch(store, config.redis, self.metrics)
+        gate = await durability.start()  # logs what the gate enforces, and what it does not
+        self.durability = durability
         handlers = load_handlers(
             list(config.handlers),
             builders=http_handler.builders(config.handlers, self.config_path),
@@ -178,16 +186,18 @@ class Daemon:
         client = AsyncClient(store.redis, config.redis.namespace, shards=config.redis.shards)
         await self._apply_limits(client, config)
         worker = Worker(store, handlers, config, http=http, metrics=self.metrics, gate=gate)
+        durability.on_gate = worker.use_gate
         self.worker = worker
         if self.own_process:
             tune_gc()
         async with anyio.create_task_group() as tg:
             if config.metrics.enabled:
                 host, port = parse_listen(config.metrics.listen)
-                await tg.start(serve_health, host, port, self.metrics, self.ready)
+                await tg.start(serve_health, host, port, self.metrics, self.readyz)
                 tg.start_soon(self._loop_lag)
             tg.start_soon(run_reaper, store, config, self.metrics)
             tg.start_soon(self._heartbeat, store, worker, handlers)
+            tg.start_soon(durability.run)
             tg.start_soon(self._signals, worker, client)
             tg.start_soon(admission.run_sync, client, store, self.metrics)
             tg.start_soon(self._watchdog, worker)
@@ -228,6 +238,7 @@ class Daemon:
     async def _heartbeat(
         self, store: Store, worker: Worker, handlers: dict[str, HandlerEntry]
     ) -> None:
+        durability = self.durability
         while True:
             record = msgspec.json.encode(
                 {
@@ -240,12 +251,15 @@ class Daemon:
                     "started_at": self.started_at,
                     "heartbeat_at": time.time(),
                     "draining": worker.draining,
+                    "durability": durability and durability.report,  # what its gate enforces
                 }
             )
             try:
                 await store.publish_daemon(
                     worker.id, list(worker.handlers), record, HEARTBEAT_TTL_MS
                 )
+                if not self.redis_ok and durability is not None:  # reconnected, perhaps
+                    durability.recheck_soon()  # to another server: check what it keeps
                 self.redis_ok = True
             except Exception as exc:  # the heartbeat must outlive any failure
                 self.redis_ok = False

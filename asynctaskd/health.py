@@ -5,7 +5,8 @@
   OpenMetrics when asked for.
 - `/healthz`: 200 while the process serves requests (liveness).
 - `/readyz`: 200 "ready", or 503 with the reason (starting, draining, Redis unreachable,
-  due work not claimed for longer than `worker.watchdog`).
+  due work not claimed for longer than `worker.watchdog`). Lines after the first, if any,
+  are detail that does not decide readiness (the daemon's durability gate).
 
 GET and HEAD are served; any other method gets 405 with an `Allow` header. One request
 per connection (`Connection: close`): scrapers and probes do not need keep-alive.

@@ -15,7 +15,12 @@ from prometheus_client.utils import floatToGoString
 
 from . import __version__
 
-__all__ = ["Metrics"]
+__all__ = ["DURABILITY_FSYNC", "DURABILITY_MARKS", "DURABILITY_MODES", "Metrics"]
+
+# The states of the durability state sets (asynctaskd.durability says what each means).
+DURABILITY_MODES = ("waitaof", "wait", "off")
+DURABILITY_FSYNC = ("always", "everysec", "no", "off", "unknown")
+DURABILITY_MARKS = ("fsynced", "replicated", "at_risk", "unknown")
 
 
 C = TypeVar("C")
@@ -217,6 +222,31 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        # State sets, one series per state (1 for the current one), so that an alert can
+        # match a state and a dashboard can show it; per daemon: each has its own gate.
+        self.durability_mode = Gauge(
+            "asynctaskd_durability_gate",
+            "What the durability gate enforces before a vendor submit: 1 for the current "
+            "mode (waitaof: the started mark is fsynced; wait: replicas acknowledged it; "
+            "off: nothing).",
+            ["mode"],
+            registry=r,
+        )
+        self.durability_fsync = Gauge(
+            "asynctaskd_durability_aof",
+            "The Redis server's AOF fsync policy as last checked: 1 for always, everysec, "
+            "no, off (AOF disabled) or unknown (CONFIG GET refused).",
+            ["fsync"],
+            registry=r,
+        )
+        self.durability_marks = Gauge(
+            "asynctaskd_durability_marks",
+            'How a "call started" mark survives a crash of Redis when the vendor is called: '
+            "1 for fsynced, replicated, at_risk (a crash can lose it: a second submit is "
+            "possible) or unknown.",
+            ["state"],
+            registry=r,
+        )
         self.handler_crashes = Counter(
             "asynctaskd_handler_crashes_total",
             "Unexpected exceptions contained while handling a task.",
@@ -311,6 +341,18 @@ class Metrics:
             ["scope"],
             registry=r,
         )
+
+    def observe_durability(self, mode: str, fsync: str, marks: str) -> None:
+        """Set the durability state sets: 1 for the given states, 0 for the others."""
+        for gauge, states, current in (
+            (self.durability_mode, DURABILITY_MODES, mode),
+            (self.durability_fsync, DURABILITY_FSYNC, fsync),
+            (self.durability_marks, DURABILITY_MARKS, marks),
+        ):
+            if current not in states:
+                raise ValueError(f"unknown durability state {current!r}")
+            for state in states:
+                gauge.labels(state).set(1 if state == current else 0)
 
     def observe_redis_call(self, script: str, seconds: float) -> None:
         """`Store.on_call` hook: one Redis round trip of `script` took `seconds`."""

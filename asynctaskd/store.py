@@ -46,6 +46,7 @@ __all__ = [
     "Created",
     "Gate",
     "Lease",
+    "Persistence",
     "Result",
     "Store",
     "SyncStore",
@@ -1063,29 +1064,36 @@ class Store(_Base):
 
     # Durability, wake-ups and the daemon registry.
 
-    async def detect_gate(self, mode: str, timeout_ms: int, replicas: int) -> Gate | None:
-        """Choose the durability gate for `mode` (auto, waitaof, wait, off)."""
-        if mode == "off":
-            return None
+    async def read_persistence(self) -> Persistence:
+        """How the server keeps writes: AOF, its fsync policy, replicas, version.
+
+        On a cluster every primary should be configured alike, so shard 0's is asked.
+        CONFIG GET may be refused (an ACL without it, a managed service that renamed it):
+        `appendfsync` is then empty and `refused` says why; nothing is raised for that.
+        """
         with _mapped("durability check"):
             node: Any = self.redis
-            if self.cluster:  # every primary should be configured alike: ask one
+            if self.cluster:
                 _, node = self._node_client(self.keys.tag(0))
             info = await node.info("persistence")
             repl = await node.info("replication")
             server = await node.info("server")
-        # WAITAOF arrived in Redis 7.2; Valkey reports redis_version 7.2.x for compatibility.
-        version = tuple(int(p) for p in str(server.get("redis_version", "0.0")).split(".")[:2])
-        has_waitaof = version >= (7, 2)
-        aof = int(info.get("aof_enabled", 0)) == 1
-        connected = int(repl.get("connected_slaves", 0))
-        if mode == "waitaof" or (mode == "auto" and aof and has_waitaof):
-            if not has_waitaof:
-                raise StoreUnavailable("durability = 'waitaof' but this server has no WAITAOF")
-            return Gate("WAITAOF", 1 if aof else 0, replicas, timeout_ms)
-        if mode == "wait" or (mode == "auto" and connected > 0):
-            return Gate("WAIT", 0, max(1, replicas or connected), timeout_ms)
-        return None
+            appendfsync, refused = "", ""
+            try:
+                raw: dict[Any, Any] = dict(await node.config_get("appendfsync"))
+                value = raw.get("appendfsync", raw.get(b"appendfsync", b""))
+                appendfsync = _s(value) if isinstance(value, bytes) else str(value)
+                if not appendfsync:
+                    refused = "CONFIG GET appendfsync returned nothing"
+            except rex.ResponseError as exc:  # NOPERM, or no CONFIG command at all
+                refused = f"CONFIG GET appendfsync refused: {exc}"
+        return Persistence(
+            version=str(server.get("redis_version", "0.0")),
+            aof=int(info.get("aof_enabled", 0)) == 1,
+            appendfsync=appendfsync,
+            replicas=int(repl.get("connected_slaves", 0)),
+            refused=refused,
+        )
 
     async def wait_wake(self, timeout: float) -> bool:
         """Block until a create/release/reap pushes a wake marker, or timeout (seconds)."""
@@ -1257,6 +1265,25 @@ class Batcher:
                 slots.release()
         for p, result in zip(batch, results, strict=True):
             p.resolve(result)
+
+
+class Persistence(msgspec.Struct, frozen=True, kw_only=True):
+    """What a server said about how it keeps writes (`Store.read_persistence`)."""
+
+    version: str  # redis_version; Valkey reports 7.2.x for compatibility
+    aof: bool  # appendonly on
+    appendfsync: str  # "always", "everysec", "no"; "" when it could not be read
+    replicas: int  # connected replicas
+    refused: str = ""  # why appendfsync could not be read
+
+    @property
+    def has_waitaof(self) -> bool:
+        """WAITAOF arrived in Redis 7.2."""
+        try:
+            major, minor = (int(p) for p in self.version.split(".")[:2])
+        except ValueError:
+            return False
+        return (major, minor) >= (7, 2)
 
 
 class Gate(msgspec.Struct, frozen=True):

@@ -186,6 +186,10 @@ class Worker:
     def inflight(self) -> int:
         return len(self._active)
 
+    def use_gate(self, gate: Gate | None) -> None:
+        """Gate the started marks of submits from now on with `gate`."""
+        self.gate = self.batcher.gate = gate
+
     def stop(self, *, now: bool = False) -> None:
         """Stop claiming; let calls finish for `shutdown_grace` (or not at all if now)."""
         self._stopping = True

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -155,3 +156,31 @@ def test_limits_set_show_clear_and_quota_refusal(redis_url: str, sync_redis: Syn
     assert cli("limits", "clear", "tenant:t1", url=redis_url).stdout.strip() == "cleared tenant:t1"
     cli("limits", "clear", "tenant:t1", url=redis_url, check=1)
     cli("submit", "h", "{}", "--tenant", "t1", "--no-strict", url=redis_url)  # no quota now
+
+
+def test_stats_shows_each_daemons_durability_gate(redis_url: str, sync_redis: SyncRedis) -> None:
+    """`stats` reads the gate from the heartbeats; the detail only when marks are at risk."""
+    now = time.time()
+    at_risk = {
+        "mode": "off", "gate": "", "fsync": "everysec", "marks": "at_risk", "held": False,
+        "detail": "no gate (auto: ...); appendfsync everysec: a crash of the Redis host ...",
+    }  # fmt: skip
+    fsynced = {**at_risk, "mode": "waitaof", "gate": "WAITAOF 1 0", "marks": "fsynced",
+               "detail": "gate WAITAOF 1 0 (auto: AOF on, with WAITAOF); ..."}  # fmt: skip
+    beat = {"inflight": 0, "handlers": ["demo"], "heartbeat_at": now}
+    sync_redis.hset(Keys().daemons(), mapping={
+        "a-risky": json.dumps({**beat, "id": "a-risky", "durability": at_risk}),
+        "b-safe": json.dumps({**beat, "id": "b-safe", "durability": fsynced}),
+        "c-older": json.dumps({**beat, "id": "c-older"}),  # a version without the field
+    })  # fmt: skip
+    lines = cli("stats", url=redis_url).stdout.splitlines()
+    start = lines.index("live daemons: 3")
+    assert lines[start + 1 :] == [
+        "  a-risky  inflight=0 handlers=demo gate=off marks=at_risk",
+        "    durability: " + at_risk["detail"],
+        "  b-safe  inflight=0 handlers=demo gate=waitaof marks=fsynced",
+        "  c-older  inflight=0 handlers=demo gate=? marks=?",
+    ]
+    daemons = {d["id"]: d for d in js("stats", url=redis_url)["daemons"]}
+    assert daemons["a-risky"]["durability"] == at_risk
+    assert "durability" not in daemons["c-older"]

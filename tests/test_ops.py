@@ -35,6 +35,7 @@ from asynctaskd.metrics import Metrics
 from asynctaskd.model import Status
 from asynctaskd.reaper import observe, read_backlog
 from asynctaskd.store import Store, SyncStore
+from tests.configs import write_daemon_config
 from tests.conftest import wait_until_sync
 from tests.test_daemon import create, start_daemon, statuses, write_config
 
@@ -48,9 +49,10 @@ UNITS = ROOT / "systemd"
 METRIC_NAME = re.compile(r"\basynctaskd_[a-z_]+\b")
 HISTOGRAM_SUFFIX = re.compile(r"_(bucket|sum|count)$")
 GRAFANA_BUILTINS = {"__rate_interval", "__range", "__interval", "__all"}
-# `scope` and `lane` name configured limits (providers, accounts; tenants summed as one).
+# `scope` and `lane` name configured limits (providers, accounts; tenants summed as one);
+# `mode`, `fsync` and `state` are the fixed states of the durability state sets.
 BOUNDED_LABELS = {"handler", "op", "outcome", "status", "phase", "code", "kind", "script",
-                  "version", "scope", "lane"}  # fmt: skip
+                  "version", "scope", "lane", "mode", "fsync", "state"}  # fmt: skip
 
 # Proxies from the environment must never see requests to loopback.
 _http = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -231,6 +233,8 @@ def test_dashboard_has_what_operators_asked_for() -> None:
         "Redis call latency p99 by script",
         "Event loop lag p99",
         "Durability gate latency",
+        "Durability gate by daemon",
+        "Daemons with started marks at risk",
     }
     assert wanted <= titles, wanted - titles
     exprs = {p["title"]: " ".join(t["expr"] for t in p["targets"]) for p in _panels()}
@@ -252,6 +256,7 @@ def test_every_alert_is_documented_and_unit_tested_both_ways() -> None:
         "AsyncTaskdDueLagHigh",
         "AsyncTaskdNoClaimsWhileDue",
         "AsyncTaskdRedisUnreachable",
+        "AsyncTaskdDurabilityGateOff",
     } <= set(alerts)
     headings = set(re.findall(r"^### (\w+)$", DEPLOY.read_text(), re.M))
     for name, block in alerts.items():
@@ -597,6 +602,133 @@ def test_scrape_during_a_run_matches_the_tasks_and_covers_dashboard_and_alerts(
     assert not _unexported(used, text), _unexported(used, text)
 
 
+def _readyz(base: str) -> tuple[int, list[str]]:
+    """/readyz: the status and the body's lines (the reason, then detail such as durability)."""
+    status, body = _get(base + "/readyz")
+    return status, body.splitlines()
+
+
+def _config_with_redis(tmp_path: Path, url: str, vendor_url: str, port: int, **redis: str) -> Path:
+    return write_daemon_config(
+        tmp_path / "config.toml",
+        url,
+        vendor_url,
+        redis=redis,
+        worker={"lease": "2s", "shutdown_grace": "10s"},
+        metrics={"listen": f"127.0.0.1:{port}"},
+        log={"format": "json"},
+    )
+
+
+def _stats_cli(url: str, *args: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", "asynctaskd", "stats", "--url", url, *args],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_a_gate_that_is_off_shows_in_metrics_readyz_stats_and_the_log(
+    tmp_path: Path, vendor: FakeVendorProcess
+) -> None:
+    """The finding: Redis 7.0 (no WAITAOF), AOF with appendfsync everysec, no replicas,
+    durability = "auto". The gate is off; a crash of the Redis host can lose a started mark."""
+    binary = find_binary("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed")
+    with ServerProcess(binary, aof=True, extra_args=("--appendfsync", "everysec")) as server:
+        admin = SyncRedis.from_url(server.url)
+        version = str(admin.info("server")["redis_version"])
+        if tuple(int(part) for part in version.split(".")[:2]) >= (7, 2):
+            pytest.skip("this redis-server has WAITAOF: the gate would be on")
+        port = free_port()
+        config = _config_with_redis(tmp_path, server.url, vendor.url, port,
+                                    durability_check_interval="100ms")  # fmt: skip
+        proc = start_daemon(config)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            wait_until_sync(lambda: _readyz(base)[0] == 200, "readyz 200", timeout=15)
+            # Still ready (under "auto" the gate never decides readiness), and says why.
+            ready, durability = _readyz(base)[1]
+            assert ready == "ready"
+            assert durability.startswith("durability: no gate (auto: the server (7.0"), durability
+            assert "appendfsync everysec: a crash of the Redis host can lose" in durability
+            text = _get(base + "/metrics")[1]
+            assert _sample(text, "asynctaskd_durability_gate", mode="off") == 1
+            assert _sample(text, "asynctaskd_durability_gate", mode="waitaof") == 0
+            assert _sample(text, "asynctaskd_durability_aof", fsync="everysec") == 1
+            assert _sample(text, "asynctaskd_durability_marks", state="at_risk") == 1
+            assert _sample(text, "asynctaskd_durability_marks", state="fsynced") == 0
+
+            # `asynctaskd stats` reads it from the daemon's heartbeat in Redis.
+            (daemon,) = json.loads(_stats_cli(server.url, "--json"))["daemons"]
+            assert daemon["durability"]["mode"] == "off"
+            assert daemon["durability"]["marks"] == "at_risk"
+            assert daemon["durability"]["fsync"] == "everysec"
+            assert "durability: " + daemon["durability"]["detail"] == durability
+            table = _stats_cli(server.url)
+            assert "gate=off marks=at_risk" in table
+            assert "    " + durability in table.splitlines()
+
+            # The server's config changes: the next check reports it.
+            admin.config_set("appendfsync", "always")
+            wait_until_sync(
+                lambda: _sample(_get(base + "/metrics")[1], "asynctaskd_durability_marks",
+                                state="fsynced") == 1,
+                "the re-check to see appendfsync always", timeout=10,
+            )  # fmt: skip
+            status, lines = _readyz(base)
+            assert status == 200
+            assert "appendfsync always: Redis fsyncs every write" in lines[1]
+        finally:
+            code = _stop(proc)
+            admin.close()
+    assert code == 0
+    logged = [json.loads(line) for p in tmp_path.glob("daemon-*.log")
+              for line in p.read_text().splitlines() if line.startswith("{")]  # fmt: skip
+    said = [(e["level"], e["msg"]) for e in logged if e["msg"].startswith("durability: ")]
+    assert [level for level, _ in said] == ["warning", "info"], said
+    assert "appendfsync everysec" in said[0][1]
+    assert "appendfsync always" in said[1][1]
+
+
+@pytest.mark.slow
+def test_auto_turns_the_gate_on_in_a_running_daemon_once_the_server_can_honour_it(
+    tmp_path: Path, vendor: FakeVendorProcess
+) -> None:
+    """A server with WAITAOF but AOF off: no gate at start. AOF switched on at runtime: the
+    next check turns the gate on, and the worker's submits wait for WAITAOF from then on."""
+    binary = find_binary("valkey-server")
+    if binary is None:
+        pytest.skip("valkey-server is not installed")
+    with ServerProcess(binary) as server, SyncRedis.from_url(server.url) as admin:
+        port = free_port()
+        config = _config_with_redis(tmp_path, server.url, vendor.url, port,
+                                    durability_check_interval="100ms")  # fmt: skip
+        proc = start_daemon(config)
+        base = f"http://127.0.0.1:{port}"
+
+        def metric(name: str, **labels: str) -> float | None:
+            return _sample(_get(base + "/metrics")[1], name, **labels)
+
+        try:
+            wait_until_sync(lambda: _readyz(base)[0] == 200, "readyz 200", timeout=15)
+            assert metric("asynctaskd_durability_gate", mode="off") == 1
+            admin.config_set("appendonly", "yes")
+            wait_until_sync(lambda: metric("asynctaskd_durability_gate", mode="waitaof") == 1,
+                            "the gate to turn on", timeout=15)  # fmt: skip
+            assert "gate WAITAOF 1 0 (auto: AOF on, with WAITAOF)" in _readyz(base)[1][1]
+            store = SyncStore(admin, Keys())
+            ids = create(store, 5)
+            wait_until_sync(lambda: statuses(store, ids) == {Status.SUCCEEDED: 5},
+                            "tasks done", timeout=30)  # fmt: skip
+            gated = "asynctaskd_durability_gate_seconds_count"
+            assert metric(gated, outcome="ok") == 5  # each submit waited for WAITAOF
+        finally:
+            code = _stop(proc)
+    assert code == 0
+
+
 @pytest.mark.slow
 def test_readyz_turns_503_when_redis_goes_away(tmp_path: Path, vendor: FakeVendorProcess) -> None:
     binary = find_binary("redis-server") or find_binary("valkey-server")
@@ -604,13 +736,16 @@ def test_readyz_turns_503_when_redis_goes_away(tmp_path: Path, vendor: FakeVendo
         pytest.skip("no redis-server or valkey-server")
     server = ServerProcess(binary).start()
     port = free_port()
-    config = write_config(tmp_path, server.url, vendor.url, metrics_port=port)
+    # No periodic re-check during the test: only the reconnect makes the daemon look again.
+    config = _config_with_redis(tmp_path, server.url, vendor.url, port,
+                                durability_check_interval="1h")  # fmt: skip
     proc = start_daemon(config)
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_until_sync(lambda: _get(base + "/readyz")[0] == 200, "readyz 200", timeout=15)
+        wait_until_sync(lambda: _readyz(base)[0] == 200, "readyz 200", timeout=15)
+        assert "AOF off" in _readyz(base)[1][1]
         server.kill()
-        wait_until_sync(lambda: _get(base + "/readyz") == (503, "redis unreachable\n"),
+        wait_until_sync(lambda: (r := _readyz(base))[0] == 503 and r[1][0] == "redis unreachable",
                         "readyz 503 'redis unreachable'", timeout=20)  # fmt: skip
         assert _get(base + "/healthz") == (200, "ok\n")
         wait_until_sync(
@@ -623,6 +758,16 @@ def test_readyz_turns_503_when_redis_goes_away(tmp_path: Path, vendor: FakeVendo
             "store errors counted",
             timeout=5,
         )
+        # Back on the same port, now with AOF: the reconnect makes the daemon check again
+        # (a failover may also put it on a server that keeps writes differently).
+        server.aof, server.extra_args = True, ("--appendfsync", "no")
+        server.start()
+        wait_until_sync(
+            lambda: _sample(_get(base + "/metrics")[1], "asynctaskd_durability_aof",
+                            fsync="no") == 1,
+            "the durability check after the reconnect", timeout=20,
+        )  # fmt: skip
+        assert _readyz(base)[0] == 200
     finally:
         _stop(proc)
         server.stop()
