@@ -361,9 +361,30 @@ def _task_event(task: Task) -> TaskEvent:
 
 
 def _xread(stream: str, last: bytes, seconds: float) -> Reads:
+    """The entries after `last`, then (same pipeline, so the server runs it after the XREAD
+    returns) the entry at `last` itself, which `_continuous` needs."""
     block_ms = max(1, int(seconds * 1000))
-    cmd = _read("xread", {stream: last}, count=XREAD_COUNT, block=block_ms)
-    return Reads(cmd, bound=seconds + REPLY_MARGIN_S)
+    return Reads(
+        _read("xread", {stream: last}, count=XREAD_COUNT, block=block_ms),
+        _read("xrevrange", stream, last, last),
+        bound=seconds + REPLY_MARGIN_S,
+    )
+
+
+def _continuous(at_last: Any) -> bool:
+    """Whether the XREAD of `_xread` saw every entry ever added after `last`.
+
+    XREAD returns the entries after `last` that are still there: it cannot tell whether
+    the capped stream (MAXLEN ~, section 8 of docs/protocol.md) was trimmed past `last`
+    before it ran, so a change could be lost. Trimming only ever removes the oldest entries
+    (no script deletes one), so if the entry at `last` is still there after the XREAD,
+    every entry after it is too, and the XREAD saw them all. If it is gone (trimmed, the
+    stream deleted, a server that took over without it), the caller re-reads the task.
+    The proof costs one lookup in the round trip the XREAD makes anyway; a needless
+    re-read happens only when `last` is 0-0 (the stream was empty at the snapshot) or was
+    itself trimmed while its successors were not.
+    """
+    return bool(at_last)
 
 
 def _cursor(status: Status, shard: int, score: int | None, member: bytes) -> str:
@@ -580,7 +601,7 @@ def _wait(ctx: _Context, task_id: str, timeout: float, tenant: str | None) -> Pl
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             break
-        (reply,) = yield _xread(stream, last, min(remaining, BLOCK_S))
+        reply, at_last = yield _xread(stream, last, min(remaining, BLOCK_S))
         settled = False
         for entry_id, fields in _entries(reply):
             last = entry_id
@@ -588,7 +609,7 @@ def _wait(ctx: _Context, task_id: str, timeout: float, tenant: str | None) -> Pl
                 changed = True
                 event = _event(task_id, entry_id, fields)
                 settled = settled or (event is not None and event.status.is_settled)
-        if settled:
+        if settled or not _continuous(at_last):
             task, changed = (yield from _reread(ctx, task)), False
     if changed:
         task = yield from _reread(ctx, task)
@@ -623,23 +644,43 @@ def _watch(ctx: _Context, task_id: str, tenant: str | None) -> Plan[None]:
         except _TRANSIENT as exc:
             failing = yield from _backoff(failing, exc)
     task, last = opened
-    yield _task_event(task)
+    shown = _task_event(task)
+    yield shown
     stream, tid, version = ctx.keys.events(task.shard), task_id.encode(), task.version
-    while not task.status.is_settled:
+    reconnected = False
+    while not shown.status.is_settled:
+        fresh: Task | None = None
         try:
-            (reply,) = yield _xread(stream, last, BLOCK_S)
+            # Just after a reconnect, take what the stream has without blocking, then
+            # re-read the task: `_continuous` proves that no entry after `last` was
+            # trimmed, and the re-read also covers one missing for any other reason while
+            # the client was away. It costs one read, on a rare path.
+            reply, at_last = yield _xread(stream, last, 0 if reconnected else BLOCK_S)
+            if reconnected or not _continuous(at_last):
+                fresh = yield from _reread(ctx, task)
         except _TRANSIENT as exc:
             failing = yield from _backoff(failing, exc)
-            continue  # resume from the last id seen: nothing after it is lost
-        failing = None
+            reconnected = True
+            continue  # resume from the last id seen
+        failing, reconnected = None, False
         for entry_id, fields in _entries(reply):
             last = entry_id
             event = _event(task_id, entry_id, fields) if fields.get(b"task") == tid else None
             if event is not None and event.version > version:
-                version = event.version
+                version, shown = event.version, event
                 yield event
                 if event.status.is_settled:
                     return
+        if fresh is not None:  # read after these entries: at least as new as any of them
+            task, version = fresh, fresh.version
+            if _shows(_task_event(fresh)) != _shows(shown):
+                shown = _task_event(fresh)
+                yield shown
+
+
+def _shows(event: TaskEvent) -> tuple[Any, ...]:
+    """What a watcher sees change: versions also move silently (a start, a query claim)."""
+    return event.status, event.progress, event.stage, event.message
 
 
 def _cancel(ctx: _Context, task_id: str, tenant: str | None) -> Plan[bool]:
@@ -1002,14 +1043,18 @@ class AsyncClient:
 
     async def wait(self, task_id: str, timeout: float, tenant: str | None = None) -> Task:
         """Return as soon as the task is terminal or SUBMIT_UNKNOWN, or its snapshot after
-        `timeout` seconds. Follows the events stream: no polling, no missed change."""
+        `timeout` seconds. Follows the events stream, and re-reads the task if the capped
+        stream was trimmed past its position: no polling, no missed change."""
         return await self._run(_wait(self._ctx, task_id, timeout, tenant))
 
     async def watch(self, task_id: str, tenant: str | None = None) -> AsyncIterator[TaskEvent]:
         """Yield the current state, then every change, until the task is settled.
 
-        Survives connection loss: it resumes from the last event seen, and raises
-        StoreUnavailable only after 30 seconds without Redis.
+        Where changes may have been missed (the capped events stream was trimmed past the
+        last event seen, or the connection was lost), it re-reads the task and yields its
+        current state if that differs from the last one yielded. Survives connection loss:
+        it resumes from the last event seen, and raises StoreUnavailable only after 30
+        seconds without Redis.
         """
         plan = _watch(self._ctx, task_id, tenant)
         reply: Any = None

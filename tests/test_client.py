@@ -526,6 +526,97 @@ async def test_watch_rides_out_store_errors_and_gives_up_after_its_budget(
     assert time.monotonic() - started < 3.0
 
 
+def stream_id(entry_id: bytes) -> tuple[int, int]:
+    ms, seq = entry_id.split(b"-")
+    return int(ms), int(seq)
+
+
+def trim_events_past(sync_redis: Any, sync_store: SyncStore) -> None:
+    """Add events, as other producers' creates do, until the capped stream has dropped its
+    newest entry of now: `events_maxlen` is lowered to 1, so each create's XADD MAXLEN ~
+    removes whole nodes of older entries."""
+    keys = Keys()
+    sync_redis.hset(keys.tag(0) + ":settings", "events_maxlen", 1)
+    ((newest, _),) = sync_redis.xrevrange(keys.events(0), "+", "-", count=1)
+    for _ in range(5000):
+        first = sync_redis.xrange(keys.events(0), "-", "+", count=1)
+        if first and stream_id(first[0][0]) > stream_id(newest):
+            return
+        sync_store.run(sync_store.ops.create(new_task_id(), "other", b"{}", timeout_ms=60_000))
+    raise AssertionError("the events stream was never trimmed")
+
+
+async def test_wait_rereads_the_task_when_the_stream_was_trimmed_past_it(
+    api: Api, sync_store: SyncStore, sync_redis: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    t = await api.submit("h", {}, **BASE)
+    fired: list[bool] = []
+
+    def cancel_then_trim(reads: Reads) -> None:
+        # After the snapshot: the task is canceled, and its event trimmed away before the
+        # client reads the stream; what it then reads is only other tasks' events.
+        if not fired and reads.cmds[0][0] == "xrevrange":
+            fired.append(True)
+            assert sync_store.run(sync_store.ops.cancel(t.id)).ok
+            trim_events_past(sync_redis, sync_store)
+
+    api.hook_reads(monkeypatch, cancel_then_trim)
+    started = time.monotonic()
+    assert (await api.wait(t.id, 3)).status is S.CANCELED
+    assert fired
+    assert time.monotonic() - started < 2.0
+
+
+async def test_watch_reports_the_state_a_trimmed_stream_lost(
+    api: Api, sync_store: SyncStore, sync_redis: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    t = await api.submit("h", {}, **BASE)
+    leases: list[Lease] = []
+
+    def claim_then_trim(reads: Reads) -> None:
+        if not leases and reads.cmds[0][0] == "xrevrange":
+            batch = sync_store.run(sync_store.ops.claim(0, "submit", 1, 30_000, "w1", 10))
+            leases.append(batch.claimed[0].lease)
+            trim_events_past(sync_redis, sync_store)
+
+    api.hook_reads(monkeypatch, claim_then_trim)
+    events: list[TaskEvent] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(api.collect, t.id, events)
+        await until(lambda: len(events) == 2, "the state whose event was trimmed")
+        assert sync_store.run(sync_store.ops.save(leases[0], S.FAILED)).ok
+    assert [e.status for e in events] == [S.PENDING_SUBMIT, S.SUBMITTING, S.FAILED]
+    assert [e.version for e in events] == sorted({e.version for e in events})
+
+
+async def test_watch_rereads_the_task_after_a_reconnect(
+    api: Api, sync_store: SyncStore, sync_redis: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    t = await api.submit("h", {}, **BASE)
+    leases: list[Lease] = []
+
+    def outage(reads: Reads) -> bool:
+        if reads.cmds[0][0] != "xread":
+            return False
+        if not leases:
+            # While the client is away the task changes, and the stream loses that entry
+            # (deleted here; the stream's older entries, the client's position, remain).
+            batch = sync_store.run(sync_store.ops.claim(0, "submit", 1, 30_000, "w1", 10))
+            leases.append(batch.claimed[0].lease)
+            ((newest, _),) = sync_redis.xrevrange(Keys().events(0), "+", "-", count=1)
+            assert sync_redis.xdel(Keys().events(0), newest) == 1
+            return True
+        return False
+
+    api.fail_reads(monkeypatch, outage)
+    events: list[TaskEvent] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(api.collect, t.id, events)
+        await until(lambda: len(events) == 2, "the state seen on reconnecting")
+        assert sync_store.run(sync_store.ops.save(leases[0], S.FAILED)).ok
+    assert [e.status for e in events] == [S.PENDING_SUBMIT, S.SUBMITTING, S.FAILED]
+
+
 # list(), stats(), handlers().
 
 
