@@ -9,7 +9,6 @@ Plans do no I/O; `AsyncClient` runs them with asyncio and `Client` with blocking
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import datetime as dt
 import functools
@@ -17,6 +16,7 @@ import math
 import os
 import random
 import re
+import secrets
 import time
 import zlib
 from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
@@ -31,6 +31,15 @@ from . import admission
 from .admission import Entry
 from .codec import DEFAULT_MAX_PAYLOAD, check_json_like, decode_task, encode_payload
 from .config import HandlerConfig, LimitConfig
+from .cursors import (
+    KEY_BYTES,
+    Position,
+    derive_key,
+    filters_of,
+    open_cursor,
+    seal,
+    sealed_with,
+)
 from .errors import (
     CorruptTask,
     IllegalTransition,
@@ -80,6 +89,7 @@ T = TypeVar("T")
 HANDLER_CACHE_S: Final = 5.0  # how long a client trusts its copy of the live handler keys
 GROUP_CACHE_S: Final = 5.0  # how long a client trusts its copy of the handler groups
 QUOTA_CACHE_S: Final = 1.0  # how long a client trusts its list of tenants with a quota
+CURSOR_KEY_CACHE_S: Final = 60.0  # how long a client trusts its copy of the cursor key
 BLOCK_S: Final = 5.0  # longest XREAD BLOCK; below the 10 s socket timeout of from_url
 REPLY_MARGIN_S: Final = 5.0  # client-side bound on a blocking read: BLOCK plus this
 RECONNECT_BUDGET_S: Final = 30.0  # watch() gives up after this long without Redis
@@ -142,6 +152,8 @@ class _Context:
         self.groups_read_at = -math.inf  # monotonic seconds of the last HGETALL groups
         self.quotas: set[str] = set()  # tenants with a submit quota ("*": every tenant)
         self.quotas_read_at = -math.inf
+        self.cursor_key = b""  # derived from <ns>:cursor_key; empty until first needed
+        self.cursor_key_read_at = -math.inf
 
     def remember_handlers(self, raw: dict[bytes, bytes]) -> dict[str, int]:
         out = {}
@@ -385,26 +397,6 @@ def _continuous(at_last: Any) -> bool:
     itself trimmed while its successors were not.
     """
     return bool(at_last)
-
-
-def _cursor(status: Status, shard: int, score: int | None, member: bytes) -> str:
-    raw = msgspec.json.encode((status, shard, score, member.decode()))
-    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
-
-
-def _uncursor(
-    cursor: object, statuses: list[Status], shards: int
-) -> tuple[int, int, int | None, bytes]:
-    try:
-        raw = base64.urlsafe_b64decode(str(cursor) + "=" * (-len(str(cursor)) % 4))
-        status, shard, score, member = msgspec.json.decode(
-            raw, type=tuple[Status, int, int | None, str]
-        )
-        if status in statuses and 0 <= shard < shards:
-            return statuses.index(status), shard, score, member.encode()
-    except (ValueError, msgspec.DecodeError):
-        pass
-    raise InvalidTask(f"cursor {cursor!r:.80} was not returned by list() with these filters")
 
 
 # Plans: every operation, as Redis work to do and what to make of the replies.
@@ -698,9 +690,17 @@ def _list(
     if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 1000:
         raise InvalidTask(f"limit must be an integer from 1 to 1000, got {limit!r}")
     statuses = list(Status) if status is None else [_status(status)]
+    filters = filters_of(None if status is None else statuses[0].value, handler, tenant)
     si, shard, score, after = 0, 0, None, b""
     if cursor is not None:
-        si, shard, score, after = _uncursor(cursor, statuses, ctx.keys.shards)
+        sealing = yield from _cursor_key(ctx)
+        if not sealed_with(sealing, cursor):  # the key may have changed since it was read
+            sealing = yield from _cursor_key(ctx, reload=True)
+        si, shard, score, after = open_cursor(sealing, filters, cursor)
+        if si >= len(statuses) or shard >= ctx.keys.shards:
+            raise InvalidTask(
+                f"cursor {cursor!r:.40} was made by a client with more shards than this one"
+            )
     out: list[Task] = []
     budget = 20 * limit  # entries looked at per call, so a rare filter cannot stall a call
     batch = min(max(2 * limit, 50), 500)
@@ -731,13 +731,36 @@ def _list(
                 if task and task.status is st and handler in (None, task.handler):
                     out.append(_public(task))
                     if len(out) == limit:
-                        return TaskPage(out, _cursor(st, shard, s, member))
+                        return (yield from _page(ctx, out, filters, Position(si, shard, s, member)))
         if not done:
-            return TaskPage(out, _cursor(st, shard, score, after))
+            return (yield from _page(ctx, out, filters, Position(si, shard, score, after)))
         shard, score, after = shard + 1, None, b""
         if shard == ctx.keys.shards:
             si, shard = si + 1, 0
     return TaskPage(out, None)
+
+
+def _page(ctx: _Context, tasks: list[Task], filters: bytes, position: Position) -> Plan[TaskPage]:
+    """A page that goes on: its cursor seals the position, which may be at a task the caller
+    must not learn about (another tenant's, where the budget ran out)."""
+    sealing = yield from _cursor_key(ctx)
+    return TaskPage(tasks, seal(sealing, filters, position))
+
+
+def _cursor_key(ctx: _Context, *, reload: bool = False) -> Plan[bytes]:
+    """The namespace's cursor key: read (cached), or made by the first client that needs it."""
+    now = time.monotonic()
+    if ctx.cursor_key and now - ctx.cursor_key_read_at < CURSOR_KEY_CACHE_S and not reload:
+        return ctx.cursor_key
+    name = ctx.keys.cursor_key()
+    (stored,) = yield Reads(_read("get", name), share="cursor_key")
+    if stored is None:
+        # NX GET: of clients that make one at the same moment, all keep the first one set.
+        mine = secrets.token_bytes(KEY_BYTES)
+        (stored,) = yield Reads(_read("set", name, mine, nx=True, get=True))
+        stored = mine if stored is None else stored
+    ctx.cursor_key, ctx.cursor_key_read_at = derive_key(stored), now
+    return ctx.cursor_key
 
 
 def _stats(ctx: _Context) -> Plan[Stats]:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import datetime as dt
 import io
+import struct
 import subprocess
 import sys
 import time
@@ -682,6 +684,71 @@ async def test_list_pages_over_equal_scores_and_bounds_its_work(api: Api, store:
         if (cursor := page.cursor) is None:
             break
     assert calls >= 130 // 20  # each call looked at no more than 20 * limit tasks
+
+
+async def test_a_list_cursor_tells_nothing_about_other_tenants_tasks(
+    api: Api, redis_client: redis.asyncio.Redis
+) -> None:
+    mine = await api.submit("h", {}, tenant="t2", **BASE)
+    others = [await api.submit("h", {"i": i}, tenant="t1", **BASE) for i in range(25)]
+    # Newest first: the walk meets t1's tasks before t2's, and its budget (20 entries per
+    # task asked for) runs out on one of them.
+    page = await api.list(tenant="t2", limit=1)
+    assert page.tasks == []
+    assert page.cursor is not None
+    sealed = base64.urlsafe_b64decode(page.cursor + "=" * (-len(page.cursor) % 4))
+    index = Keys().index(0, S.PENDING_SUBMIT)
+    scores = [int(s) for _, s in await redis_client.zrange(index, 0, -1, withscores=True)]
+    for t in others:
+        assert t.id not in page.cursor
+        assert t.id.encode() not in sealed
+    for score in scores:
+        assert str(score).encode() not in sealed
+        assert score.to_bytes(8, "big") not in sealed
+        assert struct.pack(">d", score) not in sealed
+    page = await api.list(tenant="t2", limit=1, cursor=page.cursor)
+    assert [t.id for t in page.tasks] == [mine.id]
+
+
+async def test_a_list_cursor_is_stable_and_bound_to_its_filters(
+    api: Api, redis_url: str, redis_client: redis.asyncio.Redis
+) -> None:
+    for i in range(5):
+        await api.submit("a", {"i": i}, tenant="t1", **BASE)
+    first = await api.list(tenant="t1", limit=2)
+    assert first.cursor is not None
+    assert await api.list(tenant="t1", limit=2) == first  # the same page, the same cursor
+    second = await api.list(tenant="t1", limit=2, cursor=first.cursor)
+    assert await api.list(tenant="t1", limit=2, cursor=first.cursor) == second
+    # any client of the namespace continues it, blocking or not
+    async with AsyncClient.from_url(redis_url) as other:
+        assert await other.list(tenant="t1", limit=2, cursor=first.cursor) == second
+    with Client.from_url(redis_url) as blocking:
+        assert blocking.list(tenant="t1", limit=2, cursor=first.cursor) == second
+    assert {t.id for t in first.tasks} & {t.id for t in second.tasks} == set()
+    for filters in (
+        {"tenant": "t2"},
+        {},
+        {"tenant": "t1", "handler": "a"},
+        {"tenant": "t1", "status": S.PENDING_SUBMIT},
+    ):
+        with pytest.raises(InvalidTask, match=r"made by list\(\) with other filters"):
+            await api.list(limit=2, cursor=first.cursor, **filters)
+    middle = len(first.cursor) // 2
+    edited = first.cursor[:middle] + ("B" if first.cursor[middle] == "A" else "A")
+    edited += first.cursor[middle + 1 :]
+    with pytest.raises(InvalidTask, match="was not returned by list"):
+        await api.list(tenant="t1", limit=2, cursor=edited)
+    # A new cursor key (an operator deleted it): cursors made before are refused, saying so.
+    await redis_client.delete(Keys().cursor_key())
+    async with AsyncClient.from_url(redis_url) as fresh:
+        with pytest.raises(InvalidTask, match="cursor key has changed"):
+            await fresh.list(tenant="t1", limit=2, cursor=first.cursor)
+        renewed = await fresh.list(tenant="t1", limit=2)
+    assert renewed.tasks == first.tasks
+    assert renewed.cursor != first.cursor
+    # a client that read the key before it changed reads it again to open a newer cursor
+    assert (await api.list(tenant="t1", limit=2, cursor=renewed.cursor)).tasks == second.tasks
 
 
 async def test_stats_are_exact(api: Api, store: Store, redis_client: redis.asyncio.Redis) -> None:
