@@ -1102,7 +1102,9 @@ class AsyncClient:
         """Tasks newest first per status (all statuses in a fixed order if None), filtered.
 
         Each call looks at a bounded number of tasks, so a page may be short; continue
-        with its cursor until the cursor is None.
+        with its cursor until the cursor is None. A cursor is opaque (it names no task),
+        the same for the same place in the walk, valid in any client of the namespace, and
+        refused (InvalidTask) with a status, handler or tenant other than its walk's.
         """
         return await self._run(_list(self._ctx, status, handler, tenant, limit, cursor))
 
