@@ -12,8 +12,9 @@ PRF: the IV is the PRF of the filters and the position, and it is also the tag; 
 position is XORed with a PRF keystream derived from the IV. Distinct personalisations
 make the IV, keystream and filter-tag functions independent. A cursor is also bound to
 the filters it was made for (status, handler, tenant): its position means nothing under
-others, so it is refused there with an error that says so. The key id, the filters' tag
-and the IV are in clear; they name nothing but the key and the filters.
+others, so it is refused there with an error that says so. In clear are a key id, a tag
+of the filters and the IV: keyed digests, which tell at most whether two cursors share a
+key, filters or position.
 """
 
 from __future__ import annotations
