@@ -366,6 +366,13 @@ def _event(task_id: str, entry_id: bytes, fields: dict[bytes, bytes]) -> TaskEve
 
 
 def _task_event(task: Task) -> TaskEvent:
+    """The task's state as an event, shaped as the stream's are (progress, stage and
+    message come with RUNNING only), so that a state reads the same whether watch() took
+    it from the stream or from the hash."""
+    if task.status is not Status.RUNNING:
+        return TaskEvent(
+            task_id=task.id, status=task.status, version=task.version, at=task.updated_at
+        )
     return TaskEvent(
         task_id=task.id, status=task.status, version=task.version, progress=task.progress,
         stage=task.stage, message=task.message, at=task.updated_at,
@@ -665,8 +672,9 @@ def _watch(ctx: _Context, task_id: str, tenant: str | None) -> Plan[None]:
                     return
         if fresh is not None:  # read after these entries: at least as new as any of them
             task, version = fresh, fresh.version
-            if _shows(_task_event(fresh)) != _shows(shown):
-                shown = _task_event(fresh)
+            current = _task_event(fresh)
+            if _shows(current) != _shows(shown):
+                shown = current
                 yield shown
 
 

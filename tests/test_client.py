@@ -528,6 +528,39 @@ async def test_watch_rides_out_store_errors_and_gives_up_after_its_budget(
     assert time.monotonic() - started < 3.0
 
 
+async def test_watch_shows_a_state_it_re_read_as_the_stream_shows_it(
+    api: Api, store: Store, sync_store: SyncStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    t = await api.submit("h", {}, **BASE)
+    await to_submitted(store)
+    steps: list[str] = []
+
+    def outage(reads: Reads) -> bool:
+        name = reads.cmds[0][0]
+        if name == "xread" and not steps:  # away while the task reports progress
+            steps.append("away")
+            (c,) = sync_store.run(sync_store.ops.claim(0, "query", 1, 30_000, "w1", 10)).claimed
+            assert sync_store.run(
+                sync_store.ops.save(c.lease, S.RUNNING, fields={"progress": "0.5"})
+            ).ok
+            return True
+        if name == "hgetall" and steps == ["away"]:  # back: it finishes before the re-read
+            steps.append("finished")
+            (c,) = sync_store.run(sync_store.ops.claim(0, "query", 1, 30_000, "w1", 10)).claimed
+            assert sync_store.run(sync_store.ops.save(c.lease, S.SUCCEEDED)).ok
+        return False
+
+    api.fail_reads(monkeypatch, outage)
+    events: list[TaskEvent] = []
+    with anyio.fail_after(10):
+        await api.collect(t.id, events)
+    assert steps == ["away", "finished"]
+    # the hash still holds the progress, but a SUCCEEDED event carries none, as in the stream
+    assert [(e.status, e.progress) for e in events] == [
+        (S.SUBMITTED, None), (S.RUNNING, 0.5), (S.SUCCEEDED, None)
+    ]  # fmt: skip
+
+
 def stream_id(entry_id: bytes) -> tuple[int, int]:
     ms, seq = entry_id.split(b"-")
     return int(ms), int(seq)
