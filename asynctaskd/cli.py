@@ -92,25 +92,27 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-strict", action="store_true", help="skip the live-handler check")
     sp.add_argument("--route-key", help="business key for a consistent_hash handler group")
 
-    for name, helptext in (("get", "show a task"), ("cancel", "cancel a task")):
+    for name, helptext in (
+        ("get", "show a task"),
+        ("cancel", "cancel a task"),
+        ("wait", "wait until a task is terminal or SUBMIT_UNKNOWN"),
+    ):
         sp = sub.add_parser(name, help=helptext)
         conn(sp)
         js(sp)
         sp.add_argument("task_id")
-        sp.add_argument("--tenant")
-
-    sp = sub.add_parser("wait", help="wait until a task is terminal or SUBMIT_UNKNOWN")
-    conn(sp)
-    js(sp)
-    sp.add_argument("task_id")
-    sp.add_argument("--timeout", default="60s")
+        sp.add_argument(
+            "--tenant", help="the task's tenant: another tenant's task is reported as not found"
+        )
+        if name == "wait":
+            sp.add_argument("--timeout", default="60s")
 
     sp = sub.add_parser("list", help="list tasks by status, handler or tenant")
     conn(sp)
     js(sp)
     sp.add_argument("--status", choices=[s.value for s in Status])
     sp.add_argument("--handler")
-    sp.add_argument("--tenant")
+    sp.add_argument("--tenant", help="only this tenant's tasks")
     sp.add_argument("--limit", type=int, default=50)
     sp.add_argument("--cursor")
 
@@ -314,7 +316,9 @@ def _client_command(args: argparse.Namespace) -> int:
                 _out("cancel requested" if done else "already finished; nothing to cancel")
             return 0 if done else 1
         if cmd == "wait":
-            task = client.wait(args.task_id, _duration(args.timeout, "--timeout"))
+            task = client.wait(
+                args.task_id, _duration(args.timeout, "--timeout"), tenant=args.tenant
+            )
             _print_task(task, args.json)
             return 0 if task.status is Status.SUCCEEDED else 1
         if cmd == "list":

@@ -9,7 +9,6 @@ Plans do no I/O; `AsyncClient` runs them with asyncio and `Client` with blocking
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import datetime as dt
 import functools
@@ -17,6 +16,7 @@ import math
 import os
 import random
 import re
+import secrets
 import time
 import zlib
 from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
@@ -31,6 +31,15 @@ from . import admission
 from .admission import Entry
 from .codec import DEFAULT_MAX_PAYLOAD, check_json_like, decode_task, encode_payload
 from .config import HandlerConfig, LimitConfig
+from .cursors import (
+    KEY_BYTES,
+    Position,
+    derive_key,
+    filters_of,
+    open_cursor,
+    seal,
+    sealed_with,
+)
 from .errors import (
     CorruptTask,
     IllegalTransition,
@@ -80,6 +89,7 @@ T = TypeVar("T")
 HANDLER_CACHE_S: Final = 5.0  # how long a client trusts its copy of the live handler keys
 GROUP_CACHE_S: Final = 5.0  # how long a client trusts its copy of the handler groups
 QUOTA_CACHE_S: Final = 1.0  # how long a client trusts its list of tenants with a quota
+CURSOR_KEY_CACHE_S: Final = 60.0  # how long a client trusts its copy of the cursor key
 BLOCK_S: Final = 5.0  # longest XREAD BLOCK; below the 10 s socket timeout of from_url
 REPLY_MARGIN_S: Final = 5.0  # client-side bound on a blocking read: BLOCK plus this
 RECONNECT_BUDGET_S: Final = 30.0  # watch() gives up after this long without Redis
@@ -142,6 +152,8 @@ class _Context:
         self.groups_read_at = -math.inf  # monotonic seconds of the last HGETALL groups
         self.quotas: set[str] = set()  # tenants with a submit quota ("*": every tenant)
         self.quotas_read_at = -math.inf
+        self.cursor_key = b""  # derived from <ns>:cursor_key; empty until first needed
+        self.cursor_key_read_at = -math.inf
 
     def remember_handlers(self, raw: dict[bytes, bytes]) -> dict[str, int]:
         out = {}
@@ -354,6 +366,13 @@ def _event(task_id: str, entry_id: bytes, fields: dict[bytes, bytes]) -> TaskEve
 
 
 def _task_event(task: Task) -> TaskEvent:
+    """The task's state as an event, shaped as the stream's are (progress, stage and
+    message come with RUNNING only), so that a state reads the same whether watch() took
+    it from the stream or from the hash."""
+    if task.status is not Status.RUNNING:
+        return TaskEvent(
+            task_id=task.id, status=task.status, version=task.version, at=task.updated_at
+        )
     return TaskEvent(
         task_id=task.id, status=task.status, version=task.version, progress=task.progress,
         stage=task.stage, message=task.message, at=task.updated_at,
@@ -361,29 +380,30 @@ def _task_event(task: Task) -> TaskEvent:
 
 
 def _xread(stream: str, last: bytes, seconds: float) -> Reads:
+    """The entries after `last`, then (same pipeline, so the server runs it after the XREAD
+    returns) the entry at `last` itself, which `_continuous` needs."""
     block_ms = max(1, int(seconds * 1000))
-    cmd = _read("xread", {stream: last}, count=XREAD_COUNT, block=block_ms)
-    return Reads(cmd, bound=seconds + REPLY_MARGIN_S)
+    return Reads(
+        _read("xread", {stream: last}, count=XREAD_COUNT, block=block_ms),
+        _read("xrevrange", stream, last, last),
+        bound=seconds + REPLY_MARGIN_S,
+    )
 
 
-def _cursor(status: Status, shard: int, score: int | None, member: bytes) -> str:
-    raw = msgspec.json.encode((status, shard, score, member.decode()))
-    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+def _continuous(at_last: Any) -> bool:
+    """Whether the XREAD of `_xread` saw every entry ever added after `last`.
 
-
-def _uncursor(
-    cursor: object, statuses: list[Status], shards: int
-) -> tuple[int, int, int | None, bytes]:
-    try:
-        raw = base64.urlsafe_b64decode(str(cursor) + "=" * (-len(str(cursor)) % 4))
-        status, shard, score, member = msgspec.json.decode(
-            raw, type=tuple[Status, int, int | None, str]
-        )
-        if status in statuses and 0 <= shard < shards:
-            return statuses.index(status), shard, score, member.encode()
-    except (ValueError, msgspec.DecodeError):
-        pass
-    raise InvalidTask(f"cursor {cursor!r:.80} was not returned by list() with these filters")
+    XREAD returns the entries after `last` that are still there: it cannot tell whether
+    the capped stream (MAXLEN ~, section 8 of docs/protocol.md) was trimmed past `last`
+    before it ran, so a change could be lost. Trimming only ever removes the oldest entries
+    (no script deletes one), so if the entry at `last` is still there after the XREAD,
+    every entry after it is too, and the XREAD saw them all. If it is gone (trimmed, the
+    stream deleted, a server that took over without it), the caller re-reads the task.
+    The proof costs one lookup in the round trip the XREAD makes anyway; a needless
+    re-read happens only when `last` is 0-0 (the stream was empty at the snapshot) or was
+    itself trimmed while its successors were not.
+    """
+    return bool(at_last)
 
 
 # Plans: every operation, as Redis work to do and what to make of the replies.
@@ -580,7 +600,7 @@ def _wait(ctx: _Context, task_id: str, timeout: float, tenant: str | None) -> Pl
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             break
-        (reply,) = yield _xread(stream, last, min(remaining, BLOCK_S))
+        reply, at_last = yield _xread(stream, last, min(remaining, BLOCK_S))
         settled = False
         for entry_id, fields in _entries(reply):
             last = entry_id
@@ -588,7 +608,7 @@ def _wait(ctx: _Context, task_id: str, timeout: float, tenant: str | None) -> Pl
                 changed = True
                 event = _event(task_id, entry_id, fields)
                 settled = settled or (event is not None and event.status.is_settled)
-        if settled:
+        if settled or not _continuous(at_last):
             task, changed = (yield from _reread(ctx, task)), False
     if changed:
         task = yield from _reread(ctx, task)
@@ -623,23 +643,44 @@ def _watch(ctx: _Context, task_id: str, tenant: str | None) -> Plan[None]:
         except _TRANSIENT as exc:
             failing = yield from _backoff(failing, exc)
     task, last = opened
-    yield _task_event(task)
+    shown = _task_event(task)
+    yield shown
     stream, tid, version = ctx.keys.events(task.shard), task_id.encode(), task.version
-    while not task.status.is_settled:
+    reconnected = False
+    while not shown.status.is_settled:
+        fresh: Task | None = None
         try:
-            (reply,) = yield _xread(stream, last, BLOCK_S)
+            # Just after a reconnect, take what the stream has without blocking, then
+            # re-read the task: `_continuous` proves that no entry after `last` was
+            # trimmed, and the re-read also covers one missing for any other reason while
+            # the client was away. It costs one read, on a rare path.
+            reply, at_last = yield _xread(stream, last, 0 if reconnected else BLOCK_S)
+            if reconnected or not _continuous(at_last):
+                fresh = yield from _reread(ctx, task)
         except _TRANSIENT as exc:
             failing = yield from _backoff(failing, exc)
-            continue  # resume from the last id seen: nothing after it is lost
-        failing = None
+            reconnected = True
+            continue  # resume from the last id seen
+        failing, reconnected = None, False
         for entry_id, fields in _entries(reply):
             last = entry_id
             event = _event(task_id, entry_id, fields) if fields.get(b"task") == tid else None
             if event is not None and event.version > version:
-                version = event.version
+                version, shown = event.version, event
                 yield event
                 if event.status.is_settled:
                     return
+        if fresh is not None:  # read after these entries: at least as new as any of them
+            task, version = fresh, fresh.version
+            current = _task_event(fresh)
+            if _shows(current) != _shows(shown):
+                shown = current
+                yield shown
+
+
+def _shows(event: TaskEvent) -> tuple[Any, ...]:
+    """What a watcher sees change: versions also move silently (a start, a query claim)."""
+    return event.status, event.progress, event.stage, event.message
 
 
 def _cancel(ctx: _Context, task_id: str, tenant: str | None) -> Plan[bool]:
@@ -657,9 +698,17 @@ def _list(
     if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 1000:
         raise InvalidTask(f"limit must be an integer from 1 to 1000, got {limit!r}")
     statuses = list(Status) if status is None else [_status(status)]
+    filters = filters_of(None if status is None else statuses[0].value, handler, tenant)
     si, shard, score, after = 0, 0, None, b""
     if cursor is not None:
-        si, shard, score, after = _uncursor(cursor, statuses, ctx.keys.shards)
+        sealing = yield from _cursor_key(ctx)
+        if not sealed_with(sealing, cursor):  # the key may have changed since it was read
+            sealing = yield from _cursor_key(ctx, reload=True)
+        si, shard, score, after = open_cursor(sealing, filters, cursor)
+        if si >= len(statuses) or shard >= ctx.keys.shards:
+            raise InvalidTask(
+                f"cursor {cursor!r:.40} was made by a client with more shards than this one"
+            )
     out: list[Task] = []
     budget = 20 * limit  # entries looked at per call, so a rare filter cannot stall a call
     batch = min(max(2 * limit, 50), 500)
@@ -690,13 +739,36 @@ def _list(
                 if task and task.status is st and handler in (None, task.handler):
                     out.append(_public(task))
                     if len(out) == limit:
-                        return TaskPage(out, _cursor(st, shard, s, member))
+                        return (yield from _page(ctx, out, filters, Position(si, shard, s, member)))
         if not done:
-            return TaskPage(out, _cursor(st, shard, score, after))
+            return (yield from _page(ctx, out, filters, Position(si, shard, score, after)))
         shard, score, after = shard + 1, None, b""
         if shard == ctx.keys.shards:
             si, shard = si + 1, 0
     return TaskPage(out, None)
+
+
+def _page(ctx: _Context, tasks: list[Task], filters: bytes, position: Position) -> Plan[TaskPage]:
+    """A page that goes on: its cursor seals the position, which may be at a task the caller
+    must not learn about (another tenant's, where the budget ran out)."""
+    sealing = yield from _cursor_key(ctx)
+    return TaskPage(tasks, seal(sealing, filters, position))
+
+
+def _cursor_key(ctx: _Context, *, reload: bool = False) -> Plan[bytes]:
+    """The namespace's cursor key: read (cached), or made by the first client that needs it."""
+    now = time.monotonic()
+    if ctx.cursor_key and now - ctx.cursor_key_read_at < CURSOR_KEY_CACHE_S and not reload:
+        return ctx.cursor_key
+    name = ctx.keys.cursor_key()
+    (stored,) = yield Reads(_read("get", name), share="cursor_key")
+    if stored is None:
+        # NX GET: of clients that make one at the same moment, all keep the first one set.
+        mine = secrets.token_bytes(KEY_BYTES)
+        (stored,) = yield Reads(_read("set", name, mine, nx=True, get=True))
+        stored = mine if stored is None else stored
+    ctx.cursor_key, ctx.cursor_key_read_at = derive_key(stored), now
+    return ctx.cursor_key
 
 
 def _stats(ctx: _Context) -> Plan[Stats]:
@@ -1002,14 +1074,18 @@ class AsyncClient:
 
     async def wait(self, task_id: str, timeout: float, tenant: str | None = None) -> Task:
         """Return as soon as the task is terminal or SUBMIT_UNKNOWN, or its snapshot after
-        `timeout` seconds. Follows the events stream: no polling, no missed change."""
+        `timeout` seconds. Follows the events stream, and re-reads the task if the capped
+        stream was trimmed past its position: no polling, no missed change."""
         return await self._run(_wait(self._ctx, task_id, timeout, tenant))
 
     async def watch(self, task_id: str, tenant: str | None = None) -> AsyncIterator[TaskEvent]:
         """Yield the current state, then every change, until the task is settled.
 
-        Survives connection loss: it resumes from the last event seen, and raises
-        StoreUnavailable only after 30 seconds without Redis.
+        Where changes may have been missed (the capped events stream was trimmed past the
+        last event seen, or the connection was lost), it re-reads the task and yields its
+        current state if that differs from the last one yielded. Survives connection loss:
+        it resumes from the last event seen, and raises StoreUnavailable only after 30
+        seconds without Redis.
         """
         plan = _watch(self._ctx, task_id, tenant)
         reply: Any = None
@@ -1034,7 +1110,9 @@ class AsyncClient:
         """Tasks newest first per status (all statuses in a fixed order if None), filtered.
 
         Each call looks at a bounded number of tasks, so a page may be short; continue
-        with its cursor until the cursor is None.
+        with its cursor until the cursor is None. A cursor is opaque (it names no task),
+        the same for the same place in the walk, valid in any client of the namespace, and
+        refused (InvalidTask) with a status, handler or tenant other than its walk's.
         """
         return await self._run(_list(self._ctx, status, handler, tenant, limit, cursor))
 

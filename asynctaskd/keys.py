@@ -123,6 +123,10 @@ class Keys:
         """HASH of handler groups: name -> JSON definition (policy and members)."""
         return f"{self.namespace}:groups"
 
+    def cursor_key(self) -> str:
+        """STRING: random bytes that list() cursors are sealed with (asynctaskd.cursors)."""
+        return f"{self.namespace}:cursor_key"
+
     def group_counter(self, name: str) -> str:
         """Counter of a round-robin or weighted group: INCR once per routed submit."""
         return f"{self.namespace}:group:{name}:rr"

@@ -22,8 +22,8 @@ class Reads:
     """Read commands for one pipeline; `bound` caps the wait for the reply (seconds).
 
     Also carries the few plain writes that are not task state: group definitions (HSET,
-    HDEL) and a group's round-robin counter (INCR, DEL). Task state is only written by
-    the scripts.
+    HDEL), a group's round-robin counter (INCR, DEL) and, once per namespace, the key
+    list() cursors are sealed with (SET NX). Task state is only written by the scripts.
     """
 
     __slots__ = ("bound", "cmds", "share")

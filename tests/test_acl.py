@@ -87,6 +87,9 @@ async def test_a_producer_submits_reads_watches_and_cancels(
                      delay_ms=60_000)  # fmt: skip
     assert (await client.get(task.id, "t")).status is Status.SUBMITTED  # type: ignore[union-attr]
     assert [t.id for t in (await client.list(status="PENDING_SUBMIT")).tasks] == [pending.id]
+    first = await client.list(tenant="t", limit=1)  # a page that goes on: a sealed cursor
+    rest = await client.list(tenant="t", limit=1, cursor=first.cursor)
+    assert {t.id for t in first.tasks + rest.tasks} == {task.id, pending.id}
     assert (await client.stats()).by_status[Status.SUBMITTED] == 1
     with pytest.raises(NotPermitted, match=r"docs/deploy\.md"):
         await client.limits()  # the stored limits are the operators' business

@@ -57,6 +57,7 @@ def test_import_direction() -> None:
         "http_handler": {"store", "worker", "daemon", "client"},
         "worker": {"daemon", "cli", "client"},
         "plans": {"client", "admission", "worker", "daemon", "cli"},
+        "cursors": {"store", "plans", "client", "worker", "daemon", "cli"},
         "admission": {"worker", "daemon", "cli", "handlers", "http_handler"},
         "connection": {"store", "client", "worker", "daemon", "cli", "handlers"},
         "transport": {"store", "client", "worker", "daemon", "handlers", "connection"},

@@ -120,6 +120,25 @@ def test_wait_returns_the_settled_task(redis_url: str, sync_redis: SyncRedis) ->
     assert json.loads(done.stdout)["status"] == "CANCELED"
 
 
+def test_reads_with_tenant_never_show_another_tenants_task(
+    redis_url: str, sync_redis: SyncRedis
+) -> None:
+    theirs = cli("submit", "ocr", "{}", "--tenant", "t1", "--no-strict", url=redis_url)
+    task_id = theirs.stdout.strip()
+    missing = "01JAAAAAAAAAAAAAAAAAAAAAAA"
+    for command in (("get",), ("wait", "--timeout", "5s")):
+        shown = cli(command[0], task_id, *command[1:], "--tenant", "t2", url=redis_url, check=1)
+        absent = cli(command[0], missing, *command[1:], "--tenant", "t2", url=redis_url, check=1)
+        # exactly what a missing id gets: nothing tells the task exists
+        assert shown.stdout == absent.stdout == ""
+        assert shown.stderr.replace(task_id, missing) == absent.stderr
+    assert js("list", "--tenant", "t2", url=redis_url)["tasks"] == []
+    assert js("get", task_id, "--tenant", "t1", url=redis_url)["id"] == task_id
+    cli("cancel", task_id, url=redis_url)
+    done = cli("wait", task_id, "--tenant", "t1", "--json", url=redis_url, check=1)
+    assert json.loads(done.stdout)["status"] == "CANCELED"
+
+
 def test_help_reads_naturally() -> None:
     out = cli("--help").stdout
     for word in ("run", "dev", "submit", "resolve", "check-config", "examples:"):

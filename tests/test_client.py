@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import datetime as dt
 import io
+import struct
 import subprocess
 import sys
 import time
@@ -526,6 +528,130 @@ async def test_watch_rides_out_store_errors_and_gives_up_after_its_budget(
     assert time.monotonic() - started < 3.0
 
 
+async def test_watch_shows_a_state_it_re_read_as_the_stream_shows_it(
+    api: Api, store: Store, sync_store: SyncStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    t = await api.submit("h", {}, **BASE)
+    await to_submitted(store)
+    steps: list[str] = []
+
+    def outage(reads: Reads) -> bool:
+        name = reads.cmds[0][0]
+        if name == "xread" and not steps:  # away while the task reports progress
+            steps.append("away")
+            (c,) = sync_store.run(sync_store.ops.claim(0, "query", 1, 30_000, "w1", 10)).claimed
+            assert sync_store.run(
+                sync_store.ops.save(c.lease, S.RUNNING, fields={"progress": "0.5"})
+            ).ok
+            return True
+        if name == "hgetall" and steps == ["away"]:  # back: it finishes before the re-read
+            steps.append("finished")
+            (c,) = sync_store.run(sync_store.ops.claim(0, "query", 1, 30_000, "w1", 10)).claimed
+            assert sync_store.run(sync_store.ops.save(c.lease, S.SUCCEEDED)).ok
+        return False
+
+    api.fail_reads(monkeypatch, outage)
+    events: list[TaskEvent] = []
+    with anyio.fail_after(10):
+        await api.collect(t.id, events)
+    assert steps == ["away", "finished"]
+    # the hash still holds the progress, but a SUCCEEDED event carries none, as in the stream
+    assert [(e.status, e.progress) for e in events] == [
+        (S.SUBMITTED, None), (S.RUNNING, 0.5), (S.SUCCEEDED, None)
+    ]  # fmt: skip
+
+
+def stream_id(entry_id: bytes) -> tuple[int, int]:
+    ms, seq = entry_id.split(b"-")
+    return int(ms), int(seq)
+
+
+def trim_events_past(sync_redis: Any, sync_store: SyncStore) -> None:
+    """Add events, as other producers' creates do, until the capped stream has dropped its
+    newest entry of now: `events_maxlen` is lowered to 1, so each create's XADD MAXLEN ~
+    removes whole nodes of older entries."""
+    keys = Keys()
+    sync_redis.hset(keys.tag(0) + ":settings", "events_maxlen", 1)
+    ((newest, _),) = sync_redis.xrevrange(keys.events(0), "+", "-", count=1)
+    for _ in range(5000):
+        first = sync_redis.xrange(keys.events(0), "-", "+", count=1)
+        if first and stream_id(first[0][0]) > stream_id(newest):
+            return
+        sync_store.run(sync_store.ops.create(new_task_id(), "other", b"{}", timeout_ms=60_000))
+    raise AssertionError("the events stream was never trimmed")
+
+
+async def test_wait_rereads_the_task_when_the_stream_was_trimmed_past_it(
+    api: Api, sync_store: SyncStore, sync_redis: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    t = await api.submit("h", {}, **BASE)
+    fired: list[bool] = []
+
+    def cancel_then_trim(reads: Reads) -> None:
+        # After the snapshot: the task is canceled, and its event trimmed away before the
+        # client reads the stream; what it then reads is only other tasks' events.
+        if not fired and reads.cmds[0][0] == "xrevrange":
+            fired.append(True)
+            assert sync_store.run(sync_store.ops.cancel(t.id)).ok
+            trim_events_past(sync_redis, sync_store)
+
+    api.hook_reads(monkeypatch, cancel_then_trim)
+    started = time.monotonic()
+    assert (await api.wait(t.id, 3)).status is S.CANCELED
+    assert fired
+    assert time.monotonic() - started < 2.0
+
+
+async def test_watch_reports_the_state_a_trimmed_stream_lost(
+    api: Api, sync_store: SyncStore, sync_redis: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    t = await api.submit("h", {}, **BASE)
+    leases: list[Lease] = []
+
+    def claim_then_trim(reads: Reads) -> None:
+        if not leases and reads.cmds[0][0] == "xrevrange":
+            batch = sync_store.run(sync_store.ops.claim(0, "submit", 1, 30_000, "w1", 10))
+            leases.append(batch.claimed[0].lease)
+            trim_events_past(sync_redis, sync_store)
+
+    api.hook_reads(monkeypatch, claim_then_trim)
+    events: list[TaskEvent] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(api.collect, t.id, events)
+        await until(lambda: len(events) == 2, "the state whose event was trimmed")
+        assert sync_store.run(sync_store.ops.save(leases[0], S.FAILED)).ok
+    assert [e.status for e in events] == [S.PENDING_SUBMIT, S.SUBMITTING, S.FAILED]
+    assert [e.version for e in events] == sorted({e.version for e in events})
+
+
+async def test_watch_rereads_the_task_after_a_reconnect(
+    api: Api, sync_store: SyncStore, sync_redis: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    t = await api.submit("h", {}, **BASE)
+    leases: list[Lease] = []
+
+    def outage(reads: Reads) -> bool:
+        if reads.cmds[0][0] != "xread":
+            return False
+        if not leases:
+            # While the client is away the task changes, and the stream loses that entry
+            # (deleted here; the stream's older entries, the client's position, remain).
+            batch = sync_store.run(sync_store.ops.claim(0, "submit", 1, 30_000, "w1", 10))
+            leases.append(batch.claimed[0].lease)
+            ((newest, _),) = sync_redis.xrevrange(Keys().events(0), "+", "-", count=1)
+            assert sync_redis.xdel(Keys().events(0), newest) == 1
+            return True
+        return False
+
+    api.fail_reads(monkeypatch, outage)
+    events: list[TaskEvent] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(api.collect, t.id, events)
+        await until(lambda: len(events) == 2, "the state seen on reconnecting")
+        assert sync_store.run(sync_store.ops.save(leases[0], S.FAILED)).ok
+    assert [e.status for e in events] == [S.PENDING_SUBMIT, S.SUBMITTING, S.FAILED]
+
+
 # list(), stats(), handlers().
 
 
@@ -591,6 +717,71 @@ async def test_list_pages_over_equal_scores_and_bounds_its_work(api: Api, store:
         if (cursor := page.cursor) is None:
             break
     assert calls >= 130 // 20  # each call looked at no more than 20 * limit tasks
+
+
+async def test_a_list_cursor_tells_nothing_about_other_tenants_tasks(
+    api: Api, redis_client: redis.asyncio.Redis
+) -> None:
+    mine = await api.submit("h", {}, tenant="t2", **BASE)
+    others = [await api.submit("h", {"i": i}, tenant="t1", **BASE) for i in range(25)]
+    # Newest first: the walk meets t1's tasks before t2's, and its budget (20 entries per
+    # task asked for) runs out on one of them.
+    page = await api.list(tenant="t2", limit=1)
+    assert page.tasks == []
+    assert page.cursor is not None
+    sealed = base64.urlsafe_b64decode(page.cursor + "=" * (-len(page.cursor) % 4))
+    index = Keys().index(0, S.PENDING_SUBMIT)
+    scores = [int(s) for _, s in await redis_client.zrange(index, 0, -1, withscores=True)]
+    for t in others:
+        assert t.id not in page.cursor
+        assert t.id.encode() not in sealed
+    for score in scores:
+        assert str(score).encode() not in sealed
+        assert score.to_bytes(8, "big") not in sealed
+        assert struct.pack(">d", score) not in sealed
+    page = await api.list(tenant="t2", limit=1, cursor=page.cursor)
+    assert [t.id for t in page.tasks] == [mine.id]
+
+
+async def test_a_list_cursor_is_stable_and_bound_to_its_filters(
+    api: Api, redis_url: str, redis_client: redis.asyncio.Redis
+) -> None:
+    for i in range(5):
+        await api.submit("a", {"i": i}, tenant="t1", **BASE)
+    first = await api.list(tenant="t1", limit=2)
+    assert first.cursor is not None
+    assert await api.list(tenant="t1", limit=2) == first  # the same page, the same cursor
+    second = await api.list(tenant="t1", limit=2, cursor=first.cursor)
+    assert await api.list(tenant="t1", limit=2, cursor=first.cursor) == second
+    # any client of the namespace continues it, blocking or not
+    async with AsyncClient.from_url(redis_url) as other:
+        assert await other.list(tenant="t1", limit=2, cursor=first.cursor) == second
+    with Client.from_url(redis_url) as blocking:
+        assert blocking.list(tenant="t1", limit=2, cursor=first.cursor) == second
+    assert {t.id for t in first.tasks} & {t.id for t in second.tasks} == set()
+    for filters in (
+        {"tenant": "t2"},
+        {},
+        {"tenant": "t1", "handler": "a"},
+        {"tenant": "t1", "status": S.PENDING_SUBMIT},
+    ):
+        with pytest.raises(InvalidTask, match=r"made by list\(\) with other filters"):
+            await api.list(limit=2, cursor=first.cursor, **filters)
+    middle = len(first.cursor) // 2
+    edited = first.cursor[:middle] + ("B" if first.cursor[middle] == "A" else "A")
+    edited += first.cursor[middle + 1 :]
+    with pytest.raises(InvalidTask, match="was not returned by list"):
+        await api.list(tenant="t1", limit=2, cursor=edited)
+    # A new cursor key (an operator deleted it): cursors made before are refused, saying so.
+    await redis_client.delete(Keys().cursor_key())
+    async with AsyncClient.from_url(redis_url) as fresh:
+        with pytest.raises(InvalidTask, match="cursor key has changed"):
+            await fresh.list(tenant="t1", limit=2, cursor=first.cursor)
+        renewed = await fresh.list(tenant="t1", limit=2)
+    assert renewed.tasks == first.tasks
+    assert renewed.cursor != first.cursor
+    # a client that read the key before it changed reads it again to open a newer cursor
+    assert (await api.list(tenant="t1", limit=2, cursor=renewed.cursor)).tasks == second.tasks
 
 
 async def test_stats_are_exact(api: Api, store: Store, redis_client: redis.asyncio.Redis) -> None:
