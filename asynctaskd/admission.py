@@ -23,8 +23,8 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import anyio
 import msgspec
@@ -62,6 +62,10 @@ __all__ = [
 ]
 
 SYNC_BATCH: Final = 1000  # held tasks moved back per sync_limits call
+# Pairs per limits call: the script takes at most 1000, so one call's arguments and work
+# stay bounded however many limits there are.
+CHUNK: Final = 1000
+T = TypeVar("T")
 LIMIT_FIELDS: Final = (
     "submit_rate",
     "submit_burst",
@@ -233,12 +237,42 @@ def read_limits(keys: Keys) -> SimplePlan[tuple[int, dict[str, Stored]]]:
 def write(
     ops: Ops, mode: str, entries: Sequence[tuple[str, bytes | str]]
 ) -> SimplePlan[tuple[int, int, list[str]]]:
-    """Write limit entries (the limits script), then bring every shard up to date.
-    Returns the new version, how many scopes changed, and the scopes a runtime entry
-    kept (mode 'config')."""
-    result = yield ops.limits(mode, entries)
+    """Write limit entries (the limits script, in chunks), then bring every shard up to
+    date. Mode 'config' is a config file's whole list: its entries go first, then the
+    stored config entries it no longer lists are pruned, so a limit that both lists keep
+    is never missing in between. Returns the new version, how many scopes changed, and the
+    scopes a runtime entry kept (mode 'config')."""
+    version, changed, kept = yield from _write_chunks(ops, mode, entries)
+    if mode == "config":
+        listed = {scope for scope, _ in entries}
+        _, stored = yield from read_limits(ops.keys)
+        gone: list[tuple[str, bytes | str]] = [
+            (scope, "")
+            for scope, entry in sorted(stored.items())
+            if entry.source == "config" and scope not in listed
+        ]
+        if gone:
+            version, pruned, _ = yield from _write_chunks(ops, "prune", gone)
+            changed += pruned
     yield from sync(ops, force=True)
-    return result  # type: ignore[no-any-return]
+    return version, changed, kept
+
+
+def _write_chunks(
+    ops: Ops, mode: str, entries: Sequence[tuple[str, bytes | str]]
+) -> SimplePlan[tuple[int, int, list[str]]]:
+    version, changed, kept = 0, 0, []
+    for chunk in _chunks(entries, CHUNK):
+        version, n, k = yield ops.limits(mode, chunk)
+        changed += n
+        kept += k
+    return version, changed, kept
+
+
+def _chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
+    """Runs of at most `size` items; one empty run when there are none."""
+    for start in range(0, max(len(items), 1), size):
+        yield items[start : start + size]
 
 
 def config_entries(
