@@ -43,18 +43,19 @@ if token ~= '' then
   local stored = tonumber(redis.call('GET', P .. 'admission_version')) or -1
   if version <= stored then
     applied = 0
-  elseif not ours or redis.call('HLEN', next_) ~= size then
+  elseif not ours then
+    applied = -1
+  elseif size == 0 then  -- an empty table: nothing was staged (no HLEN, no RENAME needed)
+    applied = redis.call('EXISTS', next_) == 0 and 1 or -1
+    if applied == 1 then redis.call('DEL', P .. 'admission') end
+  elseif redis.call('HLEN', next_) ~= size then
     applied = -1
   else
-    if size > 0 then
-      redis.call('RENAME', next_, P .. 'admission')
-      redis.call('PERSIST', P .. 'admission')  -- the staged table expires; the copy must not
-    else
-      redis.call('DEL', P .. 'admission')
-    end
-    redis.call('SET', P .. 'admission_version', version)
+    redis.call('RENAME', next_, P .. 'admission')
+    redis.call('PERSIST', P .. 'admission')  -- the staged table expires; the copy must not
     applied = 1
   end
+  if applied == 1 then redis.call('SET', P .. 'admission_version', version) end
   if ours then redis.call('DEL', next_, owner) end
 end
 

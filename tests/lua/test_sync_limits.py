@@ -128,6 +128,10 @@ async def test_a_half_built_table_is_refused_and_the_shard_keeps_its_own(
     assert await table(store.redis) == {"cap:tenant:t": "2"}
     assert await store.redis.get(f"{TAG}admission_version") == b"1"
     assert await no_build_left(store.redis)  # its own build is dropped
+    # nor is an empty table taken for one that has fields
+    await store.run(ops.stage_limits(0, 2, "a", 60_000, True, [("cap:tenant:t", "9")]))
+    assert await store.run(ops.sync_limits(0, 2, 1000, "a", 0)) == (-1, 0, 0)
+    assert await table(store.redis) == {"cap:tenant:t": "2"}
     # a token that does not own the build is refused too, and leaves the build alone
     await store.run(ops.stage_limits(0, 2, "a", 60_000, True, [("cap:tenant:t", "9")]))
     assert await store.run(ops.sync_limits(0, 2, 1000, "b", 1)) == (-1, 0, 0)
