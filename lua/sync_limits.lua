@@ -14,17 +14,17 @@
 -- Returns {applied, moved, remaining}: applied 1 when the staged table replaced the shard's
 -- (the version is newer than the shard's); 0 when nothing was replaced (token '', or the
 -- shard already has this version or a newer one); -1 when the version is newer but the
--- staged table is not whole (the build is not this token's any more, or it lacks fields):
--- the shard keeps its table.
+-- staged table is not whole (the build is not this token's any more, or it does not have
+-- exactly size fields): the shard keeps its table.
 -- moved how many held tasks went back to wait where they belong now; remaining how many
 -- still wait in holds that no longer apply (call again, with token '', while it is > 0).
 -- Lifted: a rate lane no longer limited (all its tasks), a cap no longer configured (all),
 -- and a cap with room (as many as it has room for: later room comes with each release).
 -- Cap holds are sampled, at most 100 per call, so the work stays bounded with any number
 -- of tenants; daemons call this every few seconds, so every hold is looked at in time.
--- Invariants: admission is replaced whole, by a RENAME of the complete staged table, or
--- not at all, so a claim never finds a shard without its limits; the caller's build is
--- gone after the call, whatever it answers; another build is left alone.
+-- Invariants: admission is replaced whole, by a RENAME of the complete staged table (a DEL
+-- for an empty one), or not at all, so a claim never finds a shard without its limits; the
+-- caller's build is gone after the call, whatever it answers; another build is left alone.
 
 workers_only()
 local version = int_arg(ARGV[1], 'version', 0)
