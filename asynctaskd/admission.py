@@ -28,7 +28,7 @@ import logging
 import math
 import re
 import secrets
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import anyio
@@ -37,8 +37,8 @@ import msgspec
 from .config import HandlerConfig, LimitConfig, decode_hook
 from .errors import InvalidTask, NotPermitted, ScriptError, StoreUnavailable
 from .keys import HANDLER_KEY_RE, Keys
-from .plans import Reads, SimplePlan, read
-from .store import Ops, Store, read_many
+from .plans import Pause, Reads, SimplePlan, read
+from .store import Call, Ops, Store, read_many
 
 if TYPE_CHECKING:
     from .client import AsyncClient
@@ -262,12 +262,17 @@ def read_limits(keys: Keys) -> SimplePlan[tuple[int, dict[str, Stored]]]:
 
 def write(
     ops: Ops, mode: str, entries: Sequence[tuple[str, bytes | str]]
-) -> SimplePlan[tuple[int, int, list[str]]]:
+) -> Generator[Call[Any] | Reads | Pause, Any, tuple[int, int, list[str]]]:
     """Write limit entries (the limits script, in chunks), then bring every shard up to
     date. Mode 'config' is a config file's whole list: its entries go first, then the
     stored config entries it no longer lists are pruned, so a limit that both lists keep
     is never missing in between. Returns the new version, how many scopes changed, and the
-    scopes a runtime entry kept (mode 'config')."""
+    scopes a runtime entry kept (mode 'config').
+
+    When it returns, every shard enforces the new limits, unless a sync of a shard failed
+    (logged; the daemons' next pass tries again): a shard whose table another daemon is
+    building is waited for, up to the build's lease, so a daemon starts claiming, and
+    `set_limit` returns, only once the limits are in force."""
     version, changed, kept = yield from _write_chunks(ops, mode, entries)
     if mode == "config":
         listed = {scope for scope, _ in entries}
@@ -280,7 +285,13 @@ def write(
         if gone:
             version, pruned, _ = yield from _write_chunks(ops, "prune", gone)
             changed += pruned
-    yield from sync(ops, force=True)
+    report = yield from sync(ops, force=True)
+    pause, waited = 0.02, 0.0
+    while report.stale and not report.failed and waited < STAGE_LEASE_MS / 1000 + 1:
+        yield Pause(pause)
+        waited += pause
+        pause = min(0.5, pause * 2)
+        report = yield from sync(ops)
     return version, changed, kept
 
 

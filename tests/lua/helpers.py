@@ -9,7 +9,7 @@ import redis.asyncio
 from asynctaskd.codec import encode_json
 from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.model import Status
-from asynctaskd.plans import Reads, advance
+from asynctaskd.plans import Pause, Reads, advance
 from asynctaskd.store import Call, Claimed, Code, Created, Lease, Store, read_many
 
 INDEXES = (
@@ -171,14 +171,18 @@ class Stepper:
 
     @property
     def script(self) -> str:
-        return self.pending.script if isinstance(self.pending, Call) else "read"
+        if isinstance(self.pending, Call):
+            return self.pending.script
+        return "read" if isinstance(self.pending, Reads) else "pause"
 
     async def step(self) -> None:
+        reply: Any = None
         if isinstance(self.pending, Call):
             reply = await self.store.run(self.pending)
-        else:
-            assert isinstance(self.pending, Reads)
+        elif isinstance(self.pending, Reads):
             reply = await read_many(self.store, self.pending.cmds)
+        else:  # a Pause: the test decides what happens meanwhile, so no time passes
+            assert isinstance(self.pending, Pause)
         more, step = advance(self.plan, reply, None)
         self.pending, self.result = (step, None) if more else (None, step)
 

@@ -191,6 +191,22 @@ async def test_two_daemons_syncing_at_once_build_the_table_once(
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+async def test_a_limit_is_in_force_when_set_limit_returns_even_while_another_builds(
+    store: Store, client: AsyncClient
+) -> None:
+    await client.set_limit(tenant="t", max_in_flight=2)
+    # another daemon owns the shard's next build, for 300 ms, and never finishes it
+    version = int(await store.redis.get(f"{ADM}version") or 0)
+    other = store.ops.stage_limits(0, version + 1, "other", 300, True, [("cap:tenant:u", "1")])
+    assert await store.run(other) == 1
+    await client.set_limit(tenant="t", max_in_flight=1)
+    assert await table(store.redis) == {"cap:tenant:t": "1"}
+    assert await store.redis.get(f"{TAG}admission_version") == await store.redis.get(
+        f"{ADM}version"
+    )
+    assert await no_build_left(store.redis)
+
+
 async def test_a_daemon_that_overruns_its_lease_reports_it_and_changes_nothing(
     store: Store, client: AsyncClient, caplog: pytest.LogCaptureFixture
 ) -> None:
