@@ -8,11 +8,15 @@ Where things live:
   config file at daemon start and SIGHUP, or at runtime by the client and CLI (a runtime
   entry wins over the config file until it is cleared). `<ns>:{adm}:rates` is the token
   bucket table derived from it, `<ns>:{adm}:version` moves with every change.
-- Each shard has its own copy of what its scripts need, `<ns>:{sN}:admission`, written by
-  `sync_limits` with the version it reflects; every daemon checks the version each second
-  and syncs a shard that is behind. In-flight caps are split between shards (each shard
-  holds its share; the shares add up to the cap, except that each shard gets at least 1,
-  so a cap below the number of shards is raised to it; see `cap_share`).
+- Each shard has its own copy of what its scripts need, `<ns>:{sN}:admission`, with the
+  version it reflects; every daemon checks the version each second and syncs a shard that
+  is behind. A sync builds the new copy beside the old one in bounded chunks
+  (`stage_limits`, under a lease so one daemon builds a shard at a time) and swaps it in
+  whole (`sync_limits`), so a claim never finds a shard without its limits, whatever
+  their number; a build that cannot finish leaves the old copy in place, logged and
+  counted. In-flight caps are split between shards (each shard holds its share; the
+  shares add up to the cap, except that each shard gets at least 1, so a cap below the
+  number of shards is raised to it; see `cap_share`).
 - Token buckets live in the `{adm}` slot, tasks in their shard's: a worker takes tokens for
   the lanes its last claim reported waiting, claims with them, and refunds what the claim
   did not use. A crash in between loses at most one batch of tokens for one refill time.
@@ -23,17 +27,18 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final
+import secrets
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import anyio
 import msgspec
 
 from .config import HandlerConfig, LimitConfig, decode_hook
-from .errors import InvalidTask, ScriptError, StoreUnavailable
+from .errors import InvalidTask, NotPermitted, ScriptError, StoreUnavailable
 from .keys import HANDLER_KEY_RE, Keys
-from .plans import Reads, SimplePlan, read
-from .store import Ops, Store, read_many
+from .plans import Pause, Reads, SimplePlan, read
+from .store import Call, Ops, Store, read_many
 
 if TYPE_CHECKING:
     from .client import AsyncClient
@@ -45,6 +50,7 @@ __all__ = [
     "LIMIT_FIELDS",
     "Entry",
     "Stored",
+    "SyncReport",
     "cap_share",
     "check_scope",
     "config_entries",
@@ -62,6 +68,15 @@ __all__ = [
 ]
 
 SYNC_BATCH: Final = 1000  # held tasks moved back per sync_limits call
+# Pairs per limits or stage_limits call: the scripts take at most 1000, so one call's
+# arguments and work stay bounded however many limits there are.
+CHUNK: Final = 1000
+# A shard's table build stays its daemon's this long after each call (stage_limits): long
+# past one round trip, short enough that a build whose daemon died blocks nobody for long.
+STAGE_LEASE_MS: Final = 10_000
+T = TypeVar("T")
+# How a pass can fail a shard (another daemon building its table, "busy", is no failure).
+_FAILED: Final = frozenset({"incomplete", "refused", "unavailable"})
 LIMIT_FIELDS: Final = (
     "submit_rate",
     "submit_burst",
@@ -126,10 +141,13 @@ def handler_entries(handlers: Iterable[HandlerConfig]) -> list[tuple[str, bytes]
     ]
 
 
+_STORED: Final = msgspec.json.Decoder(Stored)
+
+
 def decode_stored(scope: str, raw: bytes | str) -> Stored:
     """Read one stored entry back; a clear error when it is not what we wrote."""
     try:
-        return msgspec.json.decode(raw, type=Stored)
+        return _STORED.decode(raw)
     except msgspec.DecodeError as exc:
         raise ValueError(f"stored limit {scope!r} is unreadable: {exc}") from None
 
@@ -194,8 +212,13 @@ def cap_share(cap: int, shard: int, shards: int) -> int:
 
 
 def shard_table(stored: Mapping[str, Stored], shard: int, shards: int) -> dict[str, str]:
-    """What `sync_limits` writes into one shard's admission hash."""
-    table: dict[str, str] = {}
+    """What `sync_limits` swaps into one shard's admission hash."""
+    return _for_shard(_table(stored), shard, shards)
+
+
+def _table(stored: Mapping[str, Stored]) -> dict[str, str | int]:
+    """Every shard's table at once: a cap is left whole, for `_for_shard` to split."""
+    table: dict[str, str | int] = {}
     for scope, entry in stored.items():
         if scope.startswith("handler:"):
             if entry.provider:
@@ -203,11 +226,18 @@ def shard_table(stored: Mapping[str, Stored], shard: int, shards: int) -> dict[s
             continue
         cap = entry.limit.get("max_in_flight")
         if isinstance(cap, int) and cap > 0:
-            table[f"cap:{scope}"] = str(cap_share(cap, shard, shards))
+            table[f"cap:{scope}"] = cap
         for phase in ("submit", "query"):
             if f"{phase}:{scope}" in entry.buckets:
                 table[f"rate:{phase}:{scope}"] = "1"
     return table
+
+
+def _for_shard(table: Mapping[str, str | int], shard: int, shards: int) -> dict[str, str]:
+    return {
+        field: str(cap_share(value, shard, shards)) if isinstance(value, int) else value
+        for field, value in table.items()
+    }
 
 
 def limits_entries(stored_raw: Mapping[Any, Any]) -> dict[str, Stored]:
@@ -232,13 +262,54 @@ def read_limits(keys: Keys) -> SimplePlan[tuple[int, dict[str, Stored]]]:
 
 def write(
     ops: Ops, mode: str, entries: Sequence[tuple[str, bytes | str]]
+) -> Generator[Call[Any] | Reads | Pause, Any, tuple[int, int, list[str]]]:
+    """Write limit entries (the limits script, in chunks), then bring every shard up to
+    date. Mode 'config' is a config file's whole list: its entries go first, then the
+    stored config entries it no longer lists are pruned, so a limit that both lists keep
+    is never missing in between. Returns the new version, how many scopes changed, and the
+    scopes a runtime entry kept (mode 'config').
+
+    When it returns, every shard enforces the new limits, unless a sync of a shard failed
+    (logged; the daemons' next pass tries again): a shard whose table another daemon is
+    building is waited for, up to the build's lease, so a daemon starts claiming, and
+    `set_limit` returns, only once the limits are in force."""
+    version, changed, kept = yield from _write_chunks(ops, mode, entries)
+    if mode == "config":
+        listed = {scope for scope, _ in entries}
+        _, stored = yield from read_limits(ops.keys)
+        gone: list[tuple[str, bytes | str]] = [
+            (scope, "")
+            for scope, entry in sorted(stored.items())
+            if entry.source == "config" and scope not in listed
+        ]
+        if gone:
+            version, pruned, _ = yield from _write_chunks(ops, "prune", gone)
+            changed += pruned
+    report = yield from sync(ops, force=True)
+    pause, waited = 0.02, 0.0
+    while report.stale and not report.failed and waited < STAGE_LEASE_MS / 1000 + 1:
+        yield Pause(pause)
+        waited += pause
+        pause = min(0.5, pause * 2)
+        report = yield from sync(ops)
+    return version, changed, kept
+
+
+def _write_chunks(
+    ops: Ops, mode: str, entries: Sequence[tuple[str, bytes | str]]
 ) -> SimplePlan[tuple[int, int, list[str]]]:
-    """Write limit entries (the limits script), then bring every shard up to date.
-    Returns the new version, how many scopes changed, and the scopes a runtime entry
-    kept (mode 'config')."""
-    result = yield ops.limits(mode, entries)
-    yield from sync(ops, force=True)
-    return result  # type: ignore[no-any-return]
+    version, changed, kept = 0, 0, []
+    for chunk in _chunks(entries, CHUNK):
+        version, n, k = yield ops.limits(mode, chunk)
+        changed += n
+        kept += k
+    return version, changed, kept
+
+
+def _chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
+    """Runs of at most `size` items; one empty run when there are none."""
+    for start in range(0, max(len(items), 1), size):
+        yield items[start : start + size]
 
 
 def config_entries(
@@ -251,9 +322,24 @@ def config_entries(
     return entries + list(handler_entries(handlers))
 
 
-def sync(ops: Ops, *, force: bool = False) -> SimplePlan[int]:
+class SyncReport(msgspec.Struct, frozen=True):
+    """What one pass of `sync` did."""
+
+    moved: int = 0  # held tasks moved back to where they wait now
+    stale: int = 0  # shards still on limits older than the stored ones after the pass
+    # shard -> why the pass could not finish it: 'incomplete' (its staged table was not
+    # whole at the swap), 'refused' (Redis refused a call), 'unavailable'
+    failed: dict[int, str] = {}
+
+
+def sync(ops: Ops, *, force: bool = False) -> SimplePlan[SyncReport]:
     """Bring every shard's admission table to the stored version; with `force`, also look
-    at every shard's holds (the periodic lift). Returns how many held tasks moved."""
+    at every shard's holds (the periodic lift).
+
+    A shard behind the version gets its new table staged in chunks and swapped in whole;
+    until then, and whenever that cannot finish, it keeps enforcing its previous table.
+    Failures are logged here, per shard, and reported; the next pass tries again.
+    """
     keys = ops.keys
     shards = range(keys.shards)
     replies = yield Reads(
@@ -261,19 +347,73 @@ def sync(ops: Ops, *, force: bool = False) -> SimplePlan[int]:
         *(read("get", keys.tag(shard) + ":admission_version") for shard in shards),
     )
     version = int(replies[0] or 0)
-    behind = [s for s in shards if int(replies[1 + s] or -1) < version]
+    behind = {s for s in shards if int(replies[1 + s] or -1) < version}
     if not behind and not force:
-        return 0
-    _, stored = yield from read_limits(keys)
-    moved = 0
-    for shard in shards if force else behind:
-        table = shard_table(stored, shard, keys.shards)
-        for _ in range(100):  # each call moves at most SYNC_BATCH; bounded in all
-            _, n, remaining = yield ops.sync_limits(shard, version, table, SYNC_BATCH)
+        return SyncReport()
+    whole: dict[str, str | int] = {}
+    if behind:
+        _, stored = yield from read_limits(keys)
+        whole = _table(stored)  # once: the shards' tables differ only in cap shares
+    moved, stale, failed = 0, 0, {}
+    for shard in shards if force else sorted(behind):
+        outcome, size, synced = "", 0, shard not in behind
+        try:
+            token = ""
+            if shard in behind:
+                table = list(_for_shard(whole, shard, keys.shards).items())
+                token, size = secrets.token_hex(8), len(table)
+                outcome = yield from _stage(ops, shard, version, token, table)
+                synced = outcome == "current"
+                if outcome:
+                    token = ""  # nothing of ours to swap in; still lift holds below
+            applied, n, remaining = yield ops.sync_limits(shard, version, SYNC_BATCH, token, size)
+            if token:  # 1 swapped in; 0 the shard had this version or a newer one already
+                synced = applied != -1
+                outcome = "incomplete" if applied == -1 else ""
             moved += n
-            if remaining == 0 or n == 0:
-                break
-    return moved
+            for _ in range(99):  # each call moves at most SYNC_BATCH; bounded in all
+                if remaining == 0 or n == 0:
+                    break
+                _, n, remaining = yield ops.sync_limits(shard, version, SYNC_BATCH)
+                moved += n
+        except (StoreUnavailable, ScriptError, NotPermitted) as exc:
+            outcome = "unavailable" if isinstance(exc, StoreUnavailable) else "refused"
+            logger.error(
+                "admission sync of shard %d failed, %s: %s. The shard keeps enforcing the "
+                "limits it has (stored version %d); the next pass tries again within a "
+                "second. NOPERM: the daemons' Redis user lacks a command docs/deploy.md "
+                "lists; OOM: Redis is at maxmemory.",
+                shard, outcome, exc, version, extra={"shard": shard},
+            )  # fmt: skip
+        if outcome == "incomplete":
+            logger.error(
+                "admission sync of shard %d did not finish: its new table (version %d, "
+                "%d entries) was not whole when it was to be swapped in, because building "
+                "it took over %.0f s between calls or its staging key was removed. The "
+                "shard keeps enforcing its previous limits; the next pass builds it again "
+                "within a second. If this repeats, look at Redis latency "
+                '(asynctaskd_redis_call_seconds{script="stage_limits"}).',
+                shard, version, size, STAGE_LEASE_MS / 1000, extra={"shard": shard},
+            )  # fmt: skip
+        stale += not synced
+        if outcome in _FAILED:
+            failed[shard] = outcome
+    return SyncReport(moved=moved, stale=stale, failed=failed)
+
+
+def _stage(
+    ops: Ops, shard: int, version: int, token: str, table: Sequence[tuple[str, str]]
+) -> SimplePlan[str]:
+    """Stage a shard's whole table under `token`; '' when it is staged, else why not:
+    'current' (the shard has this version or a newer one), 'busy' (another build owns the
+    shard), 'incomplete' (this build lost the shard part way)."""
+    for i, chunk in enumerate(_chunks(table, CHUNK)):
+        state = yield ops.stage_limits(shard, version, token, STAGE_LEASE_MS, i == 0, chunk)
+        if state == 0:
+            return "current"
+        if state == -1:
+            return "busy" if i == 0 else "incomplete"
+    return ""
 
 
 async def run_sync(client: AsyncClient, store: Store, metrics: Metrics) -> None:
@@ -282,10 +422,13 @@ async def run_sync(client: AsyncClient, store: Store, metrics: Metrics) -> None:
     passes = 0
     while True:
         try:
-            await client.sync_limits(force=passes % 5 == 0)
+            report = await client.sync_limits(force=passes % 5 == 0)
+            metrics.admission_stale_shards.set(report.stale)
+            for kind in report.failed.values():
+                metrics.admission_sync_failures.labels(kind).inc()
             if passes % 5 == 0:
                 await observe(store, metrics)
-        except (StoreUnavailable, ScriptError) as exc:
+        except (StoreUnavailable, ScriptError, NotPermitted) as exc:
             metrics.store_errors.labels("admission").inc()
             logger.warning("admission sync failed: %s", exc)
         except Exception:  # a background loop must never end the daemon

@@ -1164,8 +1164,10 @@ class AsyncClient:
         load); True if there were any."""
         return await self._run(_clear_limit(self._ctx, scope))
 
-    async def sync_limits(self, *, force: bool = False) -> int:
-        """Bring every shard's copy of the limits up to date (daemons do this each second)."""
+    async def sync_limits(self, *, force: bool = False) -> admission.SyncReport:
+        """Bring every shard's copy of the limits up to date (daemons do this each second);
+        with `force` also lift holds that no longer apply. Reports how many held tasks
+        moved, the shards still on older limits, and the shards it could not finish."""
         return await self._run(admission.sync(self._ctx.ops, force=force))
 
     async def apply_config_limits(

@@ -335,6 +335,22 @@ class Metrics:
             ["scope"],
             registry=r,
         )
+        self.admission_sync_failures = Counter(
+            "asynctaskd_admission_sync_failures_total",
+            "Shard syncs of the admission limits this daemon could not finish, by kind: "
+            "incomplete (the staged table was not whole at the swap), refused (Redis "
+            "refused a call), unavailable. The shard kept the limits it had.",
+            ["kind"],
+            registry=r,
+        )
+        for kind in ("incomplete", "refused", "unavailable"):
+            self.admission_sync_failures.labels(kind)
+        self.admission_stale_shards = Gauge(
+            "asynctaskd_admission_stale_shards",
+            "Shards still enforcing limits older than the stored ones after this daemon's "
+            "last sync pass (a change in flight, or syncs that fail); cluster-wide.",
+            registry=r,
+        )
         self.cap_limit = Gauge(
             "asynctaskd_cap_limit",
             "Configured in-flight caps, by scope (the default tenant cap as 'tenant:*').",

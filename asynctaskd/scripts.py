@@ -34,6 +34,7 @@ SCRIPT_NAMES: Final = (
     "resume",
     "take",
     "limits",
+    "stage_limits",
     "sync_limits",
 )
 

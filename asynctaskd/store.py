@@ -491,15 +491,31 @@ class Ops:
 
         return Call("limits", [self.keys.admission()], args, decode)
 
-    def sync_limits(
-        self, shard: int, version: int, table: Mapping[str, str], limit: int = 1000
-    ) -> Call[tuple[bool, int, int]]:
-        """Give a shard its admission table; returns (applied, moved back, still to move)."""
-        args: list[Any] = [version, limit]
-        for field, value in sorted(table.items()):
+    def stage_limits(
+        self,
+        shard: int,
+        version: int,
+        token: str,
+        lease_ms: int,
+        first: bool,
+        pairs: Sequence[tuple[str, str]],
+    ) -> Call[int]:
+        """Stage one chunk (at most 1000 fields) of a shard's next admission table; returns
+        1 staged, 0 the shard is up to date already, -1 another build owns the shard (or
+        this one lost it)."""
+        args: list[Any] = [version, token, lease_ms, "1" if first else "0"]
+        for field, value in pairs:
             args += (field, value)
-        return Call("sync_limits", [self._prefix(shard)], args,
-                    lambda reply: (int(reply[0]) == 1, int(reply[1]), int(reply[2])))  # fmt: skip
+        return Call("stage_limits", [self._prefix(shard)], args, lambda reply: int(reply[0]))
+
+    def sync_limits(
+        self, shard: int, version: int, limit: int = 1000, token: str = "", size: int = 0
+    ) -> Call[tuple[int, int, int]]:
+        """Swap in the table staged under `token` (`size` fields), then lift holds; returns
+        (applied: 1, 0 or -1 for a staged table that was not whole, moved back, still to
+        move). Token '' only lifts holds."""
+        return Call("sync_limits", [self._prefix(shard)], [version, limit, token, size],
+                    lambda reply: (int(reply[0]), int(reply[1]), int(reply[2])))  # fmt: skip
 
 
 # An ACL refusal: at the call, or inside a script (Redis and Valkey word it differently).

@@ -148,7 +148,8 @@ async def test_a_producer_cannot_run_worker_or_operator_scripts(
         ops.pause(0, "tenant:t"),
         ops.resume(0, "handler:h"),
         ops.limits("set", [("tenant:t", "")]),
-        ops.sync_limits(0, 99, {"cap:tenant:t": "1"}),
+        ops.stage_limits(0, 99, "intruder", 60_000, True, [("cap:tenant:t", "1")]),
+        ops.sync_limits(0, 99, 1000, "intruder", 0),
     ]
     before = await state(redis_client)
     for call in attempts:

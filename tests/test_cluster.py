@@ -266,6 +266,17 @@ def test_the_cli_reaches_every_shard_of_the_cluster(cluster: LocalCluster) -> No
     stats = json.loads(cli("stats", "--json"))
     assert stats["by_status"]["PENDING_SUBMIT"] == 12
     assert cli("limits", "set", "--tenant", "*", "--max-in-flight", "3").strip()
+    # every shard got the table, staged and swapped in on its own node
+    r = admin(cluster)
+    try:
+        version = r.get("atd:{adm}:version")
+        for shard in range(SHARDS):
+            tag = f"atd:{{s{shard}}}:"
+            assert r.get(tag + "admission_version") == version
+            assert r.hget(tag + "admission", "cap:tenant:*") == b"1"  # 3 over 8 shards: 1 each
+            assert not r.exists(tag + "admission_next", tag + "admission_sync")
+    finally:
+        r.close()
 
 
 def test_a_moved_reply_in_a_node_pipeline_refreshes_the_map(cluster: LocalCluster) -> None:

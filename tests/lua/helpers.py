@@ -9,7 +9,8 @@ import redis.asyncio
 from asynctaskd.codec import encode_json
 from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.model import Status
-from asynctaskd.store import Claimed, Code, Created, Lease, Store
+from asynctaskd.plans import Pause, Reads, advance
+from asynctaskd.store import Call, Claimed, Code, Created, Lease, Store, read_many
 
 INDEXES = (
     "due:submit",
@@ -156,3 +157,36 @@ async def evalsha_calls(r: redis.asyncio.Redis) -> int:
     """EVALSHA calls the server has run so far (INFO commandstats)."""
     stats = await r.info("commandstats")
     return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+class Stepper:
+    """Runs a plan one step at a time, so a test decides how two plans interleave."""
+
+    def __init__(self, store: Store, plan: Any) -> None:
+        self.store = store
+        self.plan = plan
+        more, self.pending = advance(plan, None, None)
+        assert more
+        self.result: Any = None
+
+    @property
+    def script(self) -> str:
+        if isinstance(self.pending, Call):
+            return self.pending.script
+        return "read" if isinstance(self.pending, Reads) else "pause"
+
+    async def step(self) -> None:
+        reply: Any = None
+        if isinstance(self.pending, Call):
+            reply = await self.store.run(self.pending)
+        elif isinstance(self.pending, Reads):
+            reply = await read_many(self.store, self.pending.cmds)
+        else:  # a Pause: the test decides what happens meanwhile, so no time passes
+            assert isinstance(self.pending, Pause)
+        more, step = advance(self.plan, reply, None)
+        self.pending, self.result = (step, None) if more else (None, step)
+
+    async def finish(self) -> Any:
+        while self.pending is not None:
+            await self.step()
+        return self.result

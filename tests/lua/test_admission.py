@@ -11,6 +11,7 @@ import redis.asyncio
 import redis.exceptions
 
 from asynctaskd import AsyncClient, Status
+from asynctaskd.config import LimitConfig
 from asynctaskd.keys import Keys
 from asynctaskd.store import Code, Lease, Store
 from tests.conftest import wait_until
@@ -171,10 +172,38 @@ async def test_sync_gives_each_shard_its_share_of_a_cap(
 
 
 async def test_sync_ignores_an_older_version(store: Store, client: AsyncClient) -> None:
-    await client.set_limit(tenant="t", max_in_flight=3)
-    applied, _, _ = await store.run(store.ops.sync_limits(0, 0, {"cap:tenant:t": "99"}))
-    assert not applied
-    assert await store.redis.hget(f"{TAG}admission", "cap:tenant:t") == b"3"
+    await client.set_limit(tenant="t", max_in_flight=3)  # the shard is at version 1
+    ops = store.ops
+    assert (
+        await store.run(ops.stage_limits(0, 1, "old", 60_000, True, [("cap:tenant:t", "99")])) == 0
+    )
+    assert not await store.redis.exists(f"{TAG}admission_next", f"{TAG}admission_sync")
+    assert (
+        await store.run(ops.stage_limits(0, 2, "new", 60_000, True, [("cap:tenant:t", "99")])) == 1
+    )
+    applied, _, _ = await store.run(ops.sync_limits(0, 1, 1000, "new", 1))
+    assert applied == 0  # its version is not newer: dropped, not swapped in
+    assert not await store.redis.exists(f"{TAG}admission_next", f"{TAG}admission_sync")
+    assert await store.redis.hgetall(f"{TAG}admission") == {b"cap:tenant:t": b"3"}
+
+
+async def test_a_shard_keeps_its_caps_when_thousands_of_limits_are_synced(
+    store: Store, client: AsyncClient
+) -> None:
+    """A table past what one script call can unpack (~8,000 arguments) once deleted the
+    shard's limits and then failed (a ScriptError, logged by the daemon's sync loop every
+    second), so every claim ran uncapped: here 5 tasks of a tenant capped at 2."""
+    await client.set_limit(tenant="t", max_in_flight=2)
+    many = [LimitConfig(tenant=f"t{i}", max_in_flight=2) for i in range(4100)]
+    await client.apply_config_limits(many)
+    ids = [(await create(store, handler="h", tenant="t")).task_id for _ in range(5)]
+    assert await claim_ids(store) == ids[:2]
+    assert await held(store.redis, "cap:tenant:t") == ids[2:]
+    # and the sync did complete: every cap is in the shard's table, at the stored version
+    assert await store.redis.hlen(f"{TAG}admission") == 4101
+    version = await store.redis.get("atd:{adm}:version")
+    assert await store.redis.get(f"{TAG}admission_version") == version
+    await check_invariants(store.redis, store.keys)
 
 
 # --- claim with rate lanes -----------------------------------------------------------------
