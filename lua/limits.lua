@@ -8,8 +8,8 @@
 --                          'tenant:*'; json is the limit as asynctaskd.admission writes it:
 --                          an object with "source" ('runtime' or 'config') and "buckets"
 --                          (bucket name -> '<rate> <burst>'), or '' to delete (mode set)
---   set:    write (or delete) each listed scope.
---   config: the whole [[limits]] list of a config file: every stored entry whose source is
+--   set:    write (or delete) each listed scope (operators only).
+--   config: (daemons and operators) the whole [[limits]] list of a config file: every stored entry whose source is
 --           'config' and that is not listed is deleted; listed scopes are written, except
 --           where a 'runtime' entry holds the scope (set at runtime, it wins until cleared).
 --
@@ -18,11 +18,12 @@
 -- Invariants: rates is always rebuilt from limits in the same call, so the buckets the
 -- take script reads match the stored limits; version moves only when something changed.
 
-redis.call('EXISTS', P .. 'limits')  -- operators only: see workers_only() in the prelude
 local mode = ARGV[1]
 if mode ~= 'set' and mode ~= 'config' then
   error("asynctaskd: ARGV mode must be 'set' or 'config', got " .. tostring(mode))
 end
+-- runtime limits are an operator's; a daemon writes those of its config file
+if mode == 'set' then operator_only() else daemon_only() end
 if #ARGV % 2 ~= 1 then error('asynctaskd: limits takes scope, json pairs after ARGV[1]') end
 local limits = P .. 'limits'
 

@@ -18,7 +18,7 @@
 -- Cap holds are sampled, at most 100 per call, so the work stays bounded with any number
 -- of tenants; daemons call this every few seconds, so every hold is looked at in time.
 
-workers_only()
+daemon_only()
 local version = int_arg(ARGV[1], 'version', 0)
 local limit = int_arg(ARGV[2], 'limit', 1, 10000)
 if #ARGV % 2 ~= 0 then error('asynctaskd: sync_limits takes field, value pairs after ARGV[2]') end
