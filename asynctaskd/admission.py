@@ -416,10 +416,46 @@ def _stage(
     return ""
 
 
+QUOTA_SCAN: Final = 1000  # quota window registry entries looked at per pass
+
+
+async def expire_quota_windows(store: Store, cursor: int = 0) -> tuple[int, int]:
+    """Delete the counters of tenant quota windows that have ended (lua/quota.lua keeps a
+    registry of them): producers may only add to them. One SSCAN page per call; returns
+    (the next cursor, how many were deleted)."""
+    prefix = store.keys.admission()
+    registry = prefix + "quota_windows"
+    now, (cursor, members) = await read_many(
+        store, [read("time"), read("sscan", registry, cursor, count=QUOTA_SCAN)]
+    )
+    now_ms = int(now[0]) * 1000 + int(now[1]) // 1000
+    ended = []
+    for raw in members:
+        member = _text(raw)
+        period, _, rest = member.partition(":")
+        _, _, window = rest.rpartition(":")
+        try:
+            end_ms = (int(window) + 2) * int(period)  # still the previous window until then
+        except ValueError:
+            end_ms = 0  # not a name lua/quota.lua writes: drop it from the registry
+        if end_ms <= now_ms:
+            ended.append(member)
+    if ended:
+        await read_many(
+            store,
+            [
+                read("delete", *(prefix + "quota:" + m for m in ended)),
+                read("srem", registry, *ended),
+            ],
+        )
+    return int(cursor), len(ended)
+
+
 async def run_sync(client: AsyncClient, store: Store, metrics: Metrics) -> None:
     """Daemon loop: follow limit changes within a second; every 5 s also lift holds that
-    no longer apply and refresh the admission gauges."""
+    no longer apply, refresh the admission gauges and delete ended quota windows."""
     passes = 0
+    quota_cursor = 0
     while True:
         try:
             report = await client.sync_limits(force=passes % 5 == 0)
@@ -428,6 +464,7 @@ async def run_sync(client: AsyncClient, store: Store, metrics: Metrics) -> None:
                 metrics.admission_sync_failures.labels(kind).inc()
             if passes % 5 == 0:
                 await observe(store, metrics)
+                quota_cursor, _ = await expire_quota_windows(store, quota_cursor)
         except (StoreUnavailable, ScriptError, NotPermitted) as exc:
             metrics.store_errors.labels("admission").inc()
             logger.warning("admission sync failed: %s", exc)

@@ -207,6 +207,13 @@ def _parser() -> argparse.ArgumentParser:
     js(lp)
     lp.add_argument("scope", help="provider:<p>, account:<p>/<a>, tenant:<t> or tenant:*")
 
+    sp = sub.add_parser("scripts", help="load this version's Lua scripts into Redis (operators)")
+    ssub = sp.add_subparsers(dest="scripts_command", metavar="ACTION", required=True)
+    lp = ssub.add_parser(
+        "load", help="load every script: producers may use but not load them (docs/security.md)"
+    )
+    conn(lp)
+
     sp = sub.add_parser("purge", help="delete terminal tasks older than a duration")
     conn(sp)
     sp.add_argument("--older-than", required=True, help="e.g. 7d")
@@ -301,6 +308,10 @@ def _client_command(args: argparse.Namespace) -> int:
                 _print_task(task, True)
             else:
                 _out(task.id)
+            return 0
+        if cmd == "scripts":
+            count = client.load_scripts()
+            _out(f"loaded {count} scripts")
             return 0
         if cmd == "get":
             found = client.get(args.task_id, tenant=args.tenant, internals=True)

@@ -9,7 +9,6 @@ Plans do no I/O; `AsyncClient` runs them with asyncio and `Client` with blocking
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import functools
 import math
@@ -72,6 +71,7 @@ from .store import (
     Code,
     Created,
     Ops,
+    Read,
     Result,
     Store,
     SyncStore,
@@ -80,6 +80,7 @@ from .store import (
     read_many,
     read_many_sync,
     redis_credentials,
+    task_or_request,
 )
 
 __all__ = ["AsyncClient", "Client", "Stats", "TaskEvent", "TaskPage"]
@@ -90,6 +91,7 @@ HANDLER_CACHE_S: Final = 5.0  # how long a client trusts its copy of the live ha
 GROUP_CACHE_S: Final = 5.0  # how long a client trusts its copy of the handler groups
 QUOTA_CACHE_S: Final = 1.0  # how long a client trusts its list of tenants with a quota
 CURSOR_KEY_CACHE_S: Final = 60.0  # how long a client trusts its copy of the cursor key
+STALE_DEDUP_WAIT_S: Final = 5.0  # how long a submit waits for a daemon to free a stale dedup key
 BLOCK_S: Final = 5.0  # longest XREAD BLOCK; below the 10 s socket timeout of from_url
 REPLY_MARGIN_S: Final = 5.0  # client-side bound on a blocking read: BLOCK plus this
 RECONNECT_BUDGET_S: Final = 30.0  # watch() gives up after this long without Redis
@@ -128,11 +130,14 @@ class TaskPage(msgspec.Struct, frozen=True):
 
 class Stats(msgspec.Struct, frozen=True):
     """Exact counts (every status in `by_status`; only non-zero ones per handler) and the
-    heartbeats of daemons seen in the last 30 seconds."""
+    heartbeats of daemons seen in the last 30 seconds. `requests`: producers' creates and
+    cancels that no daemon has taken in yet (their tasks read as PENDING_SUBMIT but are
+    counted once a daemon takes them in, within milliseconds while one runs)."""
 
     by_status: dict[Status, int]
     by_handler: dict[str, dict[Status, int]]
     daemons: list[dict[str, Any]]
+    requests: int = 0
 
 
 Step: TypeAlias = Call[Any] | Reads | Pause | TaskEvent
@@ -470,7 +475,8 @@ def _route(ctx: _Context, name: str, route_key: str | None) -> Plan[str]:
             *(_read("hmget", ctx.keys.counts(s), fields) for s in range(ctx.keys.shards))
         )
         return choose(group, active=loads(group.members, replies))
-    (counter,) = yield Reads(_read("incr", ctx.keys.group_counter(name)))
+    # INCR itself, not redis-py's INCRBY: a producer's ACL user may only count up
+    (counter,) = yield Reads(_read("execute_command", "INCR", ctx.keys.group_counter(name)))
     return choose(group, counter=int(counter))
 
 
@@ -528,23 +534,31 @@ def _submit(ctx: _Context, strict: bool, args: tuple[Any, ...]) -> Plan[Task]:
     call, task = build(handler)
     if strict:
         yield from _check_handler(ctx, task.handler)
-    lane = (yield from _quota_lane(ctx, task.tenant)) if task.tenant else None
-    if lane is not None:
-        granted, wait_ms = (yield ctx.ops.take("take", {lane: 1}))[lane]
-        if not granted:
-            # Over quota, but a duplicate of a live task is no new submit: answer with it.
-            existing = yield from _deduplicated(ctx, task)
-            if existing is not None:
-                return existing
+    if task.tenant and (yield from _has_quota(ctx, task.tenant)):
+        # A duplicate of a live task is no new submit: answer with it before counting.
+        existing = yield from _deduplicated(ctx, task)
+        if existing is not None:
+            return existing
+        counted, wait_ms = yield ctx.ops.quota(task.tenant)
+        if counted is False:
             raise QuotaExceeded(task.tenant, wait_ms / 1000)
-    for _ in range(3):
+    stale_since: float | None = None
+    vanished = 0
+    while vanished < 3:
         created: Created = yield call
-        if created.deduped and lane is not None:
-            # A deduplicated submit does not count against the quota; if the refund is
-            # lost, the token comes back with the refill.
-            with contextlib.suppress(StoreUnavailable):
-                yield ctx.ops.take("refund", {lane: 1})
-            lane = None
+        if created.stale:
+            # The dedup key names a task that is gone; the create asked the daemons to free
+            # it (only they may), which takes them a moment. Nothing was written.
+            now = time.monotonic()
+            stale_since = now if stale_since is None else stale_since
+            if now - stale_since > STALE_DEDUP_WAIT_S:
+                raise StoreUnavailable(
+                    f"dedup key {task.dedup_key!r} of tenant {task.tenant!r} still names task "
+                    f"{created.task_id}, which no longer exists, after "
+                    f"{STALE_DEDUP_WAIT_S:.0f}s: no daemon is taking in requests"
+                )
+            yield Pause(0.05)
+            continue
         if not created.deduped:
             at = created.created_ms / 1000
             return msgspec.structs.replace(
@@ -555,7 +569,7 @@ def _submit(ctx: _Context, strict: bool, args: tuple[Any, ...]) -> Plan[Task]:
         existing = yield from _get(ctx, created.task_id, None, False)
         if existing is not None:
             return existing
-        # The live duplicate vanished between the two calls: create again.
+        vanished += 1  # the live duplicate vanished between the two calls: create again
     raise ScriptError(f"create kept deduplicating {task.id} to tasks that do not exist")
 
 
@@ -570,10 +584,17 @@ def _deduplicated(ctx: _Context, task: Task) -> Plan[Task | None]:
     return found if found is not None and not found.status.is_terminal else None
 
 
+def _task_reads(ctx: _Context, shard: int, task_id: str) -> tuple[Read, Read]:
+    """The task's create request, then its hash: `task_or_request` picks from the two."""
+    return (
+        _read("get", ctx.keys.request(shard, task_id)),
+        _read("hgetall", ctx.keys.task(shard, task_id)),
+    )
+
+
 def _get(ctx: _Context, task_id: str, tenant: str | None, internals: bool) -> Plan[Task | None]:
-    key = ctx.keys.task(_shard(ctx.keys, task_id), task_id)
-    (raw,) = yield Reads(_read("hgetall", key))
-    task = _visible(raw, task_id, tenant)
+    request, raw = yield Reads(*_task_reads(ctx, _shard(ctx.keys, task_id), task_id))
+    task = _visible(task_or_request(raw, request, task_id), task_id, tenant)
     return task if task is None or internals else _public(task)
 
 
@@ -582,11 +603,11 @@ def _open(ctx: _Context, task_id: str, tenant: str | None) -> Plan[tuple[Task, b
     shard = _shard(ctx.keys, task_id)
     # The stream id is read before the hash in the same pipeline, so any change after that
     # id is in the stream; one between the two is also in the snapshot (version filter).
-    last, raw = yield Reads(
+    last, request, raw = yield Reads(
         _read("xrevrange", ctx.keys.events(shard), "+", "-", count=1),
-        _read("hgetall", ctx.keys.task(shard, task_id)),
+        *_task_reads(ctx, shard, task_id),
     )
-    task = _visible(raw, task_id, tenant)
+    task = _visible(task_or_request(raw, request, task_id), task_id, tenant)
     if task is None:
         raise TaskNotFound(f"no task {task_id}")
     return _public(task), (last[0][0] if last else b"0-0")
@@ -616,8 +637,8 @@ def _wait(ctx: _Context, task_id: str, timeout: float, tenant: str | None) -> Pl
 
 
 def _reread(ctx: _Context, task: Task) -> Plan[Task]:
-    (raw,) = yield Reads(_read("hgetall", ctx.keys.task(task.shard, task.id)))
-    fresh = _visible(raw, task.id, None)
+    request, raw = yield Reads(*_task_reads(ctx, task.shard, task.id))
+    fresh = _visible(task_or_request(raw, request, task.id), task.id, None)
     if fresh is None:
         raise TaskNotFound(f"task {task.id} was purged")
     return _public(fresh)
@@ -763,10 +784,11 @@ def _cursor_key(ctx: _Context, *, reload: bool = False) -> Plan[bytes]:
     name = ctx.keys.cursor_key()
     (stored,) = yield Reads(_read("get", name), share="cursor_key")
     if stored is None:
-        # NX GET: of clients that make one at the same moment, all keep the first one set.
+        # SETNX, then GET in the same pipeline: of clients that make one at the same moment,
+        # all keep the first one set. SETNX, not SET NX GET: a producer's ACL user may only
+        # add a key, never overwrite one (docs/security.md).
         mine = secrets.token_bytes(KEY_BYTES)
-        (stored,) = yield Reads(_read("set", name, mine, nx=True, get=True))
-        stored = mine if stored is None else stored
+        _, stored = yield Reads(_read("setnx", name, mine), _read("get", name))
     ctx.cursor_key, ctx.cursor_key_read_at = derive_key(stored), now
     return ctx.cursor_key
 
@@ -775,8 +797,11 @@ def _stats(ctx: _Context) -> Plan[Stats]:
     shards = range(ctx.keys.shards)
     *counts, daemons = yield Reads(
         *(_read("hgetall", ctx.keys.counts(s)) for s in shards),
+        *(_read("llen", ctx.keys.intake(s)) for s in shards),
         _read("hgetall", ctx.keys.daemons()),
     )
+    requests = sum(int(n) for n in counts[len(shards) :])
+    counts = counts[: len(shards)]
     by_status = dict.fromkeys(Status, 0)
     by_handler: dict[str, dict[Status, int]] = {}
     for raw in counts:
@@ -799,7 +824,7 @@ def _stats(ctx: _Context) -> Plan[Stats]:
         if fresh:
             alive.append({"id": daemon_id.decode(), **beat})
     by_handler = {h: row for h, row in sorted(by_handler.items()) if any(row.values())}
-    return Stats(by_status, by_handler, alive)
+    return Stats(by_status, by_handler, alive, requests)
 
 
 def _handlers(ctx: _Context) -> Plan[dict[str, float]]:
@@ -876,15 +901,16 @@ def _clear_limit(ctx: _Context, scope: str) -> Plan[bool]:
     return changed > 0
 
 
-def _quota_lane(ctx: _Context, tenant: str) -> Plan[str | None]:
-    """The token lane of the tenant's submit quota, if one applies (cached for a second)."""
+def _has_quota(ctx: _Context, tenant: str) -> Plan[bool]:
+    """Whether a submit quota may apply to the tenant (the list is cached for a second):
+    tenants without one skip the quota script's round trip."""
     now = time.monotonic()
     if now - ctx.quotas_read_at >= QUOTA_CACHE_S:
         (names,) = yield Reads(_read("hkeys", ctx.keys.admission() + "rates"), share="quotas")
         prefix = b"quota:tenant:"
         ctx.quotas = {n[len(prefix) :].decode() for n in names if n.startswith(prefix)}
         ctx.quotas_read_at = now
-    return f"quota|{tenant}" if tenant in ctx.quotas or "*" in ctx.quotas else None
+    return tenant in ctx.quotas or "*" in ctx.quotas
 
 
 def _resolve(
@@ -1219,6 +1245,12 @@ class AsyncClient:
         plan = _resolve(self._ctx, task_id, Status.PENDING_SUBMIT, None, None, "", _REQUEUE)
         return await self._run(plan)
 
+    async def load_scripts(self) -> int:
+        """Load every Lua script of this version into Redis (operators and daemons; a
+        producer's ACL user may only run them). Returns how many were loaded."""
+        await self._store.load_scripts()
+        return len(self._store.scripts)
+
     async def purge(
         self, older_than: float, *, archive: ArchiveTarget | None = None, limit: int = 1000
     ) -> int:
@@ -1460,6 +1492,11 @@ class Client:
         return self._run(
             _resolve(self._ctx, task_id, Status.PENDING_SUBMIT, None, None, "", _REQUEUE)
         )
+
+    def load_scripts(self) -> int:
+        """Load every Lua script of this version into Redis (see AsyncClient)."""
+        self._store.load_scripts()
+        return len(self._store.scripts)
 
     def purge(
         self, older_than: float, *, archive: ArchiveTarget | None = None, limit: int = 1000

@@ -258,6 +258,18 @@ def _dedup_key(stored: str | None) -> str | None:
     return rest[int(n) + 1 :]
 
 
+def decode_request(packed: bytes, task_id: str) -> dict[bytes, bytes]:
+    """The first fields of a task whose create request a daemon has not taken in yet
+    (`new:<id>`, a cmsgpack array of field, value pairs), as a task hash would hold them."""
+    try:
+        flat = msgspec.msgpack.decode(packed)
+    except msgspec.DecodeError as exc:
+        raise CorruptTask(task_id, f"its create request is unreadable ({exc})") from None
+    if not isinstance(flat, list) or len(flat) % 2 or not all(isinstance(x, str) for x in flat):
+        raise CorruptTask(task_id, "its create request is not a list of field, value pairs")
+    return {flat[i].encode(): flat[i + 1].encode() for i in range(0, len(flat), 2)}
+
+
 def pairs_to_dict(flat: list[bytes]) -> dict[bytes, bytes]:
     """HGETALL as returned inside a Lua reply (a flat list) -> dict."""
     pairs = iter(flat)

@@ -260,6 +260,11 @@ class Daemon:
                 )
                 if not self.redis_ok and durability is not None:  # reconnected, perhaps
                     durability.recheck_soon()  # to another server: check what it keeps
+                # Producers may not load scripts (docs/security.md): after a restart or a
+                # failover emptied the script cache, an idle daemon loads them back here.
+                if not await store.scripts_loaded():
+                    logger.warning("Redis lost the asynctaskd scripts; loading them again")
+                    await store.prepare()
                 self.redis_ok = True
             except Exception as exc:  # the heartbeat must outlive any failure
                 self.redis_ok = False

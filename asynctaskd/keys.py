@@ -70,6 +70,14 @@ class Keys:
     def task(self, shard: int, task_id: str) -> str:
         return f"{self.tag(shard)}:task:{task_id}"
 
+    def request(self, shard: int, task_id: str) -> str:
+        """STRING: a producer's create request until a daemon takes it in (lua/_intake.lua)."""
+        return f"{self.tag(shard)}:new:{task_id}"
+
+    def intake(self, shard: int) -> str:
+        """LIST of producer requests for the daemons: 'c:<id>', 'x:<id>', 'd:<dedup>'."""
+        return f"{self.tag(shard)}:intake"
+
     def scheduled(self, shard: int, phase: Phase) -> str:
         """ZSET of tasks waiting for their due time: id -> due ms."""
         return f"{self.tag(shard)}:due:{phase}"

@@ -215,6 +215,12 @@ class Metrics:
         self.quarantined = Counter(
             "asynctaskd_quarantined_total", "Corrupt tasks set aside.", registry=r
         )
+        self.requests_dropped = Counter(
+            "asynctaskd_requests_dropped_total",
+            "Producers' create requests dropped because they were not what the create "
+            "script writes (a producer writing to Redis by hand).",
+            registry=r,
+        )
         self.durability_gate = Histogram(
             "asynctaskd_durability_gate_seconds",
             "Time to make the started mark durable before a vendor submit.",

@@ -39,7 +39,7 @@ async def purge_once(store: Store, config: Config) -> int:
     older_than_ms = round(float(config.reaper.retention) * 1000)
     purged = 0
     for shard in range(store.keys.shards):
-        purged += len(await store.purge(shard, older_than_ms, config.reaper.batch))
+        purged += len(await store.expire(shard, older_than_ms, config.reaper.batch))
     return purged
 
 

@@ -29,10 +29,12 @@ SCRIPT_NAMES: Final = (
     "time_out",
     "resolve",
     "purge",
+    "expire",
     "quarantine",
     "pause",
     "resume",
     "take",
+    "quota",
     "limits",
     "stage_limits",
     "sync_limits",
@@ -41,6 +43,10 @@ SCRIPT_NAMES: Final = (
 # Shared Lua that some scripts need after the prelude: script name -> lua/<library>.lua
 # files, in order.
 LIBRARIES: Final = {
+    "claim": ("_intake",),
+    "time_out": ("_intake",),
+    "purge": ("_purge",),
+    "expire": ("_purge",),
     "create": ("_create",),
     "start": ("_start",),
     "save": ("_save",),

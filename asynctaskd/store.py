@@ -25,7 +25,7 @@ import redis.asyncio.cluster as redis_cluster
 import redis.exceptions as rex
 from redis import Redis as SyncRedis
 
-from .codec import decode_task, pairs_to_dict
+from .codec import decode_request, decode_task, pairs_to_dict
 from .errors import CorruptTask, NotPermitted, ScriptError, StoreUnavailable
 from .keys import HANDLER_KEY_RE, Keys
 from .model import Phase, Status, Task, shard_of
@@ -74,6 +74,7 @@ class Code(enum.IntEnum):
     ILLEGAL = -7
     STARTED = -8
     TERMINAL = -9
+    DEDUP_STALE = -12  # create: the dedup key names a task that is gone; a daemon frees it
 
 
 class Result(msgspec.Struct, frozen=True):
@@ -94,6 +95,9 @@ class Created(msgspec.Struct, frozen=True):
     version: int = 1
     created_ms: int = 0
     due_ms: int = 0
+    # deduped to a task that no longer exists (task_id): a daemon frees the dedup key when it
+    # next takes in requests, so the create can be sent again (Code.DEDUP_STALE)
+    stale: bool = False
 
 
 class Lease(msgspec.Struct, frozen=True):
@@ -120,6 +124,8 @@ class ClaimBatch(msgspec.Struct, frozen=True):
     dropped: int  # entries found unclaimable (gone, timed out, canceled, quarantined, held)
     corrupt: list[CorruptTask] = []
     lanes: dict[str, tuple[int, int]] = {}  # rate lane -> (tokens used, tasks waiting)
+    taken: int = 0  # producer requests taken in (submit phase; lua/_intake.lua)
+    refused: list[tuple[str, str]] = []  # (task id, why) of create requests dropped
 
 
 class Call(Generic[T]):
@@ -233,6 +239,13 @@ def _pairs(reply: Any) -> list[tuple[str, Status]]:
 
 
 PAUSE_KINDS: Final = ("handler", "provider", "tenant", "account")
+# How long a user that may not load scripts (a producer) waits for a daemon to load them.
+SCRIPT_WAIT_S: Final = 10.0
+_NOT_LOADED: Final = (
+    "the asynctaskd scripts of this version are not loaded in Redis ({name} is missing), "
+    "and this Redis user may not load them: start a daemon of this version, or run "
+    "`asynctaskd scripts load` as an operator"
+)
 PROMOTE_LIMIT: Final = 1000  # a claim moves at most this many newly due tasks to ready
 
 
@@ -296,6 +309,8 @@ class Ops:
                 return Created(task_id, False, int(reply[1]), int(reply[2]), int(reply[3]))
             if code == 2:
                 return Created(_s(reply[1]), True)
+            if code == Code.DEDUP_STALE:
+                return Created(_s(reply[1]), True, stale=True)
             if code == Code.EXISTS:
                 raise ScriptError(f"task id {task_id} already exists: ids must be unique")
             raise ScriptError(f"unexpected create reply {reply!r}")
@@ -334,7 +349,9 @@ class Ops:
             lanes = {
                 _s(info[i]): (int(info[i + 1]), int(info[i + 2])) for i in range(0, len(info), 3)
             }
-            for item in reply[4:]:
+            intake = reply[4]
+            refused = [(_s(intake[i]), _s(intake[i + 1])) for i in range(1, len(intake) - 1, 2)]
+            for item in reply[5:]:
                 task_id = _s(item[0])
                 try:
                     task = decode_task(pairs_to_dict(item[3]), task_id)
@@ -342,7 +359,10 @@ class Ops:
                     corrupt.append(exc)
                     continue
                 claimed.append(Claimed(Lease(task_id, int(item[1]), int(item[2])), task))
-            return ClaimBatch(claimed, next_due, int(reply[1]), int(reply[2]), corrupt, lanes)
+            return ClaimBatch(
+                claimed, next_due, int(reply[1]), int(reply[2]), corrupt, lanes,
+                int(intake[0]), refused,
+            )  # fmt: skip
 
         args: list[Any] = [phase, n, lease_ms, owner, promote_limit]
         for lane, tokens in (grants or {}).items():
@@ -443,7 +463,12 @@ class Ops:
         return Call("resolve", [prefix, task_key], args, _result)
 
     def purge(self, shard: int, older_than_ms: int, limit: int) -> Call[list[str]]:
+        """An operator's purge of terminal tasks (the daemons' retention is `expire`)."""
         return Call("purge", [self._prefix(shard)], [older_than_ms, limit], _id_list)
+
+    def expire(self, shard: int, retention_ms: int, limit: int) -> Call[list[str]]:
+        """The daemons' retention: delete terminal tasks older than `retention_ms`."""
+        return Call("expire", [self._prefix(shard)], [retention_ms, limit], _id_list)
 
     def pause(self, shard: int, dimension: str, note: str = "") -> Call[bool]:
         """Hold back new submits for `dimension` ('tenant:t1', 'handler:ocr', ...)."""
@@ -476,6 +501,16 @@ class Ops:
         for lane, count in lanes.items():
             args += (lane, count)
         return Call("take", [self.keys.admission()], args, decode)
+
+    def quota(self, tenant: str) -> Call[tuple[bool | None, int]]:
+        """Count one submit against the tenant's quota: (True, 0) counted, (False, wait_ms)
+        refused, (None, 0) no quota applies (lua/quota.lua)."""
+
+        def decode(reply: Any) -> tuple[bool | None, int]:
+            code = int(reply[0])
+            return (None if code == 2 else code == 1), int(reply[1])
+
+        return Call("quota", [self.keys.admission()], [tenant], decode)
 
     def limits(
         self, mode: str, entries: Sequence[tuple[str, bytes | str]]
@@ -568,7 +603,7 @@ def _mapped(what: str) -> Iterator[None]:
     except rex.NoPermissionError as exc:
         raise NotPermitted(
             f"{what}: the Redis user may not do this ({exc}); the ACL users in "
-            "docs/deploy.md list what daemons, producers and operators need"
+            "docs/security.md list what daemons, producers and operators may do"
         ) from exc
     except rex.ResponseError as exc:
         text = str(exc)
@@ -576,7 +611,7 @@ def _mapped(what: str) -> Iterator[None]:
             # inside a script, an ACL refusal arrives as a plain error reply
             raise NotPermitted(
                 f"{what}: the Redis user may not do this ({text}); the ACL users in "
-                "docs/deploy.md list what daemons, producers and operators need"
+                "docs/security.md list what daemons, producers and operators may do"
             ) from exc
         if "asynctaskd:" in text:
             raise ScriptError(f"{what}: {text}") from exc
@@ -614,6 +649,17 @@ def _reading_task(task_id: str) -> Iterator[None]:
         if "WRONGTYPE" in str(exc):
             raise CorruptTask(task_id, "the task key holds another Redis type") from None
         raise
+
+
+def task_or_request(raw: Any, request: Any, task_id: str) -> Any:
+    """The task hash as read, or, while it does not exist yet, the fields of its create
+    request (lua/_intake.lua): a task reads as PENDING_SUBMIT from the moment it is
+    submitted. Read the request first, then the hash (one pipeline): a daemon that takes
+    the request in between leaves the hash to be read. Raises CorruptTask if the request
+    cannot be read."""
+    if raw or not request:
+        return raw
+    return decode_request(request, task_id)
 
 
 def _task_reply(raw: Any, task_id: str) -> Task | None:
@@ -668,8 +714,7 @@ class Store(_Base):
         """Load every script into Redis and write the per-shard settings."""
         if self.cluster:
             with _mapped("loading scripts"):
-                for script in self.scripts.values():
-                    await self._load(script)
+                await self._load_all()
                 for shard in range(self.keys.shards):
                     if self.settings:
                         await self.redis.hset(
@@ -711,13 +756,53 @@ class Store(_Base):
         return reply
 
     async def _load(self, script: Script) -> None:
+        """After NOSCRIPT (a restart or failover emptied the script cache): load every
+        script, so that producers, who may not load scripts (docs/security.md), find theirs
+        again too. A user that may not load them waits, for up to SCRIPT_WAIT_S, for a
+        daemon or an operator to do it."""
+        try:
+            await self._load_all()
+        except rex.NoPermissionError:
+            deadline = time.monotonic() + SCRIPT_WAIT_S
+            while not await self._loaded(script):
+                if time.monotonic() >= deadline:
+                    raise StoreUnavailable(_NOT_LOADED.format(name=script.name)) from None
+                await anyio.sleep(0.1)
+
+    async def _load_all(self) -> None:
+        sources = [script.source for script in self.scripts.values()]
         if self.cluster:  # every primary: a script may run on any shard's node
             cluster: Any = self.redis
-            await cluster.execute_command(
-                "SCRIPT LOAD", script.source, target_nodes=cluster.get_primaries()
+            for source in sources:
+                await cluster.execute_command(
+                    "SCRIPT LOAD", source, target_nodes=cluster.get_primaries()
+                )
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for source in sources:
+                pipe.script_load(source)
+            await pipe.execute()
+
+    async def _loaded(self, script: Script) -> bool:
+        if self.cluster:
+            cluster: Any = self.redis
+            replies = await cluster.execute_command(
+                "SCRIPT EXISTS", script.sha, target_nodes=cluster.get_primaries()
             )
-        else:
-            await self.redis.script_load(script.source)
+            flat = replies.values() if isinstance(replies, dict) else [replies]
+            return all(bool(r[0] if isinstance(r, list) else r) for r in flat)
+        return bool((await self.redis.script_exists(script.sha))[0])
+
+    async def load_scripts(self) -> None:
+        """Load every script (NotPermitted for a user that may not)."""
+        with _mapped("loading scripts"):
+            await self._load_all()
+
+    async def scripts_loaded(self) -> bool:
+        """Whether Redis holds every script of this version (a daemon's heartbeat checks
+        one, the create, since producers cannot load it themselves)."""
+        with _mapped("script exists"):
+            return await self._loaded(self.scripts["create"])
 
     def _node_client(self, key: str) -> tuple[str, redis.asyncio.Redis]:
         """The primary that serves `key`'s slot, as a plain client of our own."""
@@ -923,9 +1008,8 @@ class Store(_Base):
         together, counted as `name`. An error stands in for the replies it prevented."""
         self._count(name)
         try:
-            for script in {call.script for call in calls}:
-                with _mapped(script):
-                    await self._load(self.scripts[script])
+            with _mapped(calls[0].script):
+                await self._load(self.scripts[calls[0].script])
             if self.cluster:
                 return (await self._pipeline_by_node(calls, None, 0.0))[0]
             with _mapped(name):
@@ -934,12 +1018,17 @@ class Store(_Base):
             return [exc] * len(calls)
 
     async def get(self, task_id: str) -> Task | None:
-        """The task's snapshot, or None. Raises CorruptTask if it cannot be read."""
+        """The task's snapshot (from its create request until a daemon takes that in), or
+        None. Raises CorruptTask if it cannot be read."""
         _, task_key = self.ops._task(task_id)
+        request_key = self.keys.request(shard_of(task_id), task_id)
         self._count("get")
         with _mapped("get"), _reading_task(task_id):
-            raw = await self.redis.hgetall(task_key)
-        return _task_reply(raw, task_id)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.get(request_key)
+                pipe.hgetall(task_key)
+                request, raw = await pipe.execute()
+        return _task_reply(task_or_request(raw, request, task_id), task_id)
 
     async def counts(self) -> dict[str, int]:
         """Exact per-status (and `STATUS@handler`) counts summed over every shard."""
@@ -1049,6 +1138,9 @@ class Store(_Base):
                 task_id, target, external_id=external_id, handle_json=handle_json, message=message
             )
         )
+
+    async def expire(self, shard: int, retention_ms: int, limit: int) -> list[str]:
+        return await self.run(self.ops.expire(shard, retention_ms, limit))
 
     async def purge(self, shard: int, older_than_ms: int, limit: int) -> list[str]:
         return await self.run(self.ops.purge(shard, older_than_ms, limit))
@@ -1337,15 +1429,51 @@ class SyncStore(_Base):
             try:
                 reply = self.redis.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
             except rex.NoScriptError:
-                self.redis.script_load(script.source)
+                self._load(script)
                 reply = self.redis.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
         return call.decode(reply)
 
+    def load_scripts(self) -> None:
+        """Load every script (NotPermitted for a user that may not)."""
+        with _mapped("loading scripts"):
+            self._load_all()
+
+    def _load_all(self) -> None:
+        if type(self.redis).__name__ == "RedisCluster":
+            cluster: Any = self.redis
+            for script in self.scripts.values():
+                cluster.execute_command(
+                    "SCRIPT LOAD", script.source, target_nodes=cluster.get_primaries()
+                )
+            return
+        with self.redis.pipeline(transaction=False) as pipe:
+            for script in self.scripts.values():
+                pipe.script_load(script.source)
+            pipe.execute()
+
+    def _load(self, script: Script) -> None:
+        """As Store._load, blocking."""
+        try:
+            self._load_all()
+        except rex.NoPermissionError:
+            deadline = time.monotonic() + SCRIPT_WAIT_S
+            while not self.redis.script_exists(script.sha)[0]:
+                if time.monotonic() >= deadline:
+                    raise StoreUnavailable(_NOT_LOADED.format(name=script.name)) from None
+                time.sleep(0.1)
+
     def get(self, task_id: str) -> Task | None:
         _, task_key = self.ops._task(task_id)
-        with _mapped("get"), _reading_task(task_id):
-            raw = self.redis.hgetall(task_key)
-        return _task_reply(raw, task_id)
+        request_key = self.keys.request(shard_of(task_id), task_id)
+        with (
+            _mapped("get"),
+            _reading_task(task_id),
+            self.redis.pipeline(transaction=False) as pipe,
+        ):
+            pipe.get(request_key)
+            pipe.hgetall(task_key)
+            request, raw = pipe.execute()
+        return _task_reply(task_or_request(raw, request, task_id), task_id)
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}

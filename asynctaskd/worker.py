@@ -341,6 +341,9 @@ class Worker:
                     self._launch(calls, claimed, phase, now, due_lag)
             got += len(result.claimed)
             self.metrics.quarantined.inc(len(result.corrupt))
+            for task_id, why in result.refused:
+                self.metrics.requests_dropped.inc()
+                logger.warning("dropped a create request: %s", why, extra={"task_id": task_id})
         if failed:
             await anyio.sleep(0.5)
         return got, more, next_due

@@ -33,11 +33,13 @@ local KNOWN = {PENDING_SUBMIT = true, SUBMITTING = true, SUBMITTED = true, RUNNI
 local function key(name) return P .. name end
 local function task_key(id) return P .. 'task:' .. id end
 
--- Worker and operator scripts call this first: it touches the lease index, which the
--- producer ACL user (docs/deploy.md) is not granted, so a producer's call of such a script
--- fails here with NOPERM, before anything is written. Producers' scripts (create, cancel,
--- take) never touch the lease index.
-local function workers_only() redis.call('EXISTS', P .. 'leases') end
+-- Roles (docs/security.md). Redis checks each command a script runs against the ACL user
+-- that called the script, so a no-op write (HDEL of a field from a key that never exists)
+-- to a key that only one role may write asks Redis whether the caller has that role.
+-- Daemon and operator scripts call their guard first: a producer (or a daemon running an
+-- operator script) gets NOPERM before anything is written.
+local function daemon_only() redis.call('HDEL', P .. 'role:daemon', '') end
+local function operator_only() redis.call('HDEL', P .. 'role:operator', '') end
 
 local function setting(name, default)
   local v = redis.call('HGET', P .. 'settings', name)
@@ -91,12 +93,12 @@ end
 
 -- The wake list holds at most one element, and daemons pop it only between scripts: a
 -- second wake in one script call would change nothing (a create_many of 32 would push 32).
+-- LLEN, not LTRIM, keeps it at one: a producer may push but not trim.
 local WOKEN = false
 local function wake()
   if WOKEN then return end
   WOKEN = true
-  redis.call('LPUSH', P .. 'wake', '1')
-  redis.call('LTRIM', P .. 'wake', '0', '0')
+  if redis.call('LLEN', P .. 'wake') == 0 then redis.call('LPUSH', P .. 'wake', '1') end
 end
 
 -- Admission (SPEC section 7). A due task waits in the ready set of its phase, or, when

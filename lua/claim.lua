@@ -12,13 +12,17 @@
 -- ARGV[6..] lane, tokens   token grants the worker took with `take` for rate lanes of this
 --                          phase ('<phase>|<provider>|<account>'), integer 0..100000 each
 --
--- Returns {next_due_ms, ready_left, dropped, lanes, task, task, ...} where
+-- Returns {next_due_ms, ready_left, dropped, lanes, intake, task, task, ...} where
 --   lanes is {lane, used, waiting, ...} for every rate lane of this phase that has tasks
 --   waiting in this shard or was granted tokens (used: tokens spent; give back the rest),
+--   intake is {taken, task_id, reason, ...}: how many producer requests the claim took in
+--   (submit phase: up to 256, before anything else, lua/_intake.lua) and the creates it
+--   dropped because they were not what the create script writes,
 --   and each task is {task_id, fence, version, {field, value, ...}} (the hash after the claim,
 --   without params in the query phase).
 -- next_due_ms is the earliest due time still waiting in this phase (0 if none), ready_left
--- how many due tasks are still ready, dropped how many entries were not claimable
+-- how many due tasks (and, submit phase, requests not yet taken in) are still waiting to
+-- be claimed, dropped how many entries were not claimable
 -- (gone, timed out, canceled, set aside by admission, or quarantined because unreadable:
 -- not a hash, unknown status, missing deadline or handler, a counter HINCRBY refuses).
 -- Admission (prelude): a task held back by a pause or a full cap moves to that held set;
@@ -32,7 +36,7 @@
 -- submit claim adds the task to the in-flight set of every cap it falls under (listed in
 -- its `slots` field), and a rate-lane claim spends exactly one granted token.
 
-workers_only()
+daemon_only()
 admission_helpers()
 local phase = ARGV[1]
 if phase ~= 'submit' and phase ~= 'query' then
@@ -58,6 +62,13 @@ local ready_key = P .. 'ready:' .. phase
 local leases = P .. 'leases'
 local quarantine = P .. 'quarantine'
 
+-- Producers' requests first, so that a task created just now can be claimed by this call.
+local reply = {0, 0, 0, {}, {0}}
+if phase == 'submit' then
+  local taken, rejected = ingest(256, false)
+  reply[5] = {taken, unpack(rejected)}
+end
+
 -- Promote newly due tasks, bounded, to where they wait (the ready set or a held set).
 if promote_limit > 0 then
   local due = redis.call('ZRANGEBYSCORE', due_key, '-inf', NOW_S, 'WITHSCORES', 'LIMIT', '0',
@@ -72,7 +83,6 @@ if promote_limit > 0 then
   end
 end
 
-local reply = {0, 0, 0, {}}
 local dropped = 0
 local hold_budget = 1000
 local want = (phase == 'submit') and {PENDING_SUBMIT = true} or {SUBMITTED = true, RUNNING = true}
@@ -230,5 +240,6 @@ end
 local first = redis.call('ZRANGE', due_key, '0', '0', 'WITHSCORES')
 if #first > 0 then reply[1] = tonumber(first[2]) end
 reply[2] = redis.call('ZCARD', ready_key)
+if phase == 'submit' then reply[2] = reply[2] + redis.call('LLEN', P .. 'intake') end
 reply[3] = dropped
 return reply

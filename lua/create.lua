@@ -1,7 +1,8 @@
--- create: store a new task as PENDING_SUBMIT and make it due (SPEC section 4, C create).
+-- create: store a producer's request for a new task; a daemon takes it in (lua/_intake.lua).
 --
 -- KEYS[1] prefix   string  <ns>:{s<N>}:  shard prefix; every key below shares its tag
--- KEYS[2] task     hash    <ns>:{s<N>}:task:<id>
+--                          (the script also writes new:<id>, intake and wake under it)
+-- KEYS[2] task     hash    <ns>:{s<N>}:task:<id> (read only: a resend finds it here)
 -- KEYS[3] dedup    string  <ns>:{s<N>}:dedup:<len(tenant)>:<tenant>:<dedup_key>, or
 --                          <ns>:{s<N>}:dedup:- when the task has no dedup key
 -- ARGV[1] task_id          ULID, with -<N> appended on shard N > 0
@@ -18,10 +19,15 @@
 -- ARGV[11] metadata        JSON text, '' for none
 -- ARGV[12] dedup_key       '' for none; must match KEYS[3]
 --
--- Returns {1, version, created_ms, due_ms} created, or one of
+-- Returns {1, version, created_ms, due_ms} created (a resend of the same create, same id
+-- and content, gets the first one's reply: whatever a client retries, one task), or
 --   {2, existing_id}  ACCEPTED (deduped): a live task with the same tenant and dedup key exists
---   {-5}              EXISTS: the task id is taken
--- Invariant: nothing is written unless the task is created whole; the status index,
--- counters, deadline index and due set all agree with the hash when the script ends.
+--   {-5}              EXISTS: the task id is taken by a create with other content
+--   {-12, existing_id} DEDUP_STALE: the dedup key names a task that no longer exists; a
+--                     daemon frees the key when it next takes in requests: try again
+-- Writes only with commands that add to nothing that exists (SETNX new:<id> and the dedup
+-- key, RPUSH intake, LPUSH wake), so a producer's ACL user needs no other write command.
+-- Until a daemon takes the request in, the task is read from new:<id> (docs/protocol.md);
+-- the status index, counters, deadline index and due set get it at that moment.
 
 return create_one(2, ARGV, 0, #ARGV)

@@ -10,10 +10,10 @@
 --                          asynctaskd.admission writes it: an object with "source" ('runtime',
 --                          'config' or 'handler') and "buckets" (bucket name -> '<rate>
 --                          <burst>', each name '<submit|query|quota>:<scope>'), or '' to delete
---   set:    write (or delete) each listed scope.
---   config: write each listed scope of a config file, except where a 'runtime' entry holds
+--   set:    write (or delete) each listed scope (operators only).
+--   config: (daemons and operators) write each listed scope of a config file, except where a 'runtime' entry holds
 --           it (set at runtime, it wins until cleared); deletes nothing (json '' is an error).
---   prune:  delete each listed scope whose stored entry's source is 'config' (its config
+--   prune:  (daemons and operators) delete each listed scope whose stored entry's source is 'config' (its config
 --           file no longer lists it); json must be ''.
 -- A config file's whole [[limits]] list goes as 'config' calls, then 'prune' calls for the
 -- stored config entries it no longer lists: a limit both lists keep is never missing.
@@ -25,11 +25,12 @@
 -- stored limits; version moves only when something changed; a call's work is bounded by
 -- its own pairs, whatever the number of stored limits.
 
-redis.call('EXISTS', P .. 'limits')  -- operators only: see workers_only() in the prelude
 local mode = ARGV[1]
 if mode ~= 'set' and mode ~= 'config' and mode ~= 'prune' then
   error("asynctaskd: ARGV mode must be 'set', 'config' or 'prune', got " .. tostring(mode))
 end
+-- runtime limits are an operator's; a daemon writes those of its config file
+if mode == 'set' then operator_only() else daemon_only() end
 if #ARGV % 2 ~= 1 then error('asynctaskd: limits takes scope, json pairs after ARGV[1]') end
 if #ARGV > 1 + 2000 then error('asynctaskd: limits takes at most 1000 pairs per call') end
 local limits, rates = P .. 'limits', P .. 'rates'

@@ -9,7 +9,7 @@
 -- queried, and held tasks still time out and can be canceled (the sweep and cancel
 -- act on them as on any task nobody holds).
 
-workers_only()
+operator_only()
 local dim = ARGV[1]
 if not string.find(dim, '^[a-z]+:') then
   error('asynctaskd: ARGV dimension must look like tenant:<name>, got ' .. tostring(dim))

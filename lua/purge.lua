@@ -1,37 +1,14 @@
--- purge: delete terminal tasks that finished before a cutoff, bounded, with exact counters.
+-- purge: an operator deletes terminal tasks that finished before a cutoff, bounded.
 --
 -- KEYS[1] prefix   string  <ns>:{s<N>}:  shard prefix
 -- ARGV[1] older_than_ms    purge tasks that finished at least this long ago, integer >= 0
 -- ARGV[2] limit            how many tasks at most, integer 1..10000
 --
 -- Returns {count, task_id, task_id, ...} of the tasks purged.
--- Walks the terminal status indexes oldest first. A hash that already expired (its
--- safety-net expiry is retention plus a grace period) still leaves its index and
--- status counter; its per-handler counter cannot be known then and is left as it is.
+-- Operators only (the daemons' retention is expire); lua/_purge.lua does the work, with
+-- exact counters.
 
-workers_only()
+operator_only()
 local older_than_ms = int_arg(ARGV[1], 'older_than_ms', 0)
 local limit = int_arg(ARGV[2], 'limit', 1, 10000)
-local cutoff = NOW - older_than_ms
-local counts = P .. 'counts'
-local out = {0}
-for _, status in ipairs({'SUCCEEDED', 'FAILED', 'CANCELED', 'TRACKING_TIMED_OUT'}) do
-  if out[1] >= limit then break end
-  local idx = P .. 'idx:' .. status
-  local ids = redis.call('ZRANGEBYSCORE', idx, '-inf', cutoff, 'LIMIT', 0, limit - out[1])
-  for _, id in ipairs(ids) do
-    local tk = task_key(id)
-    local t = redis.call('HMGET', tk, 'status', 'handler')
-    if t[1] == nil or t[1] == false or t[1] == status then
-      redis.call('ZREM', idx, id)
-      redis.call('HINCRBY', counts, status, -1)
-      if t[2] then redis.call('HINCRBY', counts, status .. '@' .. t[2], -1) end
-      redis.call('DEL', tk)
-      out[1] = out[1] + 1
-      out[#out + 1] = id
-    else
-      redis.call('ZREM', idx, id)  -- stale entry: the task moved on (requeued)
-    end
-  end
-end
-return out
+return purge_terminal(older_than_ms, limit)

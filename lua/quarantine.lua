@@ -10,7 +10,7 @@
 -- (and so its counter), and is listed in <prefix>quarantine for an operator. Nothing else
 -- of the hash is touched, so what was corrupt can still be inspected.
 
-workers_only()
+daemon_only()
 local tk = KEYS[2]
 local id = ARGV[1]
 if redis.call('EXISTS', tk) == 0 then

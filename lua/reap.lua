@@ -19,7 +19,7 @@
 -- Invariant: after the script, no task in the lease index has an expired lease among
 -- those it looked at.
 
-workers_only()
+daemon_only()
 local limit = int_arg(ARGV[1], 'limit', 1, 10000)
 local max_reclaims = int_arg(ARGV[2], 'max_reclaims', 0)
 local leases = P .. 'leases'

@@ -13,7 +13,7 @@
 -- the version: a holder may give back a lease after losing the reply to its own write.
 -- A rejected release writes nothing.
 
-workers_only()
+daemon_only()
 if #ARGV % 3 ~= 0 then error('asynctaskd: release takes task_id, fence, version triples') end
 local leases = P .. 'leases'
 local out = {}

@@ -11,7 +11,7 @@
 -- A lease that expired but was not reaped yet is still the holder's: nobody else can
 -- have claimed the task without changing its fence.
 
-workers_only()
+daemon_only()
 local lease_ms = int_arg(ARGV[1], 'lease_ms', 1)
 if #ARGV % 2 ~= 1 then error('asynctaskd: renew takes task_id, fence pairs after ARGV[1]') end
 local leases = P .. 'leases'

@@ -18,7 +18,7 @@
 -- A knowing resubmit of a task whose cancel was requested ends CANCELED instead: the
 -- producer asked for it to stop, and nothing new has reached the vendor.
 
-workers_only()
+operator_only()
 local tk = KEYS[2]
 local id = ARGV[1]
 local target = ARGV[2]

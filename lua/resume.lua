@@ -9,7 +9,7 @@
 -- it; a moved task keeps its ready score (priority, then FIFO) and goes where it waits
 -- now: the ready set, or the held set of another pause, a full cap or its rate lane.
 
-workers_only()
+operator_only()
 local dim = ARGV[1]
 if not string.find(dim, '^[a-z]+:') then
   error('asynctaskd: ARGV dimension must look like tenant:<name>, got ' .. tostring(dim))

@@ -27,5 +27,5 @@
 --   * A non-terminal outcome after the deadline becomes TRACKING_TIMED_OUT (data kept).
 -- Invariant: a rejected save writes nothing; a saved one releases the lease.
 
-workers_only()
+daemon_only()
 return save_one(2, ARGV, 0, #ARGV)

@@ -13,5 +13,5 @@
 -- each save runs in order exactly as the save script would (a later save of the same task
 -- sees the earlier one), under one NOW; a rejected save writes nothing.
 
-workers_only()
+daemon_only()
 return run_many(save_one, 'save_many', 1)

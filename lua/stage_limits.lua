@@ -20,7 +20,7 @@
 -- empties it, so a build never mixes with another's; both keys expire lease_ms after the
 -- owner's last call, so the half-built table of a daemon that died goes away by itself.
 
-workers_only()
+daemon_only()
 local version = int_arg(ARGV[1], 'version', 0)
 local token = ARGV[2]
 if #token < 1 or #token > 64 or string.find(token, '[^%w_.-]') then

@@ -16,5 +16,5 @@
 -- SUBMITTING parks the task in SUBMIT_UNKNOWN (or requeues it if idempotent) instead of
 -- resubmitting it; the caller must make this write durable before calling the vendor.
 
-workers_only()
+daemon_only()
 return start_one(2, ARGV, 0, #ARGV)

@@ -13,5 +13,5 @@
 -- task under the same fence sees the earlier one: STARTED), under one NOW; a rejected
 -- start writes nothing.
 
-workers_only()
+daemon_only()
 return run_many(start_one, 'start_many', 1)

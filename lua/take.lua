@@ -21,6 +21,7 @@
 -- leave no keys behind. Several daemons share the buckets; a worker takes for a batch,
 -- claims, and refunds what the claim did not use (the claim lives in another slot).
 
+daemon_only()
 local mode = ARGV[1]
 if mode ~= 'take' and mode ~= 'refund' then
   error("asynctaskd: ARGV mode must be 'take' or 'refund', got " .. tostring(mode))

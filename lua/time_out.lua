@@ -4,14 +4,18 @@
 -- ARGV[1] limit            how many deadline entries to look at, integer 1..10000
 --
 -- Returns {count, task_id, task_id, ...} of the tasks timed out.
+-- First it takes in up to 1000 producer requests (lua/_intake.lua), as a submit claim does,
+-- so that they are carried out even while every worker is busy; it wakes a daemon for
+-- those that are due.
 -- Covers tasks that were never claimed (paused, throttled, no worker running). A task
 -- whose lease is live is left to its holder (its save clamps to the deadline) and is
 -- looked at again when that lease expires, so leased tasks never block the sweep.
 -- Parked (SUBMIT_UNKNOWN), terminal and vanished tasks leave the deadline index; a task
 -- whose version is not an integer is quarantined instead of breaking the sweep.
 
-workers_only()
+daemon_only()
 local limit = int_arg(ARGV[1], 'limit', 1, 10000)
+ingest(1000, true)
 local deadlines = P .. 'deadlines'
 local leases = P .. 'leases'
 local due = redis.call('ZRANGEBYSCORE', deadlines, '-inf', NOW, 'LIMIT', 0, limit)

@@ -51,6 +51,17 @@ class Api:
 
         await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
 
+    async def take_in(self) -> int:
+        """Do what a daemon's claim does first: take in producers' requests (creates and
+        cancels) on every shard. Returns how many it took in."""
+        store = self.client._store
+        taken = 0
+        for shard in range(store.keys.shards):
+            call = store.ops.claim(shard, "submit", 0, 1000, "take-in", 0)
+            batch = await store.run(call) if self.is_async else store.run(call)  # type: ignore[misc]
+            taken += batch.taken
+        return taken
+
     async def close(self) -> None:
         if isinstance(self.client, AsyncClient):
             await self.client.aclose()

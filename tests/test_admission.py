@@ -26,7 +26,7 @@ from asynctaskd.worker import Worker
 from tests.chaos.harness import Daemons, create_tasks, daemon_config, settled
 from tests.clients import Api
 from tests.conftest import wait_until, wait_until_sync
-from tests.lua.helpers import check_invariants
+from tests.lua.helpers import check_invariants, ingest
 from tests.test_worker import Scripted, entry, make_config
 
 IN_FLIGHT = ("SUBMITTING", "SUBMITTED", "RUNNING", "SUBMIT_UNKNOWN")
@@ -143,9 +143,11 @@ async def test_a_tenant_quota_refuses_the_next_submit_for_that_tenant_only(api: 
         await api.submit("h", {}, tenant="small", **base)
     assert refused.value.retry_after > 3600  # one per 8 hours
     assert "tenant 'small' has used its submit quota" in str(refused.value)
+    await api.take_in()
     assert (await api.stats()).by_status[Status.PENDING_SUBMIT] == 3  # nothing written
     await api.submit("h", {}, tenant="big", **base)
     await api.submit("h", {}, **base)
+    await api.take_in()
     assert {t.id for t in first} <= {t.id for t in (await api.list()).tasks}
 
 
@@ -223,6 +225,8 @@ async def test_a_capped_tenants_backlog_does_not_delay_another_tenant(
     # most 1000 per call: another tenant's task waits for a bounded number of calls.
     big = [await submit("big") for _ in range(2500)]
     other = await submit("small")
+    while await ingest(store):  # all taken in (and ready) before the first claim
+        pass
     got = await claim()
     assert got == big[:2]
     calls = 1
@@ -235,6 +239,8 @@ async def test_a_capped_tenants_backlog_does_not_delay_another_tenant(
     for _ in range(2000):
         await submit("big")
     other = await submit("small")
+    while await ingest(store):
+        pass
     assert await claim() == [other]
 
 

@@ -36,6 +36,7 @@ from asynctaskd.store import Call, Lease, Store, SyncStore, _Pending
 
 from .clients import Api
 from .conftest import wait_until
+from .lua.helpers import ingest
 
 pytestmark = pytest.mark.anyio
 
@@ -213,6 +214,8 @@ async def test_a_burst_of_submits_on_a_cold_client_refreshes_its_caches_once(
         trips = dict(client._store.round_trips)
 
     assert len({t.id for t in tasks}) == 200
+    assert await redis_client.llen(Keys().intake(0)) == 200  # 200 requests for a daemon
+    await ingest(Store(redis_client, Keys()))
     assert await redis_client.hget(Keys().counts(0), "PENDING_SUBMIT") == b"200"
     # One read of the groups and handlers answered all 200, not one read each; and the
     # creates went out together, not one round trip each: once, and once more after the
@@ -265,8 +268,8 @@ async def test_a_call_whose_caller_gave_up_before_it_went_out_is_not_sent(
         with pytest.raises(asyncio.CancelledError):
             await dropped
 
-    assert await redis_client.exists(Keys().task(0, ids[0])) == 1
-    assert await redis_client.exists(Keys().task(0, ids[1])) == 0
+    assert await redis_client.exists(Keys().request(0, ids[0])) == 1
+    assert await redis_client.exists(Keys().request(0, ids[1])) == 0
     assert client._store.round_trips == {"create": 1}  # a call alone goes out as it is
 
 
@@ -322,6 +325,7 @@ async def test_dedup_key_returns_the_live_task_of_the_same_tenant(
     other = await api.submit("h", {"n": 3}, dedup_key="order-42", tenant="t2", **BASE)
     assert other.id != first.id
     assert await api.cancel(first.id)
+    await api.take_in()  # a daemon carries the cancel out, which frees the dedup key
     fresh = await api.submit("h", {"n": 4}, dedup_key="order-42", tenant="t1", **BASE)
     assert fresh.id != first.id
     assert fresh.shard == first.shard
@@ -356,8 +360,11 @@ async def test_cancel_outcomes(api: Api, store: Store) -> None:
     await claim(store)
     pending = await api.submit("h", {}, **BASE)
     assert await api.cancel(pending.id) is True
+    assert (await api.get(pending.id)).status is S.PENDING_SUBMIT  # asked for, not done yet
+    await api.take_in()
     assert (await api.get(pending.id)).status is S.CANCELED
     assert await api.cancel(leased.id) is True  # requested from its worker
+    await api.take_in()
     snapshot = await api.get(leased.id)
     assert (snapshot.status, snapshot.cancel_requested) == (S.SUBMITTING, True)
     assert await api.cancel(pending.id) is False
@@ -375,6 +382,7 @@ async def test_tenants_cannot_see_each_others_tasks(api: Api) -> None:
         await api.wait(t.id, 0.1, tenant="t2")
     with pytest.raises(TaskNotFound):
         await api.collect(t.id, [], tenant="t2")
+    await api.take_in()  # listed once a daemon has taken it in
     assert (await api.list(tenant="t2")).tasks == []
     assert [x.id for x in (await api.list(tenant="t1")).tasks] == [t.id]
     assert (await api.get(t.id, "t1")).status is S.PENDING_SUBMIT
@@ -661,6 +669,7 @@ async def test_list_pages_through_every_task_and_filters(make_api: Callable[...,
     for i in range(17):
         handler, tenant = ("a", "t1") if i < 12 else ("b", "t2")
         made[(await api.submit(handler, {"i": i}, tenant=tenant, **BASE)).id] = (handler, tenant)
+    await api.take_in()
 
     async def walk(**kwargs: Any) -> list[Task]:
         out: list[Task] = []
@@ -791,6 +800,8 @@ async def test_stats_are_exact(api: Api, store: Store, redis_client: redis.async
         await api.submit("b", {}, priority=10, **BASE)  # claimed first
     await claim(store)
     await api.cancel(a.id)
+    assert (await api.stats()).requests == 1  # the cancel, not taken in yet
+    await api.take_in()
     now = time.time()
     await redis_client.hset("atd:daemons", mapping={
         "d1": msgspec.json.encode({"id": "d1", "heartbeat_at": now, "inflight": 3}),
@@ -809,6 +820,7 @@ async def test_stats_are_exact(api: Api, store: Store, redis_client: redis.async
         "b": {S.PENDING_SUBMIT: 1, S.SUBMITTING: 1},
     }
     assert stats.daemons == [{"id": "d1", "heartbeat_at": now, "inflight": 3}]
+    assert stats.requests == 0
 
 
 # Operator calls.
@@ -833,6 +845,7 @@ async def test_resolve_a_parked_task(api: Api, store: Store, target: Status) -> 
 
 async def test_resolve_refusals(api: Api, store: Store) -> None:
     t = await api.submit("h", {}, **BASE)
+    await api.take_in()
     with pytest.raises(
         IllegalTransition, match="is PENDING_SUBMIT: it cannot be resolved as FAILED"
     ):
@@ -884,6 +897,7 @@ async def test_purge_archives_then_deletes_finished_tasks(
     finished_ms = 0
     for t in done:
         assert await api.cancel(t.id)
+        await api.take_in()
         finished_ms = max(finished_ms, int((await api.get(t.id)).finished_at * 1000))
     assert await api.purge(3600) == 0
     await wait_until(

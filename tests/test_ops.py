@@ -23,7 +23,6 @@ import anyio
 import pytest
 from prometheus_client import generate_latest
 from redis import Redis as SyncRedis
-from redis.exceptions import ResponseError
 
 from asynctaskd import __version__
 from asynctaskd.config import Config
@@ -35,6 +34,7 @@ from asynctaskd.metrics import Metrics
 from asynctaskd.model import Status
 from asynctaskd.reaper import observe, read_backlog
 from asynctaskd.store import Store, SyncStore
+from tests.acl import create_user_sync
 from tests.configs import write_daemon_config
 from tests.conftest import wait_until_sync
 from tests.test_daemon import create, start_daemon, statuses, write_config
@@ -505,21 +505,8 @@ def vendor() -> Iterator[FakeVendorProcess]:
 
 
 def _create_acl_user(redis: SyncRedis, password: str) -> None:
-    """The ACL user exactly as docs/deploy.md gives it (commands the server lacks dropped)."""
-    line = re.search(r"^ACL SETUSER (.+)$", DEPLOY.read_text(), re.M)
-    assert line is not None, "docs/deploy.md has no ACL SETUSER line"
-    rules = [f">{password}" if r.startswith(">") else r for r in line[1].split()]
-    while True:
-        try:
-            # the rule list verbatim: acl_setuser() would need it taken apart
-            redis.execute_command("ACL", "SETUSER", *rules)  # type: ignore[no-untyped-call]  # untyped in redis-py
-            return
-        except ResponseError as exc:
-            # Redis 7.0 does not know these two; the doc says to drop them there
-            unknown = re.search(r"'(\+[a-z|]+)'", str(exc))
-            if unknown is None or unknown[1] not in ("+waitaof", "+client|setinfo"):
-                raise
-            rules.remove(unknown[1])
+    """The daemon's ACL user exactly as docs/security.md gives it."""
+    create_user_sync(redis, "asynctaskd", password)
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> int | None:

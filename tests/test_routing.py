@@ -207,6 +207,7 @@ async def test_routed_task_is_the_members_own(api: Api) -> None:
     assert (task.handler, task.provider, task.metadata) == ("ocr:a", "ocr:a", {"m": 1})
     pinned = await api.submit("ocr", {}, provider="vendor", **BASE)
     assert (pinned.handler, pinned.provider) == ("ocr:a", "vendor")
+    await api.take_in()
     page = await api.list(handler="ocr:a")
     assert {t.id for t in page.tasks} == {task.id, pinned.id}
 
@@ -267,13 +268,17 @@ async def test_least_active_picks_the_least_loaded(
     api = make_api(shards=4)  # the loads are summed over every shard
     for handler, n in (("ocr:a", 3), ("ocr:b", 4), ("ocr:c", 2)):
         await routed(api, handler, n)
+    await api.take_in()  # the loads are the daemons' counts: of tasks taken in
     await api.set_group("ocr", "least_active", ["ocr:a", "ocr:b", "ocr:c"])
     assert await routed(api, "ocr", 1) == ["ocr:c"]  # 3, 4, 2: c
+    await api.take_in()
     assert await routed(api, "ocr", 1) == ["ocr:a"]  # 3, 4, 3: the first of a and c
+    await api.take_in()
     # Finished tasks are not active: cancel three of b's, and b has the fewest.
     page = await api.list(handler="ocr:b")
     for task in page.tasks[:3]:
         assert await api.cancel(task.id)
+    await api.take_in()
     assert await routed(api, "ocr", 1) == ["ocr:b"]  # 4, 1, 3
 
 
@@ -308,6 +313,7 @@ async def test_strict_checks_the_chosen_member(api: Api, redis_client: redis.asy
     assert (await api.submit("ocr", {}, tracking_timeout=60)).handler == "ocr:a"
     with pytest.raises(UnknownHandler, match="'ocr:b'"):
         await api.submit("ocr", {}, tracking_timeout=60)
+    await api.take_in()
     assert (await api.stats()).by_status["PENDING_SUBMIT"] == 1
 
 

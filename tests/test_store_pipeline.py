@@ -22,10 +22,10 @@ import redis.asyncio
 from asynctaskd.errors import ScriptError, StoreUnavailable
 from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.model import Status
-from asynctaskd.store import Batcher, Created, Gate, Result, Store, open_redis
+from asynctaskd.store import Batcher, Code, Created, Gate, Result, Store, open_redis
 
 from .conftest import wait_until
-from .lua.helpers import claim_one, create, submitted
+from .lua.helpers import claim_one, create, ingest, submitted
 
 
 async def _status(store: Store, task_id: str) -> Status | None:
@@ -47,9 +47,10 @@ async def test_replies_come_back_in_order_with_an_error_in_its_place(
     calls = [store.ops.cancel(first.task_id), store.ops.cancel(broken)]
     calls.append(store.ops.cancel(second.task_id))
     results, rerun, trailers = await store.pipeline(calls, ("ECHO", "after"))
-    assert isinstance(results[0], Result) and results[0].ok
+    assert isinstance(results[0], Result) and results[0].code is Code.ACCEPTED
     assert isinstance(results[1], ScriptError) and "WRONGTYPE" in str(results[1])
-    assert isinstance(results[2], Result) and results[2].ok
+    assert isinstance(results[2], Result) and results[2].code is Code.ACCEPTED
+    await ingest(store)
     assert [await _status(store, c.task_id) for c in (first, second)] == [Status.CANCELED] * 2
     assert rerun == [False, False, False]
     assert trailers == [b"after"] * 3
@@ -119,7 +120,8 @@ async def test_a_flushed_script_cache_is_reloaded_and_the_call_run_again(
     before = dict(store.round_trips)
     results, rerun, _ = await store.pipeline([store.ops.cancel(c.task_id) for c in created])
     assert rerun == [True, True, True]
-    assert all(isinstance(r, Result) and r.ok for r in results)
+    assert all(isinstance(r, Result) and r.code is Code.ACCEPTED for r in results)
+    await ingest(store)
     for c in created:
         assert await _status(store, c.task_id) is Status.CANCELED
     # The script loaded once and the three calls sent again together: two round trips.
@@ -263,7 +265,7 @@ async def test_a_caller_that_stops_waiting_does_not_disturb_the_others(store: St
         callers = [asyncio.create_task(batcher.call(store.ops.cancel(c.task_id))) for c in made]
         callers[1].cancel()
         done = await asyncio.gather(callers[0], callers[2])
-        assert [r.ok for r, _ in done] == [True, True]
+        assert [r.code for r, _ in done] == [Code.ACCEPTED, Code.ACCEPTED]
         assert callers[1].cancelled()
     finally:
         runner.cancel()

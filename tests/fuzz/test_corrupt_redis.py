@@ -39,6 +39,7 @@ from asynctaskd.model import Phase, Status, Task
 from asynctaskd.store import Code, Lease, Store
 from asynctaskd.worker import Worker
 from tests.conftest import wait_until
+from tests.lua.helpers import ingest
 
 pytestmark = pytest.mark.anyio
 
@@ -181,6 +182,7 @@ async def make_tasks(store: Store, n: int, phase: Phase) -> list[str]:
     ids = [new_task_id() for _ in range(n)]
     for i, tid in enumerate(ids):
         await store.run(store.ops.create(tid, "demo", encode_json({"i": i}), timeout_ms=60_000))
+    await ingest(store)  # a daemon takes the requests in: the tasks exist as hashes
     if phase == "query":
         batch = await store.claim(0, "submit", n, 10_000, "setup")
         assert {c.task.id for c in batch.claimed} == set(ids)
@@ -403,6 +405,7 @@ async def test_corrupt_version_does_not_block_the_deadline_sweep(
         tid = new_task_id()
         await store.run(store.ops.create(tid, "demo", encode_json({"i": i}), timeout_ms=1))
         ids.append(tid)
+    await ingest(store)
     await redis_client.hset(KEYS.task(0, ids[0]), "version", value)
 
     async def past_deadlines() -> bool:

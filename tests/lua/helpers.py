@@ -36,9 +36,12 @@ async def create(
     dedup_key: str = "",
     params: Any = None,
     task_id: str = "",
+    take_in: bool = True,
 ) -> Created:
+    """Create a task as a producer does and, with `take_in`, let a daemon take the
+    request in at once (the task then exists as a hash with its indexes)."""
     task_id = task_id or new_task_id()
-    return await store.run(
+    created = await store.run(
         store.ops.create(
             task_id,
             handler,
@@ -52,6 +55,23 @@ async def create(
             dedup_key=dedup_key,
         )
     )
+    if take_in:
+        await ingest(store)
+    return created
+
+
+async def ingest(store: Store, shard: int = 0) -> int:
+    """What a daemon's claim does first: take in producers' requests (a submit claim of
+    no task, promoting nothing). Returns how many requests it took in."""
+    batch = await store.claim(shard, "submit", 0, 1000, "ingest", 0)
+    return batch.taken
+
+
+async def cancel(store: Store, task_id: str, tenant: str | None = None) -> Code:
+    """A producer's cancel, then a daemon taking it in; the cancel script's code."""
+    result = await store.cancel(task_id, tenant)
+    await ingest(store, int(task_id.rpartition("-")[2]) if "-" in task_id else 0)
+    return result.code
 
 
 async def claim_one(store: Store, phase: str = "submit", lease_ms: int = 10_000) -> Claimed:
@@ -97,8 +117,14 @@ async def lease_expired(r: redis.asyncio.Redis, keys: Keys, task_id: str) -> boo
 
 
 async def check_invariants(r: redis.asyncio.Redis, keys: Keys) -> None:
-    """Counters equal real counts; each live task is in exactly one due set or leased."""
+    """Counters equal real counts; each live task is in exactly one due set or leased;
+    every create request not yet taken in is queued for the daemons."""
     tag = keys.tag(0)
+    queued = {e.decode() for e in await r.lrange(keys.intake(0), 0, -1)}
+    async for k in r.scan_iter(match=f"{tag}:new:*", count=1000):
+        tid = k.decode().rsplit(":", 1)[1]
+        assert f"c:{tid}" in queued, f"create request {tid} is not in the intake"
+        assert not await r.exists(keys.task(0, tid)), f"{tid} is both a request and a task"
     tasks: dict[str, dict[bytes, bytes]] = {}
     async for k in r.scan_iter(match=f"{tag}:task:*", count=1000):
         tid = k.decode().rsplit(":", 1)[1]

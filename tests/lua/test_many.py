@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import redis.asyncio
 
+from asynctaskd.codec import decode_request
 from asynctaskd.errors import ScriptError
 from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.model import Status
@@ -27,6 +28,7 @@ from .helpers import (
     claim_one,
     create,
     evalsha_calls,
+    ingest,
     lease_expired,
     submitted,
 )
@@ -298,7 +300,12 @@ async def _create_dedup_twice(s: Store, tid: str, r: redis.asyncio.Redis) -> lis
 
 async def _create_taken(s: Store, tid: str, r: redis.asyncio.Redis) -> list[Call[Any]]:
     await s.run(_creating(s, tid))
-    return [_creating(s, tid)]  # EXISTS: the decoder raises
+    return [_creating(s, tid, priority=8)]  # another create with its id: EXISTS, raised
+
+
+async def _create_resent(s: Store, tid: str, r: redis.asyncio.Redis) -> list[Call[Any]]:
+    await s.run(_creating(s, tid, delay_ms=5_000))
+    return [_creating(s, tid, delay_ms=5_000)]  # the same create again: answered as the first
 
 
 async def _create_bad(s: Store, tid: str, r: redis.asyncio.Redis) -> list[Call[Any]]:
@@ -310,7 +317,7 @@ async def _create_bad(s: Store, tid: str, r: redis.asyncio.Redis) -> list[Call[A
 
 CREATES: list[Build] = [
     _create, _create_delayed, _create_paused, _create_deduped, _create_dedup_twice,
-    _create_taken, _create_bad,
+    _create_taken, _create_resent, _create_bad,
 ]  # fmt: skip
 
 
@@ -333,6 +340,12 @@ async def _state(r: redis.asyncio.Redis, keys: Keys, ids: list[str]) -> dict[str
     out["counts"] = await r.hgetall(keys.counts(0))
     out["events"] = [fields for _, fields in await r.xrange(keys.events(0))]
     out["wake"] = await r.lrange(f"{tag}:wake", 0, -1)
+    out["intake"] = await r.lrange(keys.intake(0), 0, -1)
+    for tid in ids:
+        packed = await r.get(keys.request(0, tid))
+        fields = decode_request(packed, tid) if packed else {}
+        out[tid + " request"] = {k: ("set" if k.endswith(b"_ms") else v)
+                                 for k, v in sorted(fields.items())}  # fmt: skip
     dedup = sorted(await r.keys(f"{tag}:dedup:*"))  # private server: safe
     out["dedup"] = {k[len(tag) :]: await r.get(k) for k in dedup}
     return out
@@ -434,7 +447,11 @@ async def test_create_many_replies_and_writes_exactly_what_each_create_would(
 ) -> None:
     _, replies, ids, _ = await _alone_and_many(redis_client, CREATES)
     kinds = [type(x).__name__ for x in replies]
-    assert kinds.count("Created") == 7 and kinds.count("ScriptError") == 3, replies
+    assert kinds.count("Created") == 8 and kinds.count("ScriptError") == 3, replies
+    # taken in by a daemon, the requests of both namespaces become the same tasks
+    for keys in (Keys("one", 1), MANY):
+        await ingest(Store(redis_client, keys))
+    assert await _state(redis_client, MANY, ids) == await _state(redis_client, Keys("one", 1), ids)
     deduped = [x for x in replies if getattr(x, "deduped", False)]
     assert [x.task_id for x in deduped] == [
         _twin(ids[CREATES.index(_create_deduped)]),

@@ -18,9 +18,11 @@ from asynctaskd.model import Status
 from asynctaskd.store import Call, Code, Lease, Store
 from tests.conftest import wait_until
 from tests.lua.helpers import (
+    cancel,
     check_invariants,
     claim_one,
     create,
+    ingest,
     lease_expired,
     snapshot,
     status_of,
@@ -61,7 +63,8 @@ async def test_create_dedup_returns_the_live_task(store: Store) -> None:
     assert b.deduped and b.task_id == a.task_id
     assert not c.deduped and c.task_id != a.task_id
     # once the first is terminal, the key is free again
-    assert (await store.cancel(a.task_id)).code is Code.OK
+    assert await cancel(store, a.task_id) is Code.ACCEPTED
+    assert (await store.get(a.task_id)).status is Status.CANCELED  # type: ignore[union-attr]
     d = await create(store, tenant="t1", dedup_key="order-42")
     assert not d.deduped and d.task_id != a.task_id
 
@@ -88,7 +91,7 @@ async def _claim_raw(store: Store, phase: str, grants: dict[str, int] | None = N
     call = store.ops.claim(0, phase, 100, 10_000, "w1", 100, grants)  # type: ignore[arg-type]
     sha = store.scripts["claim"].sha
     reply = await store.redis.evalsha(sha, len(call.keys), *call.keys, *call.args)
-    return list(reply[4:])
+    return list(reply[5:])
 
 
 async def test_a_claim_that_spends_its_hold_budget_puts_the_rest_back_as_it_was(
@@ -545,23 +548,43 @@ async def test_save_refuses_fields_it_does_not_own(store: Store) -> None:
 # --- cancel -------------------------------------------------------------------------------
 
 
-async def test_cancel_pending_is_immediate(
+async def test_cancel_of_a_pending_task_is_carried_out_when_a_daemon_takes_it_in(
     store: Store, redis_client: redis.asyncio.Redis, keys: Keys
 ) -> None:
     created = await create(store, tenant="t1")
     assert (await store.cancel(created.task_id, tenant="t2")).code is Code.NOT_FOUND
     r = await store.cancel(created.task_id, tenant="t1")
-    assert r.code is Code.OK
+    assert r.code is Code.ACCEPTED and r.version == 1
+    # a request, not a write: the task is unchanged until a daemon takes the request in
+    assert await status_of(redis_client, keys, created.task_id) is Status.PENDING_SUBMIT
+    assert await redis_client.lrange(keys.intake(0), 0, -1) == [f"x:{created.task_id}".encode()]
+    assert await ingest(store) == 1
     assert await status_of(redis_client, keys, created.task_id) is Status.CANCELED
     r2 = await store.cancel(created.task_id)
     assert r2.code is Code.TERMINAL and r2.status is Status.CANCELED
+    assert await redis_client.llen(keys.intake(0)) == 0  # nothing asked of a finished task
+    await check_invariants(redis_client, keys)
+
+
+async def test_cancel_of_a_task_not_taken_in_yet_cancels_it_as_it_is_taken_in(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    created = await create(store, tenant="t1", dedup_key="k", take_in=False)
+    assert (await store.cancel(created.task_id, tenant="t2")).code is Code.NOT_FOUND
+    assert (await store.cancel(created.task_id, tenant="t1")).code is Code.ACCEPTED
+    assert await ingest(store) == 2  # the create, then the cancel, in order
+    assert await status_of(redis_client, keys, created.task_id) is Status.CANCELED
+    assert not await redis_client.exists(keys.request(0, created.task_id))
+    # ending freed the dedup key
+    again = await create(store, tenant="t1", dedup_key="k")
+    assert not again.deduped and again.task_id != created.task_id
     await check_invariants(redis_client, keys)
 
 
 async def test_cancel_during_submit_lease_stops_the_vendor_call(store: Store) -> None:
     created = await create(store)
     c = await claim_one(store)
-    assert (await store.cancel(created.task_id)).code is Code.ACCEPTED
+    assert await cancel(store, created.task_id) is Code.ACCEPTED
     r = await store.start(c.lease, False)
     assert r.code is Code.CANCEL_REQUESTED
     lease = Lease(c.lease.task_id, c.lease.fence, r.version)
@@ -574,7 +597,7 @@ async def test_cancel_during_query_lease_is_merged_at_next_save(
 ) -> None:
     await submitted(store)
     c = await claim_one(store, "query")
-    assert (await store.cancel(c.lease.task_id)).code is Code.ACCEPTED
+    assert await cancel(store, c.lease.task_id) is Code.ACCEPTED
     r = await store.save(c.lease, Status.RUNNING, delay_ms=60_000, fields={"progress": "0.2"})
     assert r.code is Code.OK and r.status is Status.RUNNING
     # due at once despite the long poll interval, so a worker cancels at the vendor
@@ -587,7 +610,7 @@ async def test_cancel_during_query_lease_is_merged_at_next_save(
 async def test_terminal_outcome_wins_over_cancel(store: Store) -> None:
     await submitted(store)
     c = await claim_one(store, "query")
-    await store.cancel(c.lease.task_id)
+    await cancel(store, c.lease.task_id)
     r = await store.save(c.lease, Status.SUCCEEDED, fields={"result": b"42"})
     assert r.code is Code.OK and r.status is Status.SUCCEEDED
 
@@ -598,10 +621,11 @@ async def test_cancel_of_a_parked_task_with_an_old_flag_cancels_it(
     await create(store)
     c = await claim_one(store, lease_ms=100)
     await store.start(c.lease, False)
-    assert (await store.cancel(c.lease.task_id)).code is Code.ACCEPTED
+    assert await cancel(store, c.lease.task_id) is Code.ACCEPTED
     await _expire(store, redis_client, keys, c.lease.task_id)
     assert await status_of(redis_client, keys, c.lease.task_id) is Status.SUBMIT_UNKNOWN
-    assert (await store.cancel(c.lease.task_id)).code is Code.OK
+    # the old flag does not swallow a new request: the parked task is canceled
+    assert await cancel(store, c.lease.task_id) is Code.ACCEPTED
     assert await status_of(redis_client, keys, c.lease.task_id) is Status.CANCELED
 
 
@@ -612,7 +636,7 @@ async def test_cancel_idle_submitted_task_makes_it_due_now(
     c = await claim_one(store, "query")
     await store.save(c.lease, Status.RUNNING, delay_ms=3_600_000)
     assert (await store.claim(0, "query", 1, 1000, "w")).claimed == []
-    assert (await store.cancel(c.lease.task_id)).code is Code.ACCEPTED
+    assert await cancel(store, c.lease.task_id) is Code.ACCEPTED
     c2 = await claim_one(store, "query")
     assert c2.task.cancel_requested
     await check_invariants(redis_client, keys)
@@ -847,7 +871,7 @@ async def test_purge_deletes_old_terminal_tasks_with_exact_counts(
 ) -> None:
     done = await create(store)
     live = await create(store)
-    await store.cancel(done.task_id)
+    await cancel(store, done.task_id)
     assert await store.purge(0, 60_000, 100) == []
     assert await store.purge(0, 0, 100) == [done.task_id]
     assert await redis_client.exists(keys.task(0, done.task_id)) == 0
@@ -875,7 +899,7 @@ async def test_pause_holds_a_tenant_back_without_blocking_others(
     assert list(await store.paused()) == ["tenant:t1"]
     await check_invariants(redis_client, keys)
     # a held task can still be canceled, and it leaves the held set
-    assert (await store.cancel(held[0].task_id)).code is Code.OK
+    assert await cancel(store, held[0].task_id) is Code.ACCEPTED
     await check_invariants(redis_client, keys)
     assert await store.resume("tenant:t1") == 4
     again = await store.claim(0, "submit", 10, 10_000, "w")

@@ -1,0 +1,174 @@
+-- _intake: producers' requests, carried out by a daemon (not a script itself).
+--
+-- A producer may not write a task (docs/security.md: its ACL user has no command that
+-- changes an existing key). Its scripts leave requests instead, with commands that can
+-- only add:
+--   create  SETNX new:<id> = the task's first fields (a cmsgpack array: field, value,
+--           ...), then RPUSH intake 'c:<id>'
+--   cancel  RPUSH intake 'x:<id>'
+--   create, finding a dedup key whose task is gone  RPUSH intake 'd:<dedup suffix>'
+-- ingest(limit, wake_others) pops up to `limit` entries in order and carries each out as
+-- a create or a cancel used to be carried out by the producer itself. Everything in a
+-- request was written by a producer, so it is checked first; a request that is not
+-- exactly what the create script writes is dropped, with its dedup key if it holds one.
+-- Never raises: one bad entry must not stop the daemon's claims.
+-- Returns the number of entries taken and a list {id, reason, ...} of dropped creates.
+
+local REQUEST_FIELDS = {id = true, handler = true, status = true, priority = true,
+  created_ms = true, updated_ms = true, deadline_ms = true, timeout_ms = true, due_ms = true,
+  version = true, params = true, provider = false, tenant = false, account = false,
+  metadata = false, dedup = false}
+local NAME_PATTERN = '^[%w_.:%-]+$'  -- keys.HANDLER_KEY_RE, at most 64 characters
+
+local function name_ok(v) return type(v) == 'string' and #v <= 64 and string.find(v, NAME_PATTERN) end
+
+-- A canonical non-negative integer that Lua's doubles hold exactly: what create writes.
+local function ms_ok(v)
+  return type(v) == 'string' and (v == '0' or (string.find(v, '^[1-9]%d*$') and #v <= 15))
+end
+
+-- The task's fields as a table, or nil and why not.
+local function check_request(id, packed)
+  local ok, flat = pcall(cmsgpack.unpack, packed)
+  if not ok or type(flat) ~= 'table' or #flat % 2 ~= 0 or #flat > 32 then
+    return nil, 'not a cmsgpack array of field, value pairs'
+  end
+  local f = {}
+  for i = 1, #flat, 2 do
+    local name, value = flat[i], flat[i + 1]
+    if REQUEST_FIELDS[name] == nil or f[name] ~= nil or type(value) ~= 'string' then
+      return nil, 'unknown, repeated or non-text field ' .. tostring(name)
+    end
+    f[name] = value
+  end
+  for name, required in pairs(REQUEST_FIELDS) do
+    if required and f[name] == nil then return nil, 'missing ' .. name end
+  end
+  if f.id ~= id or f.status ~= 'PENDING_SUBMIT' or f.version ~= '1' then
+    return nil, 'id, status or version is not that of a new task'
+  end
+  if not name_ok(f.handler) or (f.provider and not name_ok(f.provider))
+     or (f.tenant and not name_ok(f.tenant)) or (f.account and not name_ok(f.account)) then
+    return nil, 'a handler, provider, tenant or account name is not valid'
+  end
+  for _, name in ipairs({'created_ms', 'updated_ms', 'deadline_ms', 'timeout_ms', 'due_ms'}) do
+    if not ms_ok(f[name]) then return nil, name .. ' is not an integer' end
+  end
+  local priority = tonumber(f.priority)
+  if not string.find(f.priority, '^%-?%d+$') or priority < -100 or priority > 100 then
+    return nil, 'priority is not an integer from -100 to 100'
+  end
+  local created = tonumber(f.created_ms)
+  if f.updated_ms ~= f.created_ms or tonumber(f.timeout_ms) < 1
+     or tonumber(f.deadline_ms) ~= created + tonumber(f.timeout_ms)
+     or tonumber(f.due_ms) < created then
+    return nil, 'the times do not fit together'
+  end
+  if f.dedup then
+    -- <len(tenant)>:<tenant>:<key>, the task's own tenant, and the key must name this task
+    local tenant = f.tenant or ''
+    if string.sub(f.dedup, 1, #(#tenant .. ':' .. tenant .. ':')) ~= #tenant .. ':' .. tenant .. ':'
+       or redis.call('GET', P .. 'dedup:' .. f.dedup) ~= id then
+      return nil, 'its dedup key does not name it'
+    end
+  end
+  return f, nil
+end
+
+local function ingest_create(id, wake_others)
+  local nk = P .. 'new:' .. id
+  local packed = redis.call('GET', nk)
+  if not packed then return nil end  -- taken in already, or never stored
+  redis.call('DEL', nk)
+  local tk = task_key(id)
+  local f, why = check_request(id, packed)
+  if f and redis.call('EXISTS', tk) == 1 then f, why = nil, 'the task id is taken' end
+  if not f then
+    -- free the dedup key if it names this request, so the same key can be used again
+    local ok, flat = pcall(cmsgpack.unpack, packed)
+    if ok and type(flat) == 'table' then
+      for i = 1, #flat - 1, 2 do
+        if flat[i] == 'dedup' and type(flat[i + 1]) == 'string' then
+          local dk = P .. 'dedup:' .. flat[i + 1]
+          if redis.call('GET', dk) == id then redis.call('DEL', dk) end
+        end
+      end
+    end
+    return why
+  end
+  local fields = {}
+  for name, value in pairs(f) do
+    fields[#fields + 1] = name
+    fields[#fields + 1] = value
+  end
+  redis.call('HSET', tk, unpack(fields))
+  move_status(tk, id, nil, 'PENDING_SUBMIT', f.handler)
+  redis.call('ZADD', P .. 'deadlines', f.deadline_ms, id)
+  local due_ms = tonumber(f.due_ms)
+  schedule(id, 'submit', due_ms, tonumber(f.priority))
+  if wake_others and due_ms <= NOW then wake() end
+  emit(id, 'PENDING_SUBMIT', 1)
+  return nil
+end
+
+-- A cancel as the producer asked for it (its script checked the tenant): now if nobody
+-- holds the task, else a flag the holder merges at its next write.
+local function ingest_cancel(id)
+  local tk = task_key(id)
+  local t = redis.pcall('HMGET', tk, 'status', 'cancel_requested', 'handler', 'priority',
+                        'version', 'owner')
+  if type(t) ~= 'table' or t.err ~= nil then return end
+  local status = t[1]
+  local unheld = status == 'PENDING_SUBMIT' or status == 'SUBMIT_UNKNOWN'
+  if not status or not KNOWN[status] or TERMINAL[status] or not t[3] or not int_field(t[5])
+     or (t[2] == '1' and not unheld) then
+    return
+  end
+  local v = bump(tk)
+  if unheld then
+    redis.call('HSET', tk, 'cancel_requested', '1')
+    finish(tk, id, status, 'CANCELED', t[3])
+    emit(id, 'CANCELED', v)
+    return
+  end
+  redis.call('HSET', tk, 'cancel_requested', '1', 'cancel_version', v)
+  -- an idle SUBMITTED/RUNNING task is due at once: the cancel does not wait for its poll
+  if (status == 'SUBMITTED' or status == 'RUNNING') and not t[6] then
+    unschedule(id)
+    redis.call('HSET', tk, 'due_ms', schedule(id, 'query', NOW, tonumber(t[4]) or 0))
+    wake()
+  end
+  emit(id, status, v, {'cancel_requested', '1'})
+end
+
+-- A dedup key whose task is gone (deleted by hand, or a dropped request): free it.
+local function ingest_dedup(suffix)
+  local dk = P .. 'dedup:' .. suffix
+  local id = redis.call('GET', dk)
+  if not id then return end
+  local st = redis.pcall('HGET', task_key(id), 'status')
+  if type(st) == 'string' and not TERMINAL[st] then return end
+  if redis.call('EXISTS', P .. 'new:' .. id) == 1 then return end
+  redis.call('DEL', dk)
+end
+
+local function ingest(limit, wake_others)
+  local entries = redis.call('LPOP', P .. 'intake', limit)
+  if not entries then return 0, {} end
+  local dropped = {}
+  for _, entry in ipairs(entries) do
+    local kind, rest = string.sub(entry, 1, 2), string.sub(entry, 3)
+    if kind == 'c:' then
+      local why = ingest_create(rest, wake_others)
+      if why then
+        dropped[#dropped + 1] = rest
+        dropped[#dropped + 1] = why
+      end
+    elseif kind == 'x:' then
+      ingest_cancel(rest)
+    elseif kind == 'd:' then
+      ingest_dedup(rest)
+    end
+  end
+  return #entries, dropped
+end
