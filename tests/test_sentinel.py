@@ -19,6 +19,7 @@ from asynctaskd.daemon import Daemon
 from asynctaskd.embedded import find_binary, free_port
 from asynctaskd.errors import StoreUnavailable
 from asynctaskd.fakevendor import Behaviour, FakeVendorProcess, run_server
+from asynctaskd.keys import Keys
 from tests.configs import tls_daemon_toml, write_daemon_config
 from tests.conftest import SERVER_BINARIES, wait_until_sync
 from tests.servers import SERVICE, Pki, PrivateServer, SentinelProcess, make_pki, start_server
@@ -67,6 +68,15 @@ def ready(metrics_port: int) -> bool:
         return False
 
 
+def serving(metrics_port: int, master: PrivateServer) -> bool:
+    """Ready, and its handler published: /readyz can answer before the first heartbeat,
+    and a strict submit before it is refused."""
+    if not ready(metrics_port):
+        return False
+    with SyncRedis(port=master.port, socket_timeout=5) as r:
+        return bool(r.hexists(Keys("atd").handlers(), "demo"))
+
+
 def gate_count(metrics_port: int, outcome: str) -> float:
     url = f"http://127.0.0.1:{metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=5) as response:
@@ -84,35 +94,53 @@ def stopping(*servers: PrivateServer) -> Iterator[None]:
             server.stop()
 
 
+def watched_master(
+    stack: contextlib.ExitStack, binary: Path, master_args: tuple[str, ...] = ()
+) -> tuple[PrivateServer, list[PrivateServer], list[SentinelProcess], str]:
+    """A master, two replicas in sync and three sentinels (quorum 2) that see them all,
+    stopped by `stack`; returns them and the sentinel URL (whose first address is dead:
+    discovery moves on to the next one)."""
+    master = PrivateServer(binary, extra_args=(*NODE_ARGS, *master_args))
+    stack.callback(master.stop)
+    master.start()
+    replicas = []
+    for _ in range(2):
+        replica = PrivateServer(
+            binary, extra_args=(*NODE_ARGS, "--replicaof", "127.0.0.1", str(master.port))
+        )
+        stack.callback(replica.stop)
+        replicas.append(replica.start())
+    wait_until_sync(
+        lambda: info(master.port, "replication").get("connected_slaves") == 2,
+        "two replicas in sync",
+    )
+    sentinels = []
+    for _ in range(3):
+        sentinel = SentinelProcess(binary, master.port, quorum=2)
+        stack.callback(sentinel.stop)
+        sentinels.append(sentinel.start())
+    wait_until_sync(
+        lambda: all(sentinel_view(s) == (master.port, 2, 2) for s in sentinels),
+        "every sentinel to see the master, two replicas and the other sentinels",
+        timeout=15,
+    )
+    addresses = ",".join(f"127.0.0.1:{p}" for p in [free_port(), *(s.port for s in sentinels)])
+    return master, replicas, sentinels, f"redis+sentinel://{addresses}/{SERVICE}/0"
+
+
+def promoted(old: PrivateServer, sentinels: list[SentinelProcess]) -> int | None:
+    """The port of the master every sentinel names, once it is not `old` and says so."""
+    ports = {sentinel_view(s)[0] for s in sentinels}
+    if len(ports) != 1 or old.port in ports:
+        return None
+    port = ports.pop()
+    return port if info(port, "replication").get("role") == "master" else None
+
+
 @pytest.mark.slow
 def test_daemon_and_client_carry_on_through_a_failover(binary: Path, tmp_path: Path) -> None:
-    master = PrivateServer(binary, extra_args=NODE_ARGS).start()
     with contextlib.ExitStack() as stack:
-        stack.callback(master.stop)
-        replicas = []
-        for _ in range(2):
-            replica = PrivateServer(
-                binary, extra_args=(*NODE_ARGS, "--replicaof", "127.0.0.1", str(master.port))
-            )
-            stack.callback(replica.stop)
-            replicas.append(replica.start())
-        wait_until_sync(
-            lambda: info(master.port, "replication").get("connected_slaves") == 2,
-            "two replicas in sync",
-        )
-        sentinels = []
-        for _ in range(3):
-            sentinel = SentinelProcess(binary, master.port, quorum=2)
-            stack.callback(sentinel.stop)
-            sentinels.append(sentinel.start())
-        wait_until_sync(
-            lambda: all(sentinel_view(s) == (master.port, 2, 2) for s in sentinels),
-            "every sentinel to see the master, two replicas and the other sentinels",
-            timeout=15,
-        )
-        # The first sentinel address is dead: discovery moves on to the next one.
-        addresses = ",".join(f"127.0.0.1:{p}" for p in [free_port(), *(s.port for s in sentinels)])
-        url = f"redis+sentinel://{addresses}/{SERVICE}/0"
+        master, replicas, sentinels, url = watched_master(stack, binary)
 
         vendor = stack.enter_context(FakeVendorProcess.start(Behaviour(polls_to_done=20)))
         metrics_port = free_port()
@@ -126,7 +154,7 @@ def test_daemon_and_client_carry_on_through_a_failover(binary: Path, tmp_path: P
         )
         daemon = start_daemon(config)
         stack.callback(lambda: daemon.poll() is None and daemon.kill())
-        wait_until_sync(lambda: ready(metrics_port), "the daemon to be ready", timeout=20)
+        wait_until_sync(lambda: serving(metrics_port, master), "the daemon to serve", timeout=20)
         client = stack.enter_context(Client.from_url(url))
 
         before = [client.submit("demo", {"i": i}, tracking_timeout=120).id for i in range(20)]
@@ -144,15 +172,9 @@ def test_daemon_and_client_carry_on_through_a_failover(binary: Path, tmp_path: P
         # tracked across the kill: the vendor jobs run on
         assert statuses(client, before).get(Status.SUCCEEDED, 0) < 20
         master.kill()
-
-        def promoted() -> int | None:
-            ports = {sentinel_view(s)[0] for s in sentinels}
-            if len(ports) != 1 or master.port in ports:
-                return None
-            port = ports.pop()
-            return port if info(port, "replication").get("role") == "master" else None
-
-        new_port = wait_until_sync(promoted, "a replica promoted by Sentinel", timeout=30)
+        new_port = wait_until_sync(
+            lambda: promoted(master, sentinels), "a replica promoted by Sentinel", timeout=30
+        )
         assert new_port in {r.port for r in replicas}
 
         # The same client, without any retry of ours, now writes to the new master.
