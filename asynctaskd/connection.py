@@ -17,7 +17,8 @@ TLS files can also come from `TlsOptions` (the daemon's `[redis]` keys `tls_ca`,
 Through Sentinel the client asks the sentinels for the master of `service` before each new
 connection, so after a failover it reconnects to the promoted replica. User name and
 password (from the URL or the credentials passed in) authenticate to the Redis nodes; the
-sentinels get them too with `sentinel_auth=yes`.
+sentinels get them too with `sentinel_auth=yes`. An asyncio client only ever uses
+connections to the master the sentinels named last.
 
 Bad settings raise `ConfigError` before any connection is made: TLS files are read and
 parsed up front, so a missing CA file or a key that does not fit its certificate is named
@@ -339,7 +340,25 @@ class _BlockingSentinelPool(
     redis.asyncio.sentinel.SentinelConnectionPool, redis.asyncio.BlockingConnectionPool
 ):
     """Sentinel discovery with the waiting pool of `open_async` (redis-py's sentinel pool
-    fails with "Too many connections" when every connection is busy)."""
+    fails with "Too many connections" when every connection is busy), handing out only
+    connections to the master the sentinels named last.
+
+    redis-py asks the sentinels only when it opens a connection, drops only the idle
+    connections when the answer changes, and takes a connection back as it is. After a
+    failover whose old master is still alive (it stalled, or the sentinels lost sight of
+    it), the connections opened before would go on writing to that old master, which takes
+    writes until Sentinel demotes it and then throws them away, while new connections write
+    to the new master: one client on two masters whose data diverge, each refusing the
+    fences and leases the other handed out. A connection to any other address is closed
+    here before it is used again, and reconnects through the sentinels.
+    """
+
+    async def ensure_connection(self, connection: Any) -> None:
+        # One tuple comparison per connection handed out: the pool's own check that follows
+        # costs more. `master_address` is None until the first discovery.
+        if connection.is_connected and (connection.host, connection.port) != self.master_address:
+            await connection.disconnect()
+        await super().ensure_connection(connection)
 
 
 class _AsyncSentinelRedis(redis.asyncio.Redis):

@@ -15,6 +15,7 @@ from redis import Redis as SyncRedis
 
 from asynctaskd import AsyncClient, Client, Status
 from asynctaskd.config import parse_config
+from asynctaskd.connection import open_async
 from asynctaskd.daemon import Daemon
 from asynctaskd.embedded import find_binary, free_port
 from asynctaskd.errors import StoreUnavailable
@@ -194,6 +195,47 @@ def test_daemon_and_client_carry_on_through_a_failover(binary: Path, tmp_path: P
         assert gate_count(metrics_port, "ok") >= 40
         daemon.send_signal(signal.SIGTERM)
         assert daemon.wait(timeout=20) == 0
+
+
+# The old master of the failovers below stays up and takes writes, as one that stalled, or
+# that the sentinels lost sight of, does until Sentinel demotes it (and throws away what it
+# took meanwhile). Here Sentinel can never demote it: REPLICAOF and SLAVEOF are disabled.
+UNDEMOTABLE = ("--rename-command", "REPLICAOF", "", "--rename-command", "SLAVEOF", "")
+
+
+def fail_over(master: PrivateServer, sentinels: list[SentinelProcess]) -> int:
+    """Have Sentinel promote a replica of `master`, which stays a master; the new port."""
+    with sentinels[0].client() as r:
+        assert r.sentinel_failover(SERVICE)
+    new_port: int = wait_until_sync(
+        lambda: promoted(master, sentinels), "a replica promoted by Sentinel", timeout=30
+    )
+    assert info(master.port, "replication").get("role") == "master"  # two masters now
+    return new_port
+
+
+@pytest.mark.slow
+async def test_a_connection_in_use_across_a_failover_is_not_used_again(binary: Path) -> None:
+    # redis-py asks the sentinels only when it opens a connection, and takes a connection
+    # back as it is: one that was busy (a pipeline waiting for its replies, a blocked
+    # BLPOP) when the master changed went on to write to the old master.
+    with contextlib.ExitStack() as stack:
+        master, _, sentinels, url = watched_master(stack, binary, UNDEMOTABLE)
+        client = open_async(url)
+        try:
+            pool = client.connection_pool
+            busy = await pool.get_connection()
+            assert (busy.host, busy.port) == ("127.0.0.1", master.port)
+            new_port = fail_over(master, sentinels)
+            await client.set("opened-after", 1)  # a new connection: asks the sentinels
+            await pool.release(busy)
+            await client.set("reused", 1)  # the pool hands out `busy` again first
+        finally:
+            await client.aclose()
+        with SyncRedis(port=new_port, socket_timeout=5) as new:
+            assert new.exists("opened-after", "reused") == 2
+        with SyncRedis(port=master.port, socket_timeout=5) as old:
+            assert old.exists("opened-after", "reused") == 0
 
 
 async def test_sentinel_and_nodes_with_passwords(
