@@ -18,7 +18,9 @@ Through Sentinel the client asks the sentinels for the master of `service` befor
 connection, so after a failover it reconnects to the promoted replica. User name and
 password (from the URL or the credentials passed in) authenticate to the Redis nodes; the
 sentinels get them too with `sentinel_auth=yes`. An asyncio client only ever uses
-connections to the master the sentinels named last.
+connections to the master the sentinels named last, and `follow_master` (run by the
+daemon) asks them again every so often, so a failover is followed even while the old
+master still answers.
 
 Bad settings raise `ConfigError` before any connection is made: TLS files are read and
 parsed up front, so a missing CA file or a key that does not fit its certificate is named
@@ -28,12 +30,14 @@ at start rather than at the first command.
 from __future__ import annotations
 
 import difflib
+import logging
 import ssl
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final, Literal
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+import anyio
 import msgspec
 import redis
 import redis.asyncio
@@ -54,9 +58,12 @@ __all__ = [
     "SCHEMES",
     "TlsOptions",
     "connection_problems",
+    "follow_master",
     "open_async",
     "open_sync",
 ]
+
+logger = logging.getLogger(__name__)
 
 SCHEMES: Final = (
     "redis", "rediss", "unix", "redis+sentinel", "rediss+sentinel", "redis+cluster",
@@ -383,6 +390,36 @@ class _SyncSentinelRedis(redis.Redis):
             manager = getattr(self.connection_pool, "sentinel_manager", None)
             if manager is not None:
                 manager.close()
+
+
+async def follow_master(client: redis.asyncio.Redis, interval: float) -> None:
+    """Ask the sentinels for the master every `interval` seconds, forever; returns at once
+    for a client that does not go through Sentinel.
+
+    Without it a client notices a failover only when a connection breaks. A master that
+    dies breaks them all, but one that stalled, or that the sentinels lost sight of, comes
+    back still a master and takes writes until Sentinel demotes it, and those writes are
+    lost then. Once the sentinels name another master, every connection to the old one is
+    closed before its next use (`_BlockingSentinelPool`). A failed question changes
+    nothing: the next one, or the next new connection, asks again.
+    """
+    pool = client.connection_pool
+    if not isinstance(pool, _BlockingSentinelPool):
+        return
+    while True:
+        await anyio.sleep(interval)
+        before = pool.master_address
+        try:
+            after = await pool.get_master_address()  # type: ignore[no-untyped-call]  # unannotated in redis-py
+        except (redis.exceptions.RedisError, OSError) as exc:
+            logger.debug("asking the sentinels for the master failed: %s", exc)
+            continue
+        if before is not None and after != before:
+            logger.warning(
+                "Sentinel names a new master, %s:%s (was %s:%s): following it",
+                *after,
+                *before,
+            )
 
 
 def _options(credentials: Mapping[str, str] | None, socket_timeout: float | None) -> dict[str, Any]:

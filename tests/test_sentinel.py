@@ -238,6 +238,56 @@ async def test_a_connection_in_use_across_a_failover_is_not_used_again(binary: P
             assert old.exists("opened-after", "reused") == 0
 
 
+@pytest.mark.slow
+def test_daemon_leaves_an_old_master_that_still_takes_writes(binary: Path, tmp_path: Path) -> None:
+    # An idle daemon opens no connection, so nothing made it ask the sentinels again: it
+    # went on claiming from the old master while producers wrote to the new one.
+    with contextlib.ExitStack() as stack:
+        master, _, sentinels, url = watched_master(stack, binary, UNDEMOTABLE)
+        vendor = stack.enter_context(FakeVendorProcess.start(Behaviour(polls_to_done=2)))
+        metrics_port = free_port()
+        config = write_daemon_config(
+            tmp_path / "config.toml",
+            url,
+            vendor.url,
+            redis={"wait_replicas": 1},
+            worker={"lease": "2s", "shutdown_grace": "5s"},
+            metrics={"listen": f"127.0.0.1:{metrics_port}"},
+        )
+        daemon = start_daemon(config)
+        stack.callback(lambda: daemon.poll() is None and daemon.kill())
+        wait_until_sync(lambda: serving(metrics_port, master), "the daemon to serve", timeout=20)
+        with Client.from_url(url) as client:
+            before = [client.submit("demo", {"i": i}, tracking_timeout=120).id for i in range(10)]
+            wait_until_sync(
+                lambda: statuses(client, before) == {Status.SUCCEEDED: 10},
+                "the first tasks to succeed",
+                timeout=20,
+            )
+        new_port = fail_over(master, sentinels)
+
+        # A client made now asks the sentinels first, so these tasks are on the new master
+        # only (a producer's long-lived client: docs/deploy.md, section 8).
+        with Client.from_url(url) as client:
+            after = [client.submit("demo", {"i": i}, tracking_timeout=120).id for i in range(20)]
+            try:
+                wait_until_sync(
+                    lambda: statuses(client, after) == {Status.SUCCEEDED: 20},
+                    "the tasks submitted after the failover to succeed",
+                    timeout=30,
+                )
+            except AssertionError as exc:
+                logs = "".join(p.read_text()[-3000:] for p in tmp_path.glob("daemon-*.log"))
+                raise AssertionError(f"{exc}: {statuses(client, after)}\n{logs}") from None
+        created = [e["ref"] for e in vendor.submit_log() if e["outcome"] == "created"]
+        assert sorted(created) == sorted(before + after)
+        with SyncRedis(port=new_port, socket_timeout=5) as r:
+            events = r.xrange(Keys("atd").events(0))
+        assert [e for _, e in events if e[b"status"] == b"SUBMIT_UNKNOWN"] == []
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=20) == 0
+
+
 async def test_sentinel_and_nodes_with_passwords(
     binary: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
