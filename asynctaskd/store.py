@@ -563,10 +563,13 @@ def _mapped(what: str) -> Iterator[None]:
             ) from exc
         if "asynctaskd:" in text:
             raise ScriptError(f"{what}: {text}") from exc
+        # NOREPLICAS: a master set to take no writes without replicas (min-replicas-to-write)
+        # refuses at a script's first write, so the script wrote nothing.
         unavailable = (
             "MASTERDOWN",
             "LOADING",
             "READONLY",
+            "NOREPLICAS",
             "CLUSTERDOWN",
             "TRYAGAIN",
             "MOVED",
