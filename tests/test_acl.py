@@ -137,6 +137,7 @@ async def test_a_producer_cannot_run_worker_or_operator_scripts(
         ops.save_many([ops.save(lease, Status.FAILED), ops.save(lease, Status.FAILED)]),
         ops.renew(0, 60_000, [lease]),
         ops.release(0, [lease]),
+        ops.withdraw(lease, "t"),
         ops.reap(0, 100, 3),
         ops.time_out(0, 100),
         ops.resolve(ready.id, Status.FAILED, message="no"),
