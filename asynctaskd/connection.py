@@ -59,6 +59,7 @@ __all__ = [
     "TlsOptions",
     "connection_problems",
     "follow_master",
+    "master_address",
     "open_async",
     "open_sync",
 ]
@@ -390,6 +391,16 @@ class _SyncSentinelRedis(redis.Redis):
             manager = getattr(self.connection_pool, "sentinel_manager", None)
             if manager is not None:
                 manager.close()
+
+
+def master_address(client: redis.asyncio.Redis) -> tuple[str, int] | None:
+    """The master a Sentinel client talks to now (None before its first connection, and
+    for any other client)."""
+    pool = client.connection_pool
+    if isinstance(pool, _BlockingSentinelPool):
+        address: tuple[str, int] | None = pool.master_address
+        return address
+    return None
 
 
 async def follow_master(client: redis.asyncio.Redis, interval: float) -> None:
