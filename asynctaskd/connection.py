@@ -361,6 +361,17 @@ class _BlockingSentinelPool(
     here before it is used again, and reconnects through the sentinels.
     """
 
+    _announced: tuple[str, int] | None = None  # the master last logged
+
+    async def get_master_address(self) -> Any:
+        after = await super().get_master_address()  # type: ignore[no-untyped-call]  # unannotated in redis-py
+        before, self._announced = self._announced, after
+        if before is not None and after != before:  # once, however many connections asked
+            logger.warning(
+                "Sentinel names a new master, %s:%s (was %s:%s): following it", *after, *before
+            )
+        return after
+
     async def ensure_connection(self, connection: Any) -> None:
         # One tuple comparison per connection handed out: the pool's own check that follows
         # costs more. `master_address` is None until the first discovery.
@@ -419,18 +430,10 @@ async def follow_master(client: redis.asyncio.Redis, interval: float) -> None:
         return
     while True:
         await anyio.sleep(interval)
-        before = pool.master_address
         try:
-            after = await pool.get_master_address()  # type: ignore[no-untyped-call]  # unannotated in redis-py
+            await pool.get_master_address()
         except (redis.exceptions.RedisError, OSError) as exc:
             logger.debug("asking the sentinels for the master failed: %s", exc)
-            continue
-        if before is not None and after != before:
-            logger.warning(
-                "Sentinel names a new master, %s:%s (was %s:%s): following it",
-                *after,
-                *before,
-            )
 
 
 def _options(credentials: Mapping[str, str] | None, socket_timeout: float | None) -> dict[str, Any]:
