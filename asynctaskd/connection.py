@@ -407,7 +407,7 @@ class _SyncSentinelRedis(redis.Redis):
 def master_address(client: redis.asyncio.Redis) -> tuple[str, int] | None:
     """The master a Sentinel client talks to now (None before its first connection, and
     for any other client)."""
-    pool = client.connection_pool
+    pool = getattr(client, "connection_pool", None)  # a cluster client has none
     if isinstance(pool, _BlockingSentinelPool):
         address: tuple[str, int] | None = pool.master_address
         return address
@@ -425,7 +425,7 @@ async def follow_master(client: redis.asyncio.Redis, interval: float) -> None:
     closed before its next use (`_BlockingSentinelPool`). A failed question changes
     nothing: the next one, or the next new connection, asks again.
     """
-    pool = client.connection_pool
+    pool = getattr(client, "connection_pool", None)  # a cluster client has none
     if not isinstance(pool, _BlockingSentinelPool):
         return
     while True:
