@@ -17,7 +17,10 @@ TLS files can also come from `TlsOptions` (the daemon's `[redis]` keys `tls_ca`,
 Through Sentinel the client asks the sentinels for the master of `service` before each new
 connection, so after a failover it reconnects to the promoted replica. User name and
 password (from the URL or the credentials passed in) authenticate to the Redis nodes; the
-sentinels get them too with `sentinel_auth=yes`.
+sentinels get them too with `sentinel_auth=yes`. An asyncio client only ever uses
+connections to the master the sentinels named last, and `follow_master` (run by the
+daemon) asks them again every so often, so a failover is followed even while the old
+master still answers.
 
 Bad settings raise `ConfigError` before any connection is made: TLS files are read and
 parsed up front, so a missing CA file or a key that does not fit its certificate is named
@@ -27,12 +30,14 @@ at start rather than at the first command.
 from __future__ import annotations
 
 import difflib
+import logging
 import ssl
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final, Literal
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+import anyio
 import msgspec
 import redis
 import redis.asyncio
@@ -53,9 +58,13 @@ __all__ = [
     "SCHEMES",
     "TlsOptions",
     "connection_problems",
+    "follow_master",
+    "master_address",
     "open_async",
     "open_sync",
 ]
+
+logger = logging.getLogger(__name__)
 
 SCHEMES: Final = (
     "redis", "rediss", "unix", "redis+sentinel", "rediss+sentinel", "redis+cluster",
@@ -339,7 +348,36 @@ class _BlockingSentinelPool(
     redis.asyncio.sentinel.SentinelConnectionPool, redis.asyncio.BlockingConnectionPool
 ):
     """Sentinel discovery with the waiting pool of `open_async` (redis-py's sentinel pool
-    fails with "Too many connections" when every connection is busy)."""
+    fails with "Too many connections" when every connection is busy), handing out only
+    connections to the master the sentinels named last.
+
+    redis-py asks the sentinels only when it opens a connection, drops only the idle
+    connections when the answer changes, and takes a connection back as it is. After a
+    failover whose old master is still alive (it stalled, or the sentinels lost sight of
+    it), the connections opened before would go on writing to that old master, which takes
+    writes until Sentinel demotes it and then throws them away, while new connections write
+    to the new master: one client on two masters whose data diverge, each refusing the
+    fences and leases the other handed out. A connection to any other address is closed
+    here before it is used again, and reconnects through the sentinels.
+    """
+
+    _announced: tuple[str, int] | None = None  # the master last logged
+
+    async def get_master_address(self) -> Any:
+        after = await super().get_master_address()  # type: ignore[no-untyped-call]  # unannotated in redis-py
+        before, self._announced = self._announced, after
+        if before is not None and after != before:  # once, however many connections asked
+            logger.warning(
+                "Sentinel names a new master, %s:%s (was %s:%s): following it", *after, *before
+            )
+        return after
+
+    async def ensure_connection(self, connection: Any) -> None:
+        # One tuple comparison per connection handed out: the pool's own check that follows
+        # costs more. `master_address` is None until the first discovery.
+        if connection.is_connected and (connection.host, connection.port) != self.master_address:
+            await connection.disconnect()
+        await super().ensure_connection(connection)
 
 
 class _AsyncSentinelRedis(redis.asyncio.Redis):
@@ -364,6 +402,38 @@ class _SyncSentinelRedis(redis.Redis):
             manager = getattr(self.connection_pool, "sentinel_manager", None)
             if manager is not None:
                 manager.close()
+
+
+def master_address(client: redis.asyncio.Redis) -> tuple[str, int] | None:
+    """The master a Sentinel client talks to now (None before its first connection, and
+    for any other client)."""
+    pool = getattr(client, "connection_pool", None)  # a cluster client has none
+    if isinstance(pool, _BlockingSentinelPool):
+        address: tuple[str, int] | None = pool.master_address
+        return address
+    return None
+
+
+async def follow_master(client: redis.asyncio.Redis, interval: float) -> None:
+    """Ask the sentinels for the master every `interval` seconds, forever; returns at once
+    for a client that does not go through Sentinel.
+
+    Without it a client notices a failover only when a connection breaks. A master that
+    dies breaks them all, but one that stalled, or that the sentinels lost sight of, comes
+    back still a master and takes writes until Sentinel demotes it, and those writes are
+    lost then. Once the sentinels name another master, every connection to the old one is
+    closed before its next use (`_BlockingSentinelPool`). A failed question changes
+    nothing: the next one, or the next new connection, asks again.
+    """
+    pool = getattr(client, "connection_pool", None)  # a cluster client has none
+    if not isinstance(pool, _BlockingSentinelPool):
+        return
+    while True:
+        await anyio.sleep(interval)
+        try:
+            await pool.get_master_address()
+        except (redis.exceptions.RedisError, OSError) as exc:
+            logger.debug("asking the sentinels for the master failed: %s", exc)
 
 
 def _options(credentials: Mapping[str, str] | None, socket_timeout: float | None) -> dict[str, Any]:

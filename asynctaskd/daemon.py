@@ -31,7 +31,7 @@ import msgspec
 from . import __version__, admission, http_handler, systemd
 from .client import AsyncClient
 from .config import Config, load_config, parse_listen
-from .connection import open_async
+from .connection import follow_master, open_async
 from .durability import DurabilityWatch
 from .embedded import ServerProcess, valkey_binary
 from .errors import ConfigError, ScriptError, StoreUnavailable
@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL = 5.0
 HEARTBEAT_TTL_MS = 30_000
 LOOP_LAG_INTERVAL = 0.25  # the event-loop lag probe sleeps this long and measures oversleep
+SENTINEL_INTERVAL = 1.0  # at most this long between questions to the sentinels (follow_master)
 
 
 @contextlib.asynccontextmanager
@@ -195,6 +196,10 @@ class Daemon:
                 host, port = parse_listen(config.metrics.listen)
                 await tg.start(serve_health, host, port, self.metrics, self.readyz)
                 tg.start_soon(self._loop_lag)
+            # Through Sentinel: follow a failover within a third of a lease, so renewals
+            # reach a new master before the leases it holds expire (docs/reliability.md).
+            interval = min(SENTINEL_INTERVAL, float(config.worker.lease) / 3)
+            tg.start_soon(follow_master, store.redis, interval)
             tg.start_soon(run_reaper, store, config, self.metrics)
             tg.start_soon(self._heartbeat, store, worker, handlers)
             tg.start_soon(durability.run)

@@ -10,22 +10,25 @@ from typing import Any, Final, NamedTuple
 import anyio
 
 from .config import Config
+from .connection import master_address
 from .errors import ScriptError, StoreUnavailable
 from .metrics import Metrics
 from .model import Phase, Status
 from .store import PAUSE_KINDS, Store, read_many
 
-__all__ = ["Backlog", "observe", "read_backlog", "run_reaper"]
+__all__ = ["Backlog", "Grace", "observe", "read_backlog", "run_reaper"]
 
 logger = logging.getLogger(__name__)
 
 
-async def reap_once(store: Store, config: Config, metrics: Metrics) -> int:
-    """One bounded pass over every shard; returns how many tasks it acted on."""
+async def reap_once(store: Store, config: Config, metrics: Metrics, *, reap: bool = True) -> int:
+    """One bounded pass over every shard; returns how many tasks it acted on. Without
+    `reap`, only the deadlines of unclaimed tasks are swept."""
     acted = 0
     limit = config.reaper.batch
     for shard in range(store.keys.shards):
-        for task_id, status in await store.reap(shard, limit, config.worker.max_reclaims):
+        reaped = await store.reap(shard, limit, config.worker.max_reclaims) if reap else []
+        for task_id, status in reaped:
             metrics.reaped.labels(status.value).inc()
             logger.info("reaped an expired lease -> %s", status, extra={"task_id": task_id})
             acted += 1
@@ -162,21 +165,71 @@ async def observe(store: Store, metrics: Metrics) -> None:
         metrics.paused.labels(kind).set(sum(1 for d in paused if d.startswith(kind + ":")))
 
 
+class Grace:
+    """When expired leases are left to their holders: for one lease after Redis is back.
+
+    While Redis is unreachable (an outage, a failover) nobody can renew a lease, and after
+    a failover the new master has the leases as they were when it stopped replicating:
+    every lease held then comes back expired, its holder alive and busy. The holders renew
+    within a third of a lease once they reach Redis again (renew takes an expired lease
+    that was not reaped yet); a reaper that got there first would park every started
+    submit in SUBMIT_UNKNOWN and count a reclaim against every query call. So after a
+    pass that failed, or a change of master, nothing is reaped until one lease after the
+    next pass that succeeds. An outage that begins within a lease of the last hold's end
+    brings no hold of its own: a Redis that fails on and off still has the leases of dead
+    holders reaped at least half of the time.
+    """
+
+    def __init__(self, lease: float, master: tuple[str, int] | None = None) -> None:
+        self.lease = lease
+        self.master = master
+        self.away = False  # a pass failed, or the master changed, since the last success
+        self.holds = False  # this time away ends in a hold
+        self.hold_until = 0.0  # monotonic
+        self.next_hold = 0.0  # a time away that begins before this brings no hold
+
+    def failed(self, now: float) -> None:
+        if not self.away:
+            self.away = True
+            self.holds = now >= self.next_hold
+
+    def reaping(self, now: float, master: tuple[str, int] | None) -> bool:
+        """Whether the pass beginning now may reap."""
+        if master != self.master:
+            if self.master is not None:
+                self.failed(now)
+            self.master = master
+        if self.away and self.holds:
+            return False
+        return now >= self.hold_until
+
+    def succeeded(self, now: float) -> None:
+        if self.away and self.holds:
+            self.hold_until = now + self.lease
+            self.next_hold = self.hold_until + self.lease
+        self.away = False
+
+
 async def run_reaper(store: Store, config: Config, metrics: Metrics) -> None:
     """Run forever: reap and sweep every interval, purge every purge_interval."""
     interval = float(config.reaper.interval)
     purge_every = float(config.reaper.purge_interval)
     next_purge = time.monotonic() + purge_every
+    grace = Grace(float(config.worker.lease), master_address(store.redis))
     while True:
         try:
-            acted = await reap_once(store, config, metrics)
+            reap = grace.reaping(time.monotonic(), master_address(store.redis))
+            acted = await reap_once(store, config, metrics, reap=reap)
             await observe(store, metrics)
             if time.monotonic() >= next_purge:
                 next_purge = time.monotonic() + purge_every
                 purged = await purge_once(store, config)
                 if purged:
                     logger.info("purged %d tasks past retention", purged)
+            grace.succeeded(time.monotonic())
         except (StoreUnavailable, ScriptError) as exc:
+            if isinstance(exc, StoreUnavailable):
+                grace.failed(time.monotonic())
             metrics.store_errors.labels("reaper").inc()
             logger.warning("reaper pass failed: %s", exc)
             acted = 0

@@ -24,6 +24,7 @@ SCRIPT_NAMES: Final = (
     "save_many",
     "renew",
     "release",
+    "withdraw",
     "cancel",
     "reap",
     "time_out",
@@ -53,6 +54,7 @@ LIBRARIES: Final = {
     "create_many": ("_many", "_create"),
     "start_many": ("_many", "_start"),
     "save_many": ("_many", "_save"),
+    "withdraw": ("_save",),
 }
 
 _KEY_LINE: Final = re.compile(r"^-- KEYS\[(\d+)\] (\w+)")

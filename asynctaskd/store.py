@@ -369,10 +369,32 @@ class Ops:
             args += (lane, tokens)
         return Call("claim", [self._prefix(shard)], args, decode)
 
-    def start(self, lease: Lease, idempotent: bool) -> Call[Result]:
+    def start(self, lease: Lease, idempotent: bool, token: str = "") -> Call[Result]:
+        """Mark the submit started; `token` (unique to this start) lets `withdraw` take
+        the mark back."""
         prefix, task_key = self._task(lease.task_id)
         args = [lease.task_id, lease.fence, lease.version, "1" if idempotent else "0"]
+        if token:
+            args.append(token)
         return Call("start", [prefix, task_key], args, _result)
+
+    def withdraw(
+        self,
+        lease: Lease,
+        token: str,
+        *,
+        delay_ms: int = 0,
+        fields: dict[str, str | bytes | int | float] | None = None,
+    ) -> Call[Result]:
+        """Take back the start mark `token` made (if it is there) and the lease: the task
+        goes back to PENDING_SUBMIT, due in `delay_ms`. Only for a submit whose vendor call
+        did not happen."""
+        prefix, task_key = self._task(lease.task_id)
+        args: list[Any] = [lease.task_id, lease.fence, token, delay_ms]
+        for name, value in (fields or {}).items():
+            args.append(name)
+            args.append(value)
+        return Call("withdraw", [prefix, task_key], args, _result)
 
     def save(
         self,
@@ -615,10 +637,13 @@ def _mapped(what: str) -> Iterator[None]:
             ) from exc
         if "asynctaskd:" in text:
             raise ScriptError(f"{what}: {text}") from exc
+        # NOREPLICAS: a master set to take no writes without replicas (min-replicas-to-write)
+        # refuses at a script's first write, so the script wrote nothing.
         unavailable = (
             "MASTERDOWN",
             "LOADING",
             "READONLY",
+            "NOREPLICAS",
             "CLUSTERDOWN",
             "TRYAGAIN",
             "MOVED",

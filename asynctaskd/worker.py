@@ -9,10 +9,12 @@ lease is gone. Every outcome goes through `Store.save`, which enforces fence and
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import os
 import random
+import secrets
 import socket
 import time
 from typing import Any
@@ -78,6 +80,7 @@ class _Active:
         "saved",
         "saving",
         "started",
+        "token",
     )
 
     def __init__(self, lease: Lease, phase: Phase, handler: str) -> None:
@@ -93,6 +96,7 @@ class _Active:
         self.cut_now = False  # the lease is gone: the call must stop
         self.lost = False
         self.started = False  # submit marked started: cancelling now would be ambiguous
+        self.token = ""  # this call's start token (withdraw takes back only its own mark)
 
     def cancel(self) -> None:
         """Stop the call as soon as it next waits (at once if it is waiting now)."""
@@ -175,6 +179,9 @@ class Worker:
         self.last_claim_at = time.monotonic()
         self.due_waiting_since: float | None = None
         self.completed = 0
+        # Start tokens: unique to each start of this worker, and across workers and restarts.
+        self._token_prefix = f"{secrets.token_hex(6)}-"
+        self._token_serial = itertools.count(1)
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -572,9 +579,19 @@ class Worker:
 
     async def _release(self, active: _Active) -> None:
         """Give back a lease without an outcome (shielded, capped): peers take it at once.
-        A submit cut off after its vendor call started is parked by the script itself."""
+        A submit cut off after its vendor call started is parked by the script itself; one
+        cut off before (its start sent, the vendor not called) takes its mark back."""
         with anyio.move_on_after(2.0, shield=True):
             try:
+                if active.token and not active.started:
+                    fields: dict[str, Any] = {
+                        "error_code": "INTERRUPTED_BEFORE_SUBMIT",
+                        "error_message": "",
+                    }
+                    await self.store.run(
+                        self.store.ops.withdraw(active.lease, active.token, fields=fields)
+                    )
+                    return
                 codes = await self.store.release([active.lease])
                 code = codes.get(active.lease.task_id)
                 if code is Code.STARTED:
@@ -617,9 +634,12 @@ class Worker:
         delay: float = 0.0,
         fields: dict[str, Any] | None = None,
         must_land: bool = False,
+        withdraw: bool = False,
     ) -> Result | None:
         if must_land:
-            return await self._save_landing(active, status, delay=delay, fields=fields)
+            return await self._save_landing(
+                active, status, delay=delay, fields=fields, withdraw=withdraw
+            )
         active.saving = True
         try:
             return await self._save_once(active, status, delay=delay, fields=fields)
@@ -639,13 +659,21 @@ class Worker:
         return await self._save(active, status, delay=delay, fields=fields, must_land=True)
 
     async def _save_landing(
-        self, active: _Active, status: Status, *, delay: float, fields: dict[str, Any] | None
+        self,
+        active: _Active,
+        status: Status,
+        *,
+        delay: float,
+        fields: dict[str, Any] | None,
+        withdraw: bool = False,
     ) -> Result | None:
         """Save a vendor handle from a task of its own in the landing group: if this call
         is cancelled meanwhile (drain, lost lease), the save still runs to the end. The
         call waits for it, so it keeps its slot and its lease stays renewed."""
         if self._landing is None:  # not running under run(): nothing to outlive
-            return await self._save_once(active, status, delay=delay, fields=fields, must_land=True)
+            return await self._save_once(
+                active, status, delay=delay, fields=fields, must_land=True, withdraw=withdraw
+            )
         landed: asyncio.Future[Result | None] = asyncio.get_running_loop().create_future()
 
         async def land() -> None:
@@ -653,7 +681,7 @@ class Worker:
             result = None
             try:
                 result = await self._save_once(
-                    active, status, delay=delay, fields=fields, must_land=True
+                    active, status, delay=delay, fields=fields, must_land=True, withdraw=withdraw
                 )
             except Exception:
                 # Never let one save end the landing group (and the worker with it); a
@@ -679,9 +707,11 @@ class Worker:
         delay: float = 0.0,
         fields: dict[str, Any] | None = None,
         must_land: bool = False,
+        withdraw: bool = False,
     ) -> Result | None:
         """Save an outcome; retry while Redis is away (and, if must_land, while the fence
-        is current: a returned vendor handle is never dropped).
+        is current: a returned vendor handle is never dropped). With `withdraw`, the
+        outcome is PENDING_SUBMIT by `withdraw` (the call's start token, not its version).
 
         No shield here: every cancellation a call sees is asyncio's own (its timeout, the
         calls' TaskGroup), which an anyio shield would not stop. A save that must outlive
@@ -694,9 +724,14 @@ class Worker:
         while True:
             attempt += 1
             try:
-                call = self.store.ops.save(
-                    active.lease, status, delay_ms=delay_ms(delay), fields=fields
-                )
+                if withdraw:
+                    call = self.store.ops.withdraw(
+                        active.lease, active.token, delay_ms=delay_ms(delay), fields=fields
+                    )
+                else:
+                    call = self.store.ops.save(
+                        active.lease, status, delay_ms=delay_ms(delay), fields=fields
+                    )
                 result, _ = await self.batcher.call(call)
             except StoreUnavailable as exc:
                 self.metrics.store_errors.labels("save").inc()
@@ -721,9 +756,12 @@ class Worker:
             # A rejection is final, NO_LEASE included: an expired lease that was not
             # reaped still accepts the save, and a parked task accepts the late save;
             # NO_LEASE means the task moved on (canceled, requeued, resolved).
-            self.metrics.rejected_writes.labels("save", result.code.name.lower()).inc()
+            # A refused withdraw: the mark is not this call's (STARTED), or the task moved on.
+            what = "withdraw" if withdraw else "save"
+            self.metrics.rejected_writes.labels(what, result.code.name.lower()).inc()
             logger.warning(
-                "save refused: %s",
+                "%s refused: %s",
+                what,
                 result.code.name,
                 extra={"task_id": active.lease.task_id, "fence": active.lease.fence},
             )
@@ -734,9 +772,22 @@ class Worker:
 
     async def _submit(self, entry: HandlerEntry, task: Task, active: _Active) -> None:
         idem = entry.idempotent
-        result, durable = await self.batcher.call(
-            self.store.ops.start(active.lease, idem), gated=True
-        )
+        active.token = f"{self._token_prefix}{next(self._token_serial)}"
+        try:
+            result, durable = await self.batcher.call(
+                self.store.ops.start(active.lease, idem, active.token), gated=True
+            )
+        except StoreUnavailable as exc:
+            # The start may have run with its reply lost (the connection dropped, the master
+            # died): the vendor was not called, so take the mark back, or the reaper parks
+            # the task in SUBMIT_UNKNOWN for an operator when the lease expires.
+            logger.warning(
+                "start unconfirmed, taking it back: %s",
+                exc,
+                extra={"task_id": task.id, "fence": active.lease.fence},
+            )
+            await self._withdraw(active, "START_UNCONFIRMED", str(exc)[:_MAX_TEXT], delay=0.5)
+            return
         if self.gate is not None:
             self.metrics.durability_gate.labels("ok" if durable else "timeout").observe(
                 self.batcher.gate_seconds
@@ -752,12 +803,7 @@ class Worker:
         active.lease = Lease(active.lease.task_id, active.lease.fence, result.version)
         if not durable:
             # The started mark might not survive a failover: do not call the vendor.
-            await self._save(
-                active,
-                Status.PENDING_SUBMIT,
-                delay=0.5,
-                fields={"error_code": "DURABILITY_TIMEOUT", "error_message": ""},
-            )
+            await self._withdraw(active, "DURABILITY_TIMEOUT", "", delay=0.5)
             return
         active.started = True
         ctx = self._ctx(entry, task, active.lease)
@@ -808,6 +854,17 @@ class Worker:
                 "error_message": "",
             },
             must_land=True,
+        )
+
+    async def _withdraw(
+        self, active: _Active, code: str, message: str, *, delay: float = 0.0
+    ) -> Result | None:
+        """The submit's vendor call did not happen: take back its start mark, if it is in
+        Redis and its own (its token; a fence can be handed out twice across a failover),
+        with the lease. Retried as a vendor handle is, across a failover too."""
+        fields = {"error_code": code, "error_message": message}
+        return await self._save(
+            active, Status.PENDING_SUBMIT, delay=delay, fields=fields, must_land=True, withdraw=True
         )
 
     async def _submit_failed(

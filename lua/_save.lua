@@ -52,9 +52,9 @@ local function save_one(k, A, o, n)
   end
 
   -- The version bump (as the prelude's bump), the fields, updated_ms, due_ms, and the
-  -- removal of owner, started_fence and emptied fields: one HSET and one HDEL. Each call a
-  -- script makes costs Redis far more than the command itself; saves run for every task
-  -- several times, so they are batched here.
+  -- removal of owner, started_fence, started_by and emptied fields: one HSET and one HDEL.
+  -- Each call a script makes costs Redis far more than the command itself; saves run for
+  -- every task several times, so they are batched here.
   if not int_field(t[3]) then error('asynctaskd: the task version is not an integer') end
   local v = (tonumber(t[3]) or 0) + 1
   local sets = {'HSET', tk, 'version', int_s(v), 'updated_ms', NOW_S}
@@ -74,6 +74,7 @@ local function save_one(k, A, o, n)
   local terminal = TERMINAL[final]
   if old == 'SUBMITTING' or old == 'SUBMIT_UNKNOWN' or terminal then
     dels[#dels + 1] = 'started_fence'
+    dels[#dels + 1] = 'started_by'
   end
   if terminal then  -- what finish() would write and delete: here, in the same two calls
     sets[#sets + 1] = 'finished_ms'

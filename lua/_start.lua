@@ -6,7 +6,7 @@
 
 local function start_one(k, A, o, n)
   local tk = KEYS[k]
-  if n < 4 then error('asynctaskd: start takes 4 arguments, got ' .. n) end
+  if n < 4 or n > 5 then error('asynctaskd: start takes 4 or 5 arguments, got ' .. n) end
   local id, fence = A[o + 1], A[o + 2]
   local t = redis.call('HMGET', tk, 'status', 'fence', 'version', 'deadline_ms',
                        'cancel_requested', 'cancel_version', 'started_fence', 'submit_attempts')
@@ -22,7 +22,9 @@ local function start_one(k, A, o, n)
     error('asynctaskd: the task version or submit_attempts is not an integer')
   end
   local v = (tonumber(t[3]) or 0) + 1
-  redis.call('HSET', tk, 'started_fence', fence, 'idempotent', A[o + 4] == '1' and '1' or '0',
+  local token = n == 5 and A[o + 5] or ''
+  redis.call('HSET', tk, 'started_fence', fence, 'started_by', token,
+             'idempotent', A[o + 4] == '1' and '1' or '0',
              'submit_attempts', int_s((tonumber(t[8]) or 0) + 1), 'version', int_s(v),
              'updated_ms', NOW_S)
   return {1, v}

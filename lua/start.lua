@@ -6,6 +6,8 @@
 -- ARGV[2] fence            fence the worker received from claim
 -- ARGV[3] version          version the worker last read
 -- ARGV[4] idempotent       '1' if the handler's vendor dedups on the idempotency key
+-- ARGV[5] token            optional: unique to this start, recorded as started_by; with it
+--                          (and only with it) withdraw can take the mark back
 --
 -- Returns {1, new_version} marked, or one of
 --   {-1} NOT_FOUND  {-2} STALE_FENCE  {-3} WRONG_VERSION  {-4} NO_LEASE
@@ -15,6 +17,8 @@
 -- Invariants: a rejected mark writes nothing. Once marked, a lease that expires in
 -- SUBMITTING parks the task in SUBMIT_UNKNOWN (or requeues it if idempotent) instead of
 -- resubmitting it; the caller must make this write durable before calling the vendor.
+-- A fence is no identity after a failover (a claim the old master acknowledged and lost
+-- is handed out again with the same fence and version); the token is.
 
 daemon_only()
 return start_one(2, ARGV, 0, #ARGV)

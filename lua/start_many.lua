@@ -3,7 +3,7 @@
 -- KEYS[1] prefix   string  <ns>:{s<N>}:  shard prefix
 -- KEYS[2..] task   hash    <ns>:{s<N>}:task:<id>, one per start, in order
 -- ARGV[1..]        for each start in KEYS order: n, then that start's n ARGV (task_id,
---                  fence, version, idempotent) as start takes them
+--                  fence, version, idempotent[, token]) as start takes them
 --
 -- Returns one reply per start, in KEYS order: what start would reply, or an error reply
 -- where start would have raised (bad arguments, a corrupt hash); that one fails alone.

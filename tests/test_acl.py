@@ -316,6 +316,7 @@ def _daemon_calls(store: Store, lease: Lease, task_id: str) -> list[Call[Any]]:
         ops.save_many([ops.save(lease, Status.FAILED), ops.save(lease, Status.FAILED)]),
         ops.renew(0, 60_000, [lease]),
         ops.release(0, [lease]),
+        ops.withdraw(lease, "t"),
         ops.reap(0, 100, 3),
         ops.time_out(0, 100),
         ops.expire(0, 0, 100),

@@ -11,13 +11,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import redis
 import redis.asyncio
 
 from asynctaskd import AsyncClient, Client
 from asynctaskd.config import RedisConfig, parse_config
-from asynctaskd.connection import TlsOptions, connection_problems, open_async, open_sync
+from asynctaskd.connection import (
+    TlsOptions,
+    connection_problems,
+    follow_master,
+    master_address,
+    open_async,
+    open_sync,
+)
 from asynctaskd.errors import ConfigError
 from tests.servers import Pki, make_pki
 
@@ -349,6 +357,19 @@ async def test_sentinel_urls_wait_for_a_connection_too(pki: Pki) -> None:
         sentinel_kwargs = manager.sentinels[0].connection_pool.connection_kwargs
         assert sentinel_kwargs["password"] == "pw"  # sentinel_auth=yes
         assert sentinel_kwargs["ssl_ca_certs"] == str(pki.ca)
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://127.0.0.1:6390/0", "redis+cluster://127.0.0.1:7000", "unix:///tmp/r.sock"]
+)
+async def test_only_sentinel_clients_have_a_master_to_follow(url: str) -> None:
+    client = open_async(url)
+    try:
+        assert master_address(client) is None
+        with anyio.fail_after(1):
+            await follow_master(client, 0.01)  # returns at once: nothing to follow
     finally:
         await client.aclose()
 

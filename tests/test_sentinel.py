@@ -15,10 +15,12 @@ from redis import Redis as SyncRedis
 
 from asynctaskd import AsyncClient, Client, Status
 from asynctaskd.config import parse_config
+from asynctaskd.connection import open_async
 from asynctaskd.daemon import Daemon
 from asynctaskd.embedded import find_binary, free_port
 from asynctaskd.errors import StoreUnavailable
 from asynctaskd.fakevendor import Behaviour, FakeVendorProcess, run_server
+from asynctaskd.keys import Keys
 from tests.configs import tls_daemon_toml, write_daemon_config
 from tests.conftest import SERVER_BINARIES, wait_until_sync
 from tests.servers import SERVICE, Pki, PrivateServer, SentinelProcess, make_pki, start_server
@@ -67,6 +69,15 @@ def ready(metrics_port: int) -> bool:
         return False
 
 
+def serving(metrics_port: int, master: PrivateServer) -> bool:
+    """Ready, and its handler published: /readyz can answer before the first heartbeat,
+    and a strict submit before it is refused."""
+    if not ready(metrics_port):
+        return False
+    with SyncRedis(port=master.port, socket_timeout=5) as r:
+        return bool(r.hexists(Keys("atd").handlers(), "demo"))
+
+
 def gate_count(metrics_port: int, outcome: str) -> float:
     url = f"http://127.0.0.1:{metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=5) as response:
@@ -84,35 +95,53 @@ def stopping(*servers: PrivateServer) -> Iterator[None]:
             server.stop()
 
 
+def watched_master(
+    stack: contextlib.ExitStack, binary: Path, master_args: tuple[str, ...] = ()
+) -> tuple[PrivateServer, list[PrivateServer], list[SentinelProcess], str]:
+    """A master, two replicas in sync and three sentinels (quorum 2) that see them all,
+    stopped by `stack`; returns them and the sentinel URL (whose first address is dead:
+    discovery moves on to the next one)."""
+    master = PrivateServer(binary, extra_args=(*NODE_ARGS, *master_args))
+    stack.callback(master.stop)
+    master.start()
+    replicas = []
+    for _ in range(2):
+        replica = PrivateServer(
+            binary, extra_args=(*NODE_ARGS, "--replicaof", "127.0.0.1", str(master.port))
+        )
+        stack.callback(replica.stop)
+        replicas.append(replica.start())
+    wait_until_sync(
+        lambda: info(master.port, "replication").get("connected_slaves") == 2,
+        "two replicas in sync",
+    )
+    sentinels = []
+    for _ in range(3):
+        sentinel = SentinelProcess(binary, master.port, quorum=2)
+        stack.callback(sentinel.stop)
+        sentinels.append(sentinel.start())
+    wait_until_sync(
+        lambda: all(sentinel_view(s) == (master.port, 2, 2) for s in sentinels),
+        "every sentinel to see the master, two replicas and the other sentinels",
+        timeout=15,
+    )
+    addresses = ",".join(f"127.0.0.1:{p}" for p in [free_port(), *(s.port for s in sentinels)])
+    return master, replicas, sentinels, f"redis+sentinel://{addresses}/{SERVICE}/0"
+
+
+def promoted(old: PrivateServer, sentinels: list[SentinelProcess]) -> int | None:
+    """The port of the master every sentinel names, once it is not `old` and says so."""
+    ports = {sentinel_view(s)[0] for s in sentinels}
+    if len(ports) != 1 or old.port in ports:
+        return None
+    port = ports.pop()
+    return port if info(port, "replication").get("role") == "master" else None
+
+
 @pytest.mark.slow
 def test_daemon_and_client_carry_on_through_a_failover(binary: Path, tmp_path: Path) -> None:
-    master = PrivateServer(binary, extra_args=NODE_ARGS).start()
     with contextlib.ExitStack() as stack:
-        stack.callback(master.stop)
-        replicas = []
-        for _ in range(2):
-            replica = PrivateServer(
-                binary, extra_args=(*NODE_ARGS, "--replicaof", "127.0.0.1", str(master.port))
-            )
-            stack.callback(replica.stop)
-            replicas.append(replica.start())
-        wait_until_sync(
-            lambda: info(master.port, "replication").get("connected_slaves") == 2,
-            "two replicas in sync",
-        )
-        sentinels = []
-        for _ in range(3):
-            sentinel = SentinelProcess(binary, master.port, quorum=2)
-            stack.callback(sentinel.stop)
-            sentinels.append(sentinel.start())
-        wait_until_sync(
-            lambda: all(sentinel_view(s) == (master.port, 2, 2) for s in sentinels),
-            "every sentinel to see the master, two replicas and the other sentinels",
-            timeout=15,
-        )
-        # The first sentinel address is dead: discovery moves on to the next one.
-        addresses = ",".join(f"127.0.0.1:{p}" for p in [free_port(), *(s.port for s in sentinels)])
-        url = f"redis+sentinel://{addresses}/{SERVICE}/0"
+        master, replicas, sentinels, url = watched_master(stack, binary)
 
         vendor = stack.enter_context(FakeVendorProcess.start(Behaviour(polls_to_done=20)))
         metrics_port = free_port()
@@ -126,7 +155,7 @@ def test_daemon_and_client_carry_on_through_a_failover(binary: Path, tmp_path: P
         )
         daemon = start_daemon(config)
         stack.callback(lambda: daemon.poll() is None and daemon.kill())
-        wait_until_sync(lambda: ready(metrics_port), "the daemon to be ready", timeout=20)
+        wait_until_sync(lambda: serving(metrics_port, master), "the daemon to serve", timeout=20)
         client = stack.enter_context(Client.from_url(url))
 
         before = [client.submit("demo", {"i": i}, tracking_timeout=120).id for i in range(20)]
@@ -144,15 +173,9 @@ def test_daemon_and_client_carry_on_through_a_failover(binary: Path, tmp_path: P
         # tracked across the kill: the vendor jobs run on
         assert statuses(client, before).get(Status.SUCCEEDED, 0) < 20
         master.kill()
-
-        def promoted() -> int | None:
-            ports = {sentinel_view(s)[0] for s in sentinels}
-            if len(ports) != 1 or master.port in ports:
-                return None
-            port = ports.pop()
-            return port if info(port, "replication").get("role") == "master" else None
-
-        new_port = wait_until_sync(promoted, "a replica promoted by Sentinel", timeout=30)
+        new_port = wait_until_sync(
+            lambda: promoted(master, sentinels), "a replica promoted by Sentinel", timeout=30
+        )
         assert new_port in {r.port for r in replicas}
 
         # The same client, without any retry of ours, now writes to the new master.
@@ -170,6 +193,97 @@ def test_daemon_and_client_carry_on_through_a_failover(binary: Path, tmp_path: P
         assert len(created) == 40 and len({e["ref"] for e in created}) == 40
         # Every vendor submit waited for a replica to acknowledge its "started" mark.
         assert gate_count(metrics_port, "ok") >= 40
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=20) == 0
+
+
+# The old master of the failovers below stays up and takes writes, as one that stalled, or
+# that the sentinels lost sight of, does until Sentinel demotes it (and throws away what it
+# took meanwhile). Here Sentinel can never demote it: REPLICAOF and SLAVEOF are disabled.
+UNDEMOTABLE = ("--rename-command", "REPLICAOF", "", "--rename-command", "SLAVEOF", "")
+
+
+def fail_over(master: PrivateServer, sentinels: list[SentinelProcess]) -> int:
+    """Have Sentinel promote a replica of `master`, which stays a master; the new port."""
+    with sentinels[0].client() as r:
+        assert r.sentinel_failover(SERVICE)
+    new_port: int = wait_until_sync(
+        lambda: promoted(master, sentinels), "a replica promoted by Sentinel", timeout=30
+    )
+    assert info(master.port, "replication").get("role") == "master"  # two masters now
+    return new_port
+
+
+@pytest.mark.slow
+async def test_a_connection_in_use_across_a_failover_is_not_used_again(binary: Path) -> None:
+    # redis-py asks the sentinels only when it opens a connection, and takes a connection
+    # back as it is: one that was busy (a pipeline waiting for its replies, a blocked
+    # BLPOP) when the master changed went on to write to the old master.
+    with contextlib.ExitStack() as stack:
+        master, _, sentinels, url = watched_master(stack, binary, UNDEMOTABLE)
+        client = open_async(url)
+        try:
+            pool = client.connection_pool
+            busy = await pool.get_connection()
+            assert (busy.host, busy.port) == ("127.0.0.1", master.port)
+            new_port = fail_over(master, sentinels)
+            await client.set("opened-after", 1)  # a new connection: asks the sentinels
+            await pool.release(busy)
+            await client.set("reused", 1)  # the pool hands out `busy` again first
+        finally:
+            await client.aclose()
+        with SyncRedis(port=new_port, socket_timeout=5) as new:
+            assert new.exists("opened-after", "reused") == 2
+        with SyncRedis(port=master.port, socket_timeout=5) as old:
+            assert old.exists("opened-after", "reused") == 0
+
+
+@pytest.mark.slow
+def test_daemon_leaves_an_old_master_that_still_takes_writes(binary: Path, tmp_path: Path) -> None:
+    # An idle daemon opens no connection, so nothing made it ask the sentinels again: it
+    # went on claiming from the old master while producers wrote to the new one.
+    with contextlib.ExitStack() as stack:
+        master, _, sentinels, url = watched_master(stack, binary, UNDEMOTABLE)
+        vendor = stack.enter_context(FakeVendorProcess.start(Behaviour(polls_to_done=2)))
+        metrics_port = free_port()
+        config = write_daemon_config(
+            tmp_path / "config.toml",
+            url,
+            vendor.url,
+            redis={"wait_replicas": 1},
+            worker={"lease": "2s", "shutdown_grace": "5s"},
+            metrics={"listen": f"127.0.0.1:{metrics_port}"},
+        )
+        daemon = start_daemon(config)
+        stack.callback(lambda: daemon.poll() is None and daemon.kill())
+        wait_until_sync(lambda: serving(metrics_port, master), "the daemon to serve", timeout=20)
+        with Client.from_url(url) as client:
+            before = [client.submit("demo", {"i": i}, tracking_timeout=120).id for i in range(10)]
+            wait_until_sync(
+                lambda: statuses(client, before) == {Status.SUCCEEDED: 10},
+                "the first tasks to succeed",
+                timeout=20,
+            )
+        new_port = fail_over(master, sentinels)
+
+        # A client made now asks the sentinels first, so these tasks are on the new master
+        # only (a producer's long-lived client: docs/deploy.md, section 8).
+        with Client.from_url(url) as client:
+            after = [client.submit("demo", {"i": i}, tracking_timeout=120).id for i in range(20)]
+            try:
+                wait_until_sync(
+                    lambda: statuses(client, after) == {Status.SUCCEEDED: 20},
+                    "the tasks submitted after the failover to succeed",
+                    timeout=30,
+                )
+            except AssertionError as exc:
+                logs = "".join(p.read_text()[-3000:] for p in tmp_path.glob("daemon-*.log"))
+                raise AssertionError(f"{exc}: {statuses(client, after)}\n{logs}") from None
+        created = [e["ref"] for e in vendor.submit_log() if e["outcome"] == "created"]
+        assert sorted(created) == sorted(before + after)
+        with SyncRedis(port=new_port, socket_timeout=5) as r:
+            events = r.xrange(Keys("atd").events(0))
+        assert [e for _, e in events if e[b"status"] == b"SUBMIT_UNKNOWN"] == []
         daemon.send_signal(signal.SIGTERM)
         assert daemon.wait(timeout=20) == 0
 

@@ -56,6 +56,25 @@ async def test_replies_come_back_in_order_with_an_error_in_its_place(
     assert trailers == [b"after"] * 3
 
 
+async def test_a_master_that_refuses_writes_without_replicas_is_unavailable(
+    store: Store, redis_client: redis.asyncio.Redis
+) -> None:
+    # A master set to take no writes without a replica (min-replicas-to-write: what bounds
+    # the writes an old master cut off from its replicas takes in a failover) answers
+    # NOREPLICAS, from inside the script: not now, not a broken script. Taken for a
+    # ScriptError, it ended the call, and the save of a vendor handle was given up.
+    created = await create(store)
+    await redis_client.config_set("min-replicas-to-write", 1)
+    try:
+        with pytest.raises(StoreUnavailable, match="NOREPLICAS"):
+            await store.run(store.ops.cancel(created.task_id))
+        results, _, _ = await store.pipeline([store.ops.cancel(created.task_id)])
+        assert isinstance(results[0], StoreUnavailable)
+    finally:
+        await redis_client.config_set("min-replicas-to-write", 0)
+    assert await _status(store, created.task_id) is Status.PENDING_SUBMIT
+
+
 class _Int(int):
     pass
 

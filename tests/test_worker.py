@@ -30,7 +30,7 @@ from asynctaskd.handlers import (
 )
 from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.model import Status
-from asynctaskd.store import Store
+from asynctaskd.store import Gate, Store
 from asynctaskd.worker import Worker
 from tests.conftest import wait_until
 from tests.lua.helpers import check_invariants
@@ -519,6 +519,54 @@ async def test_a_newer_fence_cancels_a_started_submit(
 
 async def _no_calls(worker: Worker) -> bool:
     return worker.inflight == 0
+
+
+async def _blocked_in_wait(r: redis.asyncio.Redis) -> bool:
+    return any(c.get("cmd") == "wait" for c in await r.client_list())
+
+
+async def _history(r: redis.asyncio.Redis, keys: Keys, task_id: str) -> list[str]:
+    events = await r.xrange(keys.events(0))
+    return [e[b"status"].decode() for _, e in events if e[b"task"] == task_id.encode()]
+
+
+async def test_a_start_whose_reply_is_lost_is_taken_back_not_parked(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys, redis_url: str
+) -> None:
+    """The master dies with a start done (a replica had it) and its reply on the way, or a
+    drain stops a call waiting for it: the worker knows the vendor was not called, so the
+    task must go back to PENDING_SUBMIT, not wait in SUBMIT_UNKNOWN for an operator. Here
+    the durability gate's WAIT, for a replica that does not exist, holds the reply back."""
+    h = Scripted()
+    [tid] = await submit_many(store, 1)
+    gate = Gate("WAIT", 0, 1, 30_000)
+    killer = redis.asyncio.Redis.from_url(redis_url)
+    try:
+        async with httpx.AsyncClient() as http, anyio.create_task_group() as tg:
+            worker = Worker(store, entry(h), make_config(), http=http, gate=gate)
+            tg.start_soon(worker.run)
+            with anyio.fail_after(20):
+                await wait_until(lambda: _blocked_in_wait(killer), "the start's gate")
+                task = await store.get(tid)
+                assert task is not None and task.started_fence == 1  # the start ran
+                assert await killer.client_kill_filter(_type="normal", skipme=True) >= 1
+
+                async def claimed_again() -> bool:
+                    history = await _history(killer, keys, tid)  # its connection lives
+                    return history[:4] == ["PENDING_SUBMIT", "SUBMITTING"] * 2
+
+                await wait_until(claimed_again, "the task back and claimed again")
+                # and a drain that stops the call in its gate gives the task back too
+                await wait_until(lambda: _blocked_in_wait(killer), "the next start's gate")
+                worker.stop(now=True)
+        assert "SUBMIT_UNKNOWN" not in await _history(killer, keys, tid)
+    finally:
+        await killer.aclose()
+    task = await store.get(tid)
+    assert task is not None and task.status is Status.PENDING_SUBMIT, task
+    assert task.error is not None and task.error.code == "INTERRUPTED_BEFORE_SUBMIT"
+    assert h.submits == []
+    await check_invariants(redis_client, keys)
 
 
 async def test_stop_drains_in_flight_calls(store: Store) -> None:

@@ -241,15 +241,19 @@ async def test_a_failed_release_does_not_kill_the_worker(
     tid = new_task_id()
     await store.run(store.ops.create(tid, "demo", encode_json({}), timeout_ms=60_000))
 
+    # A submit whose start failed gives its lease back by `withdraw` (its start may have
+    # run); a query call cut off, by `release`. Both break here.
     break_script(store, monkeypatch, "release")
-    config = parse_config("[worker]\nlease = 1\nshutdown_grace = 0.5\n")
+    break_script(store, monkeypatch, "withdraw")
+    config = parse_config("[worker]\nlease = 1\nshutdown_grace = 0.5\nsave_retry_for = 1\n")
     async with httpx.AsyncClient() as http:
         entries = {"demo": HandlerEntry(key="demo", handler=Gated(), provider="demo")}
         worker = Worker(store, entries, config, http=http)
         real_call = worker.batcher.call
 
         async def start_fails(call: Any, *, gated: bool = False) -> Any:
-            # As logged: "Redis unavailable while handling the task", then the release.
+            # As logged: "Redis unavailable while handling the task", then the lease given
+            # back in the call's cleanup.
             if call.script == "start":
                 raise StoreUnavailable("pipeline: Redis is unavailable (injected)")
             return await real_call(call, gated=gated)

@@ -320,8 +320,9 @@ async def test_a_finishing_save_leaves_exactly_a_finished_hash(
     store: Store, redis_client: redis.asyncio.Redis, keys: Keys, path: str
 ) -> None:
     """The save writes what finish() would (finished_ms; no owner, due_ms, started_fence,
-    lease) in its own HSET and HDEL: out of SUBMITTING (started_fence set), out of RUNNING
-    (due_ms set by the previous save), and the late save of a parked task (no lease)."""
+    started_by, lease) in its own HSET and HDEL: out of SUBMITTING (started_fence set), out
+    of RUNNING (due_ms set by the previous save), and the late save of a parked task (no
+    lease)."""
     if path == "query":
         await submitted(store)
         c = await claim_one(store, "query")
@@ -341,7 +342,8 @@ async def test_a_finishing_save_leaves_exactly_a_finished_hash(
     r = await store.save(lease, target, fields={"error_code": "E"})
     assert r.code is Code.OK and r.status is target
     after = await redis_client.hgetall(key)
-    assert set(after) == set(before) - {b"owner", b"due_ms", b"started_fence"} | {
+    gone = {b"owner", b"due_ms", b"started_fence", b"started_by"}
+    assert set(after) == set(before) - gone | {
         b"finished_ms",
         b"error_code",
         b"version",
@@ -778,6 +780,91 @@ async def test_release_returns_unstarted_work_and_parks_started(
     assert await status_of(redis_client, keys, a.lease.task_id) is Status.PENDING_SUBMIT
     # the vendor call may have gone out: parked for an operator, never resubmitted
     assert await status_of(redis_client, keys, b.lease.task_id) is Status.SUBMIT_UNKNOWN
+    await check_invariants(redis_client, keys)
+
+
+# --- withdraw -------------------------------------------------------------------------------
+
+DURABILITY_TIMEOUT = {"error_code": "DURABILITY_TIMEOUT", "error_message": ""}
+
+
+async def test_withdraw_takes_back_its_own_mark_and_the_lease(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    await create(store)
+    c = await claim_one(store)
+    assert (await store.run(store.ops.start(c.lease, False, "w-1"))).code is Code.OK
+    # No version: the reply that carried it may be the one that was lost.
+    r = await store.run(store.ops.withdraw(c.lease, "w-1", fields=DURABILITY_TIMEOUT))
+    assert r.code is Code.OK and r.status is Status.PENDING_SUBMIT
+    after = await snapshot(redis_client, keys, c.lease.task_id)
+    assert after["leases"] is None and after["ready:submit"] is not None
+    assert b"started_fence" not in after["hash"]
+    assert after["hash"][b"error_code"] == b"DURABILITY_TIMEOUT"
+    assert (await claim_one(store)).lease.fence == c.lease.fence + 1
+    await check_invariants(redis_client, keys)
+
+
+async def test_withdraw_after_the_reaper_parked_the_task(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    await create(store)
+    c = await claim_one(store, lease_ms=100)
+    await store.run(store.ops.start(c.lease, False, "w-1"))
+    assert await _expire(store, redis_client, keys, c.lease.task_id) == [
+        (c.lease.task_id, Status.SUBMIT_UNKNOWN)
+    ]
+    r = await store.run(store.ops.withdraw(c.lease, "w-1", delay_ms=500))
+    assert r.code is Code.OK and r.status is Status.PENDING_SUBMIT
+    after = await snapshot(redis_client, keys, c.lease.task_id)
+    assert after["due:submit"] is not None and after["deadlines"] is not None
+    await check_invariants(redis_client, keys)
+
+
+async def test_withdraw_of_a_start_that_never_ran_gives_the_lease_back(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    await create(store)
+    c = await claim_one(store)
+    r = await store.run(store.ops.withdraw(c.lease, "w-1"))
+    assert r.code is Code.OK and r.status is Status.PENDING_SUBMIT
+    await check_invariants(redis_client, keys)
+
+
+async def test_withdraw_never_takes_back_another_starts_mark(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    # After a failover a fence can be handed out twice: a claim the old master acknowledged
+    # and lost, then the same task claimed on the new one, with the same fence and version.
+    # The second holder's start (its vendor call may be on its way) is not the first's to
+    # take back; a version-checked save of PENDING_SUBMIT could not tell them apart.
+    await create(store)
+    c = await claim_one(store)
+    assert (await store.run(store.ops.start(c.lease, False, "second"))).code is Code.OK
+    before = await snapshot(redis_client, keys, c.lease.task_id)
+    r = await store.run(store.ops.withdraw(c.lease, "first", fields=DURABILITY_TIMEOUT))
+    assert r.code is Code.STARTED
+    assert await snapshot(redis_client, keys, c.lease.task_id) == before
+    # nor the mark of a start that carried no token
+    await create(store)
+    d = await claim_one(store)
+    assert (await store.start(d.lease, False)).code is Code.OK
+    assert (await store.run(store.ops.withdraw(d.lease, "first"))).code is Code.STARTED
+
+
+async def test_withdraw_refuses_a_task_that_moved_on(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    await create(store)
+    c = await claim_one(store)
+    started = await store.run(store.ops.start(c.lease, False, "w-1"))
+    lease = Lease(c.lease.task_id, c.lease.fence, started.version)
+    assert (await store.save(lease, Status.SUBMITTED, fields={"external_id": "j"})).ok
+    assert (await store.run(store.ops.withdraw(c.lease, "w-1"))).code is Code.ILLEGAL
+    stale = Lease(c.lease.task_id, c.lease.fence - 1, c.lease.version)
+    assert (await store.run(store.ops.withdraw(stale, "w-1"))).code is Code.STALE_FENCE
+    with pytest.raises(ScriptError, match="token"):
+        await store.run(store.ops.withdraw(c.lease, ""))
     await check_invariants(redis_client, keys)
 
 
