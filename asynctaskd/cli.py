@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 
@@ -106,6 +106,13 @@ def _parser() -> argparse.ArgumentParser:
         )
         if name == "wait":
             sp.add_argument("--timeout", default="60s")
+        if name == "cancel":
+            sp.add_argument(
+                "--wait",
+                default="2s",
+                help="how long to wait for a daemon to carry the cancel out (default 2s; 0: "
+                "only ask for it)",
+            )
 
     sp = sub.add_parser("list", help="list tasks by status, handler or tenant")
     conn(sp)
@@ -279,6 +286,34 @@ def _out(value: Any) -> None:
     print(value)  # noqa: T201 - CLI output
 
 
+_CANCEL_SAYS: Final = {
+    "canceled": "canceled",
+    "finished": "it finished before the cancel was carried out: nothing was canceled",
+    "requested": "cancel requested: the worker holding the task cancels it at its next save",
+    "pending": "cancel requested: no daemon has taken the request in yet; it will be done "
+    "when one runs",
+}
+
+
+def _cancel_outcome(client: Any, task_id: str, tenant: str | None, wait_s: float) -> str:
+    """What became of a cancel request within `wait_s`: a daemon carries it out
+    (docs/security.md: producers may only ask): 'canceled', 'finished' (it ended otherwise
+    first), 'requested' (a worker holds the task and was told) or 'pending' (no daemon has
+    taken the request in)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        task = client.get(task_id, tenant=tenant)
+        if task is None or task.status is Status.CANCELED:
+            return "canceled"
+        if task.status.is_terminal:
+            return "finished"
+        if task.cancel_requested:
+            return "requested"
+        if time.monotonic() >= deadline:
+            return "pending"
+        time.sleep(0.05)
+
+
 def _client_command(args: argparse.Namespace) -> int:
     from .client import Client
 
@@ -320,11 +355,13 @@ def _client_command(args: argparse.Namespace) -> int:
             _print_task(found, args.json)
             return 0
         if cmd == "cancel":
+            wait_s = 0.0 if args.wait in ("0", "0s") else _duration(args.wait, "--wait")
             done = client.cancel(args.task_id, tenant=args.tenant)
+            outcome = _cancel_outcome(client, args.task_id, args.tenant, wait_s) if done else None
             if args.json:
-                _out(json.dumps({"task_id": args.task_id, "canceled": done}))
+                _out(json.dumps({"task_id": args.task_id, "canceled": done, "outcome": outcome}))
             else:
-                _out("cancel requested" if done else "already finished; nothing to cancel")
+                _out(_CANCEL_SAYS[outcome] if outcome else "already finished; nothing to cancel")
             return 0 if done else 1
         if cmd == "wait":
             task = client.wait(

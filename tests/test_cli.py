@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,30 @@ def cli(
     return proc
 
 
+def take_in(redis: SyncRedis) -> None:
+    """What a daemon's claim does first: take producers' requests in."""
+    store = SyncStore(redis, Keys())
+    store.run(store.ops.claim(0, "submit", 0, 10_000, "take-in", 0))
+
+
+@contextlib.contextmanager
+def taking_in(redis: SyncRedis) -> Iterator[None]:
+    """A thread that takes requests in, as a running daemon would, while the block runs."""
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(0.02):
+            take_in(redis)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def js(*args: str, url: str) -> Any:
     return json.loads(cli(*args, "--json", url=url).stdout)
 
@@ -53,11 +80,16 @@ def test_submit_get_list_stats_cancel(redis_url: str, sync_redis: SyncRedis) -> 
     task = js("get", task_id, url=redis_url)
     assert task["status"] == "PENDING_SUBMIT" and task["params"] == {"url": "https://x"}
     assert task["tenant"] == "t1"
+    assert js("stats", url=redis_url)["requests"] == 1  # until a daemon takes it in
+    take_in(sync_redis)
     page = js("list", "--status", "PENDING_SUBMIT", url=redis_url)
     assert [t["id"] for t in page["tasks"]] == [task_id]
     stats = js("stats", url=redis_url)
     assert stats["by_status"]["PENDING_SUBMIT"] == 1
-    assert json.loads(cli("cancel", task_id, "--json", url=redis_url).stdout)["canceled"] is True
+    # no daemon runs: the request waits for one
+    answer = json.loads(cli("cancel", task_id, "--json", "--wait", "0", url=redis_url).stdout)
+    assert answer == {"task_id": task_id, "canceled": True, "outcome": "pending"}
+    take_in(sync_redis)
     assert js("get", task_id, url=redis_url)["status"] == "CANCELED"
     # a second cancel has nothing to do: exit 1
     cli("cancel", task_id, url=redis_url, check=1)
@@ -93,7 +125,9 @@ def test_resolve_requeue_and_purge(redis_url: str, sync_redis: SyncRedis, tmp_pa
     # resolving again is refused: it is no longer SUBMIT_UNKNOWN
     cli("resolve", task_id, "--as", "CANCELED", url=redis_url, check=1)
     assert js("requeue", task_id, url=redis_url)["status"] == "PENDING_SUBMIT"
-    cli("cancel", task_id, url=redis_url)
+    # a daemon carries the cancel out while the CLI waits for it
+    with taking_in(sync_redis):
+        assert cli("cancel", task_id, url=redis_url).stdout.strip() == "canceled"
     archive = tmp_path / "archive.jsonl"
     out = cli("purge", "--older-than", "1ms", "--archive", str(archive), url=redis_url).stdout
     assert "purged 1" in out
@@ -115,7 +149,8 @@ def test_check_config(tmp_path: Path) -> None:
 
 def test_wait_returns_the_settled_task(redis_url: str, sync_redis: SyncRedis) -> None:
     task_id = cli("submit", "ocr", "{}", "--no-strict", url=redis_url).stdout.strip()
-    cli("cancel", task_id, url=redis_url)
+    cli("cancel", task_id, "--wait", "0", url=redis_url)
+    take_in(sync_redis)
     done = cli("wait", task_id, "--timeout", "5s", "--json", url=redis_url, check=1)
     assert json.loads(done.stdout)["status"] == "CANCELED"
 
@@ -134,7 +169,8 @@ def test_reads_with_tenant_never_show_another_tenants_task(
         assert shown.stderr.replace(task_id, missing) == absent.stderr
     assert js("list", "--tenant", "t2", url=redis_url)["tasks"] == []
     assert js("get", task_id, "--tenant", "t1", url=redis_url)["id"] == task_id
-    cli("cancel", task_id, url=redis_url)
+    cli("cancel", task_id, "--wait", "0", url=redis_url)
+    take_in(sync_redis)
     done = cli("wait", task_id, "--tenant", "t1", "--json", url=redis_url, check=1)
     assert json.loads(done.stdout)["status"] == "CANCELED"
 

@@ -27,6 +27,7 @@ from asynctaskd.errors import StoreUnavailable
 from asynctaskd.fakevendor import Behaviour, FakeVendorProcess
 from asynctaskd.keys import Keys
 from asynctaskd.model import shard_of
+from asynctaskd.store import SyncStore
 from tests.cluster import LocalCluster
 from tests.configs import write_daemon_config
 from tests.conftest import wait_until_sync
@@ -264,7 +265,14 @@ def test_the_cli_reaches_every_shard_of_the_cluster(cluster: LocalCluster) -> No
     shards = {shard_of(json.loads(out)["id"]) for out in ids}
     assert len(shards) > 1  # random shards: twelve tasks land on several
     stats = json.loads(cli("stats", "--json"))
-    assert stats["by_status"]["PENDING_SUBMIT"] == 12
+    assert stats["requests"] == 12  # no daemon has taken them in: counted as requests
+    r = admin(cluster)
+    sync = SyncStore(r, Keys(shards=SHARDS))  # a daemon's claim of nothing takes them in
+    for shard in range(SHARDS):
+        sync.run(sync.ops.claim(shard, "submit", 0, 10_000, "take-in", 0))
+    r.close()
+    stats = json.loads(cli("stats", "--json"))
+    assert stats["by_status"]["PENDING_SUBMIT"] == 12 and stats["requests"] == 0
     assert cli("limits", "set", "--tenant", "*", "--max-in-flight", "3").strip()
     # every shard got the table, staged and swapped in on its own node
     r = admin(cluster)

@@ -818,6 +818,7 @@ def test_example_config_documents_per_instance_metrics_ports() -> None:
     assert 'listen = "127.0.0.1:9464"' in text
     assert "asynctaskd@.service" in text
     deploy = DEPLOY.read_text()
-    for needed in ("appendonly yes", "appendfsync", "maxmemory-policy noeviction", "~atd:*",
-                   "systemctl restart", "docs/protocol.md", "job_name: asynctaskd"):  # fmt: skip
+    for needed in ("appendonly yes", "appendfsync", "maxmemory-policy noeviction",
+                   "docs/security.md", "systemctl restart", "docs/protocol.md",
+                   "job_name: asynctaskd"):  # fmt: skip
         assert needed in deploy, needed

@@ -28,9 +28,10 @@ from asynctaskd.errors import StoreUnavailable
 from asynctaskd.handlers import HandlerContext, HandlerEntry, Submitted, Succeeded
 from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.model import Status
-from asynctaskd.store import Store, SyncStore, _mapped
+from asynctaskd.store import Code, Store, SyncStore, _mapped
 from asynctaskd.worker import Worker
 from tests.conftest import wait_until
+from tests.lua.helpers import ingest
 
 pytestmark = pytest.mark.anyio
 
@@ -141,7 +142,8 @@ async def test_drain_is_not_held_by_a_late_save_that_can_never_land(
             # The holder looks dead to the reaper (SIGSTOP, a Redis pause) and the task
             # parks; an operator (or the producer) then cancels the parked task.
             await park_started_submit(store, redis_client, keys, tid)
-            assert (await store.cancel(tid)).ok
+            assert (await store.cancel(tid)).code is Code.ACCEPTED
+            await ingest(store)
             handler.gate.set()  # the vendor answers: the late save can never land now
             refused = worker.metrics.rejected_writes.labels("save", "no_lease")
             await wait_until(_true(lambda: refused._value.get() >= 1), "the refused save", 5)
