@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import datetime as dt
 import io
+import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -18,6 +22,7 @@ import anyio
 import msgspec
 import pytest
 import redis.asyncio
+from redis import Redis as SyncRedis
 
 import asynctaskd.client as client_mod
 from asynctaskd.client import AsyncClient, Client, Reads, TaskEvent
@@ -956,3 +961,76 @@ def test_client_imports_no_daemon_code() -> None:
         "('httpx', 'prometheus_client', 'asynctaskd.worker'))"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+class _ReplyDroppingProxy:
+    """A TCP proxy in front of the real server that, once, lets a create through and
+    closes the connection instead of passing its reply back: a lost reply."""
+
+    def __init__(self, target: str, marker: bytes) -> None:
+        parts = urllib.parse.urlsplit(target)
+        self._target = (parts.hostname or "127.0.0.1", parts.port or 6379)
+        self._marker = marker
+        self.dropped = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"redis://127.0.0.1:{self._listener.getsockname()[1]}/0"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                client, _ = self._listener.accept()
+                upstream = socket.create_connection(self._target)
+                armed = threading.Event()
+                threading.Thread(
+                    target=self._up, args=(client, upstream, armed), daemon=True
+                ).start()
+                threading.Thread(
+                    target=self._down, args=(upstream, client, armed), daemon=True
+                ).start()
+
+    def _up(self, client: socket.socket, upstream: socket.socket, armed: threading.Event) -> None:
+        with contextlib.suppress(OSError):
+            while data := client.recv(65536):
+                if self._marker in data and not self.dropped.is_set():
+                    armed.set()
+                upstream.sendall(data)
+
+    def _down(self, upstream: socket.socket, client: socket.socket, armed: threading.Event) -> None:
+        with contextlib.suppress(OSError):
+            while data := upstream.recv(65536):
+                if armed.is_set() and not self.dropped.is_set():
+                    self.dropped.set()  # the create ran; its reply never arrives
+                    client.close()
+                    upstream.close()
+                    return
+                client.sendall(data)
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def test_a_create_whose_reply_was_lost_and_resent_by_redis_py_makes_one_task(
+    redis_url: str, sync_redis: Any
+) -> None:
+    """A Client on the caller's own redis.Redis inherits its retries: a lost reply to
+    create is sent again. The resend is answered as the first create was, not refused."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from asynctaskd.scripts import load_scripts
+
+    create_sha = load_scripts()["create"].sha
+    sync_redis.script_load(load_scripts()["create"].source)
+    proxy = _ReplyDroppingProxy(redis_url, create_sha.encode())
+    conn = SyncRedis.from_url(proxy.url, retry=Retry(NoBackoff(), 3))
+    try:
+        with Client(conn) as client:
+            task = client.submit("h", {"n": 1}, tracking_timeout=60, dedup_key="d", strict=False)
+        assert proxy.dropped.is_set(), "the proxy never dropped a reply: nothing was tested"
+        assert sync_redis.llen(Keys().intake(0)) == 1  # one request, not two
+        stored = Client(sync_redis).get(task.id)
+        assert stored is not None and stored.params == {"n": 1}
+    finally:
+        conn.close()
+        proxy.close()
