@@ -30,7 +30,7 @@ from asynctaskd.handlers import (
 )
 from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.model import Status
-from asynctaskd.store import Gate, Store
+from asynctaskd.store import ClaimBatch, Gate, Store
 from asynctaskd.worker import Worker
 from tests.conftest import wait_until
 from tests.lua.helpers import check_invariants
@@ -784,26 +784,34 @@ async def _true_after_idle(worker: Worker) -> bool:
 
 
 async def test_a_poll_saved_during_a_claim_round_is_not_slept_through(store: Store) -> None:
-    """Each query saves the next poll (50 ms) while the claim loop may still be claiming;
-    that nudge had nobody to wake and the loop slept its full 5 s cap. Five polls of one
-    task must take about a second here, not 25 s."""
+    """Each query saves the next poll (50 ms) while the claim loop is still in a round that
+    found nothing due; that nudge had nobody to wake and the loop slept its full 5 s cap.
+    Five polls of one task must take about a second and a half here, not 25 s."""
     h = Scripted()
     polls = [Running(), Running(), Running(), Running(), Succeeded({"ok": True})]
 
+    empty_round = [anyio.Event()]
+
     async def answer(outcome: Any) -> Any:
-        await anyio.sleep(0.075)  # saves during the submit claim of the next, empty round
+        empty_round[0] = anyio.Event()
+        await empty_round[0].wait()  # saves during a round that has found nothing due
         return outcome
 
     h.on_query = lambda ctx: answer(polls[len(h.queries) - 1])
     [tid] = await submit_many(store, 1)
-    real_claim = store.claim
+    real_claim_each = store.claim_each
 
-    async def slow_submit_claim(shard: int, phase: Any, *args: Any, **kw: Any) -> Any:
-        if phase == "submit":  # a round: query claim, then 50 ms of submit claim
-            await anyio.sleep(0.05)
-        return await real_claim(shard, phase, *args, **kw)
+    async def slow_claim_round(calls: Any) -> Any:
+        # The worker claims through claim_each. The claims read Redis first, then the
+        # round goes on for 100 ms: a poll saved then is after what the claims saw, and
+        # the loop must still wake for it.
+        results = await real_claim_each(calls)
+        if not any(isinstance(r, ClaimBatch) and r.claimed for r in results):
+            empty_round[0].set()
+        await anyio.sleep(0.1)
+        return results
 
-    store.claim = slow_submit_claim  # type: ignore[method-assign]
+    store.claim_each = slow_claim_round  # type: ignore[method-assign]
     async with httpx.AsyncClient() as http, anyio.create_task_group() as tg:
         worker = Worker(store, entry(h), make_config(), http=http)
         tg.start_soon(worker.run)
