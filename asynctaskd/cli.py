@@ -594,7 +594,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             serve(config, args.config)
             return 0
         if args.command == "dev":
-            from .dev import run_dev
+            from .devtools.dev import run_dev
 
             return run_dev(args)
         if args.command == "check-config":

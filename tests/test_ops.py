@@ -26,8 +26,8 @@ from redis import Redis as SyncRedis
 
 from asynctaskd import __version__
 from asynctaskd.config import Config
+from asynctaskd.devtools.fakevendor import Behaviour, FakeVendorProcess
 from asynctaskd.embedded import ServerProcess, find_binary, free_port
-from asynctaskd.fakevendor import Behaviour, FakeVendorProcess
 from asynctaskd.health import serve_health
 from asynctaskd.keys import Keys
 from asynctaskd.metrics import Metrics
