@@ -106,6 +106,7 @@ class Daemon:
         self.worker: Worker | None = None
         self.redis_ok = False
         self.durability: DurabilityWatch | None = None
+        self.health_port: int | None = None  # where /metrics is served, once it is
         self.started_at = time.time()
         self._loaded: list[HandlerEntry] = []  # every handler built, for closing at exit
 
@@ -192,7 +193,9 @@ class Daemon:
         async with anyio.create_task_group() as tg:
             if config.metrics.enabled:
                 host, port = parse_listen(config.metrics.listen)
-                await tg.start(serve_health, host, port, self.metrics, self.readyz)
+                self.health_port = await tg.start(
+                    serve_health, host, port, self.metrics, self.readyz
+                )
                 tg.start_soon(self._loop_lag)
             # Through Sentinel: follow a failover within a third of a lease, so renewals
             # reach a new master before the leases it holds expire (docs/reliability.md).
