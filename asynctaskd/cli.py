@@ -594,11 +594,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             serve(config, args.config)
             return 0
         if args.command == "dev":
-            from .dev import run_dev
+            from .devtools.dev import run_dev
 
             return run_dev(args)
         if args.command == "check-config":
             config = load_config(args.config)
+            if config.redis.url == "embedded":
+                from .embedded import require_valkey_binary
+
+                require_valkey_binary("redis.url = 'embedded'")
             from . import http_handler
             from .handlers import load_handlers
 

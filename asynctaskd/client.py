@@ -1012,6 +1012,9 @@ class AsyncClient:
         max_payload: int = DEFAULT_MAX_PAYLOAD,
     ) -> None:
         """Use an existing client (`decode_responses=False`); `aclose()` leaves it open.
+        One made with `protocol=2` (what `from_url` makes) sends its batches on the store's
+        fast path; on RESP3, redis-py 8's default, they are read through redis-py's own
+        `read_response` (asynctaskd.wire says why).
 
         `namespace` and `shards` must be those the daemons use; `max_payload` is the limit
         in bytes for params and for metadata, each as compact JSON.

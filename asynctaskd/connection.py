@@ -77,6 +77,7 @@ SENTINEL_PORT: Final = 26379
 CONNECT_TIMEOUT_S: Final = 5.0
 SENTINEL_CONNECT_TIMEOUT_S: Final = 2.0
 HEALTH_CHECK_INTERVAL_S: Final = 30
+RESP_VERSION: Final = 2  # what asyncio clients speak unless the URL asks otherwise
 SENTINEL_SHAPE: Final = "redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE[/DB]"
 
 Verify = Literal["full", "ca", "none"]
@@ -206,6 +207,10 @@ def open_async(
     """
     target = _checked(url, tls)
     options = _options(credentials, socket_timeout)
+    # RESP2, whatever redis-py's default (RESP3 from redis-py 8): the store reads replies
+    # off the parser, which is only safe where no push frame can arrive (asynctaskd.wire).
+    # A URL's protocol=3 still wins; the store then reads through redis-py's own path.
+    options["protocol"] = RESP_VERSION
     if target.cluster:
         nodes = [redis.asyncio.cluster.ClusterNode(h, p) for h, p in target.hosts]
         cluster: redis.asyncio.Redis = redis.asyncio.RedisCluster(  # type: ignore[assignment]  # same commands, own class

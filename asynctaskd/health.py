@@ -1,4 +1,4 @@
-"""/metrics, /healthz and /readyz over a small anyio HTTP listener.
+"""/metrics, /healthz and /readyz, served by aiohttp's web server on the configured address.
 
 - `/metrics`: the Prometheus exposition. The format follows the scraper's `Accept`
   header (prometheus_client's `choose_encoder`): text format 0.0.4 by default,
@@ -8,8 +8,11 @@
   due work not claimed for longer than `worker.watchdog`). Lines after the first, if any,
   are detail that does not decide readiness (the daemon's durability gate).
 
-GET and HEAD are served; any other method gets 405 with an `Allow` header. One request
-per connection (`Connection: close`): scrapers and probes do not need keep-alive.
+GET and HEAD are served; any other method gets 405 with an `Allow` header, any other path
+404; aiohttp answers a request it cannot parse with 400. One request per connection
+(`Connection: close`): scrapers and probes do not need keep-alive, and a drain leaves no
+idle connection behind. The listener binds exactly the host it is given (the daemon's
+`[metrics] listen`, loopback unless configured otherwise), never every interface.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import logging
 from collections.abc import Awaitable, Callable
 
 import anyio
-import anyio.abc
+from aiohttp import web
+from aiohttp.http import HttpProcessingError
 from anyio.abc import TaskStatus
 from prometheus_client.exposition import choose_encoder
 
@@ -28,35 +32,30 @@ __all__ = ["ReadyCheck", "serve_health"]
 
 logger = logging.getLogger(__name__)
 
+
+class _ClientMistakes(logging.Filter):
+    """A request aiohttp cannot parse is the client's mistake, answered 400: logged at
+    debug (as aiohttp does for non-HTTP traffic), never as an error of the daemon."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return _http_logger.isEnabledFor(logging.DEBUG)
+        return True
+
+
+# What aiohttp's server logs about the requests it handles for us.
+_http_logger = logging.getLogger(__name__ + ".http")
+_http_logger.addFilter(_ClientMistakes())
+
 # (ready, reason); may be a coroutine function when checking needs I/O.
 ReadyCheck = Callable[[], tuple[bool, str] | Awaitable[tuple[bool, str]]]
 
+_PATHS = ("/metrics", "/healthz", "/readyz")
 _TEXT = "text/plain; charset=utf-8"
-_MAX_HEAD = 8192
-
-
-def _response(
-    status: str,
-    body: bytes,
-    content_type: str = _TEXT,
-    *,
-    head_only: bool = False,
-    extra: str = "",
-) -> bytes:
-    head = (
-        f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
-        f"Content-Length: {len(body)}\r\nCache-Control: no-store\r\n{extra}"
-        "Connection: close\r\n\r\n"
-    )
-    return head.encode() + (b"" if head_only else body)
-
-
-def _header(head: bytes, name: bytes) -> str:
-    for line in head.split(b"\r\n")[1:]:
-        key, sep, value = line.partition(b":")
-        if sep and key.strip().lower() == name:
-            return value.strip().decode("latin-1")
-    return ""
+# How long a drain waits for requests being answered before it closes their connections.
+_SHUTDOWN_S = 1.0
 
 
 async def _ready(check: ReadyCheck) -> tuple[bool, str]:
@@ -66,51 +65,36 @@ async def _ready(check: ReadyCheck) -> tuple[bool, str]:
     return await result
 
 
-async def respond(head: bytes, metrics: Metrics, ready: ReadyCheck) -> bytes:
-    """The whole HTTP response for one request head (request line and headers)."""
-    parts = head.split(b"\r\n", 1)[0].decode("latin-1").split()
-    if len(parts) != 3 or not parts[2].startswith("HTTP/"):
-        return _response("400 Bad Request", b"bad request line\n")
-    method, target = parts[0], parts[1]
-    path = target.split("?", 1)[0]
-    if path not in ("/metrics", "/healthz", "/readyz"):
-        return _response("404 Not Found", b"try /metrics, /healthz or /readyz\n")
-    if method not in ("GET", "HEAD"):
-        return _response(
-            "405 Method Not Allowed", b"only GET and HEAD\n", extra="Allow: GET, HEAD\r\n"
-        )
-    head_only = method == "HEAD"
-    if path == "/metrics":
-        encode, content_type = choose_encoder(_header(head, b"accept"))
-        body = encode(metrics.registry)
-        return _response("200 OK", body, content_type, head_only=head_only)
-    if path == "/healthz":
-        return _response("200 OK", b"ok\n", head_only=head_only)
-    try:
-        ok, why = await _ready(ready)
-    except Exception as exc:  # a failing check means "not ready", with the reason
-        ok, why = False, f"readiness check failed: {exc}"
-    status = "200 OK" if ok else "503 Service Unavailable"
-    return _response(status, why.encode() + b"\n", head_only=head_only)
+def _response(status: int, body: bytes, content_type: str = _TEXT, **headers: str) -> web.Response:
+    response = web.Response(
+        status=status,
+        body=body,
+        headers={"Content-Type": content_type, "Cache-Control": "no-store", **headers},
+    )
+    response.force_close()
+    return response
 
 
-async def _handle(stream: anyio.abc.SocketStream, metrics: Metrics, ready: ReadyCheck) -> None:
-    async with stream:
+def _handler(
+    metrics: Metrics, ready: ReadyCheck
+) -> Callable[[web.BaseRequest], Awaitable[web.Response]]:
+    async def handle(request: web.BaseRequest) -> web.Response:
+        if request.path not in _PATHS:
+            return _response(404, b"try /metrics, /healthz or /readyz\n")
+        if request.method not in ("GET", "HEAD"):
+            return _response(405, b"only GET and HEAD\n", Allow="GET, HEAD")
+        if request.path == "/metrics":
+            encode, content_type = choose_encoder(request.headers.get("Accept", ""))
+            return _response(200, encode(metrics.registry), content_type)
+        if request.path == "/healthz":
+            return _response(200, b"ok\n")
         try:
-            with anyio.fail_after(5):
-                data = b""
-                while b"\r\n\r\n" not in data:
-                    if len(data) >= _MAX_HEAD:
-                        await stream.send(_response("431 Request Header Fields Too Large", b""))
-                        return
-                    chunk = await stream.receive(4096)
-                    if not chunk:
-                        return
-                    data += chunk
-                reply = await respond(data.split(b"\r\n\r\n", 1)[0], metrics, ready)
-                await stream.send(reply)
-        except (TimeoutError, anyio.BrokenResourceError, anyio.EndOfStream, OSError):
-            return
+            ok, why = await _ready(ready)
+        except Exception as exc:  # a failing check means "not ready", with the reason
+            ok, why = False, f"readiness check failed: {exc}"
+        return _response(200 if ok else 503, why.encode() + b"\n")
+
+    return handle
 
 
 async def serve_health(
@@ -121,10 +105,23 @@ async def serve_health(
     *,
     task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve until cancelled; reports the bound port (port 0 picks a free one)."""
-    listener = await anyio.create_tcp_listener(local_host=host, local_port=port, reuse_port=False)
-    async with listener:
-        bound = listener.extra(anyio.abc.SocketAttribute.local_port)
-        logger.info("metrics and health on http://%s:%d", host, bound)
+    """Serve until cancelled; reports the bound port (port 0 picks a free one).
+
+    `host` is required: aiohttp, given no host, would listen on every interface."""
+    if not host:
+        raise ValueError("serve_health needs the address to listen on")
+    server = web.Server(_handler(metrics, ready), access_log=None, logger=_http_logger)
+    runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=_SHUTDOWN_S)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port, reuse_port=False)
+        await site.start()
+        addresses = runner.addresses
+        bound = int(addresses[0][1])
+        shown = ", ".join(f"{a[0]}:{a[1]}" for a in addresses)
+        logger.info("metrics and health on http://%s:%d (listening on %s)", host, bound, shown)
         task_status.started(bound)
-        await listener.serve(lambda s: _handle(s, metrics, ready))
+        await anyio.sleep_forever()
+    finally:
+        with anyio.move_on_after(_SHUTDOWN_S + 1, shield=True):
+            await runner.cleanup()

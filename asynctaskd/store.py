@@ -30,12 +30,7 @@ from .errors import CorruptTask, NotPermitted, ScriptError, StoreUnavailable
 from .keys import HANDLER_KEY_RE, Keys
 from .model import Phase, Status, Task, shard_of
 from .scripts import Script, load_scripts
-
-_pack_command: Callable[[tuple[Any, ...]], bytes] | None
-try:
-    from hiredis import pack_command as _pack_command
-except ImportError:  # hiredis comes with redis[hiredis]; without it, RESP is packed here
-    _pack_command = None
+from .wire import closed_under_io, exchange, pack, refresh_slots
 
 __all__ = [
     "Batcher",
@@ -140,36 +135,6 @@ class Call(Generic[T]):
         self.keys = keys
         self.args = args
         self.decode = decode
-
-
-def _bulk(value: Any) -> bytes:
-    """One RESP bulk string, encoded as redis-py's default encoder would."""
-    if isinstance(value, bytes):
-        data = value
-    elif isinstance(value, str):
-        data = value.encode()
-    elif isinstance(value, int) and not isinstance(value, bool):
-        data = b"%d" % value
-    elif isinstance(value, float):
-        data = repr(value).encode()
-    else:
-        raise rex.DataError(
-            f"cannot send a {type(value).__name__} to Redis: pass bytes, str, int or float"
-        )
-    return b"$%d\r\n%s\r\n" % (len(data), data)
-
-
-def _packed(command: Sequence[Any]) -> bytes:
-    """A command as RESP: packed by hiredis in C wherever it gives exactly the bytes of
-    `_bulk`, that is, for exact str, bytes, int and float arguments (~2.4 us for a save's
-    EVALSHA, ~6 us in Python); hiredis refuses the others, bool and int subclasses
-    included, and `_bulk` encodes them, or says why it cannot."""
-    if _pack_command is not None:
-        try:
-            return _pack_command(tuple(command))
-        except TypeError:
-            pass
-    return b"*%d\r\n" % len(command) + b"".join([_bulk(value) for value in command])
 
 
 def _s(v: Any) -> str:
@@ -587,23 +552,6 @@ _UNAVAILABLE_REPLIES: Final = (
     rex.TryAgainError,
     rex.AskError,
 )
-# redis-py's asyncio modules that talk to connections and keep the cluster's map.
-_REDIS_IO_MODULES: Final = frozenset({"redis.asyncio.connection", "redis.asyncio.cluster"})
-
-
-def _closed_under_io(exc: BaseException) -> bool:
-    """An AttributeError raised inside redis-py's asyncio connection or cluster code: a
-    connection closed under a write (its cluster client closes every connection of every
-    node on CLUSTERDOWN, those other tasks are using included, and their next write meets
-    `_writer = None`), or a node missing from the cluster's map while it is rebuilt.
-    Transient, as a dropped connection is. Our own bugs raise AttributeError too; they
-    are told apart by the innermost frame."""
-    tb = exc.__traceback__
-    if tb is None:
-        return False
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb.tb_frame.f_globals.get("__name__") in _REDIS_IO_MODULES
 
 
 @contextmanager
@@ -660,7 +608,7 @@ def _mapped(what: str) -> Iterator[None]:
         # raises RuntimeError("... the handler is closed"); sockets raise OSError.
         raise StoreUnavailable(f"{what}: connection failed ({type(exc).__name__}: {exc})") from exc
     except AttributeError as exc:
-        if not _closed_under_io(exc):
+        if not closed_under_io(exc):
             raise
         raise StoreUnavailable(f"{what}: connection closed ({type(exc).__name__}: {exc})") from exc
 
@@ -846,7 +794,7 @@ class Store(_Base):
         """After MOVED or a node gone: ask the cluster who serves what now."""
         cluster: Any = self.redis
         with contextlib.suppress(Exception):  # the next call tries again
-            await cluster.nodes_manager.initialize()
+            await refresh_slots(cluster)
 
     async def close(self) -> None:
         """Close the per-node clients of cluster mode (the main client is the caller's)."""
@@ -952,40 +900,18 @@ class Store(_Base):
         command; an error reply is returned in its place, not raised.
 
         What redis-py's `Pipeline` does, without its per-command packing and bookkeeping
-        (half the daemon's save cost). No retry: a dropped connection fails the whole
-        batch as unavailable, and the callers retry (a save is fenced and versioned).
+        (half the daemon's save cost; `wire` says how). No retry: a dropped connection
+        fails the whole batch as unavailable, and the callers retry (a save is fenced and
+        versioned).
         """
         scripts = self.scripts
         commands = [
-            _packed(("EVALSHA", scripts[c.script].sha, len(c.keys), *c.keys, *c.args))
-            for c in calls
+            pack(("EVALSHA", scripts[c.script].sha, len(c.keys), *c.keys, *c.args)) for c in calls
         ]
         if trailer is not None:
-            commands.append(_packed(trailer))
+            commands.append(pack(trailer))
         pool = (client or self.redis).connection_pool
-        connection = await pool.get_connection()  # type: ignore[no-untyped-call]
-        budget = connection.socket_timeout
-        try:
-            await connection.send_packed_command(b"".join(commands))
-            # Replies straight from the connection's parser, which returns error replies
-            # as values: `read_response` would raise them, and arm a timer per reply
-            # (together a sixth of the daemon's CPU per task). One timer bounds them all.
-            parser: Any = connection._parser
-            async with asyncio.timeout(None if budget is None else budget + trailer_wait):
-                replies = [await parser.read_response() for _ in commands]
-            if connection.health_check_interval:  # what read_response would note
-                loop_time = asyncio.get_running_loop().time()
-                connection.next_health_check = loop_time + connection.health_check_interval
-        except TimeoutError as exc:
-            await connection.disconnect(nowait=True)
-            raise rex.TimeoutError(f"no reply from Redis within {budget} s") from exc
-        except BaseException:
-            # Replies may still be on the wire: never hand this connection out again as is.
-            await connection.disconnect(nowait=True)
-            raise
-        finally:
-            await pool.release(connection)
-        return replies
+        return await exchange(pool, b"".join(commands), len(commands), trailer_wait)
 
     async def _pipeline_by_node(
         self, calls: Sequence[Call[Any]], trailer: tuple[Any, ...] | None, trailer_wait: float
@@ -1008,7 +934,7 @@ class Store(_Base):
             except (rex.RedisError, OSError, RuntimeError) as exc:
                 got = [exc] * (len(indexes) + (trailer is not None))
             except AttributeError as exc:  # a connection closed under the write
-                if not _closed_under_io(exc):
+                if not closed_under_io(exc):
                     raise
                 got = [exc] * (len(indexes) + (trailer is not None))
                 stale = True

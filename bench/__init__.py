@@ -314,7 +314,7 @@ format = "json"
 [[handlers]]
 key = "demo"
 type = "python"
-factory = "asynctaskd.demo:make_handler"
+factory = "asynctaskd.devtools.demo:make_handler"
 options = {{ base_url = "{vendor_url}", key = "demo" }}
 """)
     return path

@@ -32,8 +32,8 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from asynctaskd.devtools.fakevendor import Behaviour, FakeVendorProcess
 from asynctaskd.embedded import ServerProcess, find_binary
-from asynctaskd.fakevendor import Behaviour, FakeVendorProcess
 from bench import create_tasks, emit, machine, machine_line, run_child, say, table, workdir
 
 
@@ -41,7 +41,7 @@ async def _worker(redis_url: str, vendor_url: str, tasks: int) -> dict[str, Any]
     """Child side (under valgrind): create the tasks, count the worker's run."""
     from asynctaskd.config import parse_config
     from asynctaskd.daemon import tune_gc
-    from asynctaskd.demo import DemoHandler
+    from asynctaskd.devtools.demo import DemoHandler
     from asynctaskd.handlers import HandlerEntry
     from asynctaskd.keys import Keys, new_task_id
     from asynctaskd.store import Store, open_redis

@@ -6,7 +6,7 @@ handlers get: `make_http_client`, whose plain requests go through `Http1Pool`) a
 ``aiohttp`` for reference.
 
 Run with ``python bench/http_client.py`` (``--help`` for the knobs). The fake vendor
-(`asynctaskd.fakevendor`, on `asynctaskd.fakehttp` and uvloop) serves in its own
+(`asynctaskd.devtools.fakevendor`, on `asynctaskd.devtools.fakehttp` and uvloop) serves in its own
 process; each cell (one client at one concurrency) runs in a fresh child process that
 GETs one job's status 4,000 times with 1, 100 or 1,000 requests in flight. All four
 clients get the same connection limit (1,000) and run on the same event loop (uvloop
@@ -42,7 +42,7 @@ from typing import Any
 import aiohttp
 import httpx
 
-from asynctaskd.fakevendor import FakeVendorProcess
+from asynctaskd.devtools.fakevendor import FakeVendorProcess
 from asynctaskd.transport import AiohttpTransport, make_http_client
 
 CLIENTS = ("httpx-default", "httpx-aiohttp-transport", "shared-client", "aiohttp")

@@ -1,7 +1,7 @@
 """Handler call overhead: the declarative HTTP handler versus the hand-written DemoHandler.
 
 Run with ``python bench/http_handler.py`` (``--help`` for the knobs). Both handlers speak to
-the same fake vendor (`asynctaskd.fakevendor`, its own process, jobs that never finish)
+the same fake vendor (`asynctaskd.devtools.fakevendor`, its own process, jobs that never finish)
 through the same shared client (`asynctaskd.transport.make_http_client`) at the same
 concurrency, in one process on one event loop (uvloop when installed). The run times
 submits, then queries of the jobs they created, in chunks that alternate between the two
@@ -34,8 +34,8 @@ import httpx
 import msgspec
 
 from asynctaskd.config import HandlerConfig
-from asynctaskd.demo import DemoHandler
-from asynctaskd.fakevendor import Behaviour, FakeVendorProcess
+from asynctaskd.devtools.demo import DemoHandler
+from asynctaskd.devtools.fakevendor import Behaviour, FakeVendorProcess
 from asynctaskd.handlers import HandlerContext
 from asynctaskd.http_handler import build
 from asynctaskd.transport import make_http_client

@@ -1,7 +1,7 @@
 """W2: 2,000 tasks, each submits once to the fake vendor then polls every 200 ms until
 done on the 5th poll (ideal ~1.0 s); asynctaskd versus arq and SAQ in the same run.
 
-The fake vendor (`asynctaskd.fakevendor`, its own process, instant answers,
+The fake vendor (`asynctaskd.devtools.fakevendor`, its own process, instant answers,
 polls_to_done=5) and one redis-server are shared by every subject. Each subject gets a
 flushed database, a reset vendor, and one worker process:
 
@@ -41,7 +41,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asynctaskd.client import AsyncClient
-from asynctaskd.fakevendor import Behaviour, FakeVendorProcess
+from asynctaskd.devtools.fakevendor import Behaviour, FakeVendorProcess
 from asynctaskd.keys import Keys
 from bench import (
     ROOT,

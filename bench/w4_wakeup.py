@@ -29,7 +29,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asynctaskd.client import AsyncClient
-from asynctaskd.fakevendor import Behaviour, FakeVendorProcess
+from asynctaskd.devtools.fakevendor import Behaviour, FakeVendorProcess
 from asynctaskd.store import open_redis
 from bench import (
     Daemon,

@@ -26,7 +26,7 @@ def demo_handler(vendor_url: str, key: str = "demo", **options: Any) -> dict[str
     return {
         "key": key,
         "type": "python",
-        "factory": "asynctaskd.demo:make_handler",
+        "factory": "asynctaskd.devtools.demo:make_handler",
         "options": {"base_url": vendor_url, "key": key, **options},
     }
 

@@ -23,7 +23,7 @@ from redis import Redis as SyncRedis
 
 from asynctaskd import AsyncClient, NotPermitted, QuotaExceeded, Status, StoreUnavailable
 from asynctaskd import store as store_mod
-from asynctaskd.fakevendor import Behaviour, FakeVendorProcess
+from asynctaskd.devtools.fakevendor import Behaviour, FakeVendorProcess
 from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.scripts import SCRIPT_NAMES, load_scripts
 from asynctaskd.store import Call, Lease, Store

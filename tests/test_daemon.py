@@ -18,8 +18,8 @@ import pytest
 from redis import Redis as SyncRedis
 
 from asynctaskd.codec import encode_json
+from asynctaskd.devtools.fakevendor import Behaviour, FakeVendorProcess
 from asynctaskd.embedded import free_port
-from asynctaskd.fakevendor import Behaviour, FakeVendorProcess
 from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.model import Status
 from asynctaskd.store import SyncStore

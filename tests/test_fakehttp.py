@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import msgspec
 import pytest
 
-from asynctaskd.fakehttp import Answer, Request, _dechunk, serving
+from asynctaskd.devtools.fakehttp import Answer, Request, _dechunk, serving
 
 pytestmark = pytest.mark.anyio
 

@@ -15,7 +15,7 @@ import httpx
 import msgspec
 import pytest
 
-from asynctaskd.fakevendor import Behaviour, FakeVendorProcess
+from asynctaskd.devtools.fakevendor import Behaviour, FakeVendorProcess
 
 # Non-default knobs, so that starting the module's server also checks the CLI flags.
 STARTED_WITH = Behaviour(retry_after=2, ambiguous_delay=2.0, seed=7)
@@ -309,7 +309,7 @@ def test_cli_announces_port_and_exits_cleanly_on_sigterm(tmp_path: Path) -> None
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [root, os.getenv("PYTHONPATH")])),
     }
-    argv = [sys.executable, "-m", "asynctaskd.fakevendor", "--port", "0"]
+    argv = [sys.executable, "-m", "asynctaskd.devtools.fakevendor", "--port", "0"]
     with subprocess.Popen(
         [*argv, "--port-file", str(port_file)], stdout=subprocess.PIPE, text=True, env=env
     ) as process:

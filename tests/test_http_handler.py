@@ -944,7 +944,7 @@ def test_finalize_host_options_are_checked(
 CONFIG = """\
 [[handlers]]
 key = "demo"
-factory = "asynctaskd.demo:make_handler"
+factory = "asynctaskd.devtools.demo:make_handler"
 options = { base_url = "http://127.0.0.1:9" }
 
 [[handlers]]

@@ -7,10 +7,13 @@ systemd-analyze and real daemon subprocesses (scraped during an end-to-end run).
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import json
+import logging
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -21,13 +24,15 @@ from typing import Any
 
 import anyio
 import pytest
+import redis.asyncio
 from prometheus_client import generate_latest
 from redis import Redis as SyncRedis
 
-from asynctaskd import __version__
-from asynctaskd.config import Config
+from asynctaskd import AsyncClient, Submitted, Succeeded, __version__
+from asynctaskd.config import Config, MetricsConfig, parse_config, parse_listen
+from asynctaskd.daemon import Daemon
+from asynctaskd.devtools.fakevendor import Behaviour, FakeVendorProcess
 from asynctaskd.embedded import ServerProcess, find_binary, free_port
-from asynctaskd.fakevendor import Behaviour, FakeVendorProcess
 from asynctaskd.health import serve_health
 from asynctaskd.keys import Keys
 from asynctaskd.metrics import Metrics
@@ -35,7 +40,7 @@ from asynctaskd.model import Status
 from asynctaskd.reaper import observe, read_backlog
 from asynctaskd.store import Store, SyncStore
 from tests.acl import create_user_sync
-from tests.configs import write_daemon_config
+from tests.configs import daemon_toml, write_daemon_config
 from tests.conftest import wait_until_sync
 from tests.test_daemon import create, start_daemon, statuses, write_config
 
@@ -345,7 +350,9 @@ async def test_metrics_endpoint_serves_the_prometheus_text_format(
     assert b"# TYPE asynctaskd_transitions_total counter" in body
     # OpenMetrics when the scraper asks for it
     accept = "Accept: application/openmetrics-text; version=1.0.0\r\n"
-    status, headers, body = await _request(port, f"GET /metrics HTTP/1.1\r\n{accept}\r\n")
+    status, headers, body = await _request(
+        port, f"GET /metrics HTTP/1.1\r\nHost: x\r\n{accept}\r\n"
+    )
     assert status == 200
     assert headers["content-type"].startswith("application/openmetrics-text; version=1.0.0")
     assert body.endswith(b"# EOF\n")
@@ -353,31 +360,126 @@ async def test_metrics_endpoint_serves_the_prometheus_text_format(
 
 async def test_head_405_404_and_bad_requests(health: tuple[int, list[tuple[bool, str]]]) -> None:
     port, _ = health
-    status, headers, body = await _request(port, "HEAD /metrics HTTP/1.1\r\n\r\n")
+    status, headers, body = await _request(port, "HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
     assert status == 200
     assert body == b""
     assert int(headers["content-length"]) > 0
-    status, headers, body = await _request(port, "HEAD /healthz HTTP/1.1\r\n\r\n")
+    status, headers, body = await _request(port, "HEAD /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
     assert (status, body, headers["content-length"]) == (200, b"", "3")
     for method in ("POST", "PUT", "DELETE"):
-        status, headers, _ = await _request(port, f"{method} /readyz HTTP/1.1\r\n\r\n")
+        status, headers, _ = await _request(port, f"{method} /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
         assert status == 405
         assert headers["allow"] == "GET, HEAD"
-    status, _, _ = await _request(port, "GET /nope HTTP/1.1\r\n\r\n")
+    status, _, _ = await _request(port, "GET /nope HTTP/1.1\r\nHost: x\r\n\r\n")
     assert status == 404
     status, _, _ = await _request(port, "GARBAGE\r\n\r\n")
     assert status == 400
+    # HTTP/1.1 requires a Host header (every scraper and probe sends one); 1.0 does not
+    status, _, _ = await _request(port, "GET /healthz HTTP/1.1\r\n\r\n")
+    assert status == 400
+    status, _, body = await _request(port, "GET /healthz HTTP/1.0\r\n\r\n")
+    assert (status, body) == (200, b"ok\n")
+
+
+async def test_a_request_the_server_cannot_read_is_no_error_of_the_daemon(
+    health: tuple[int, list[tuple[bool, str]]], caplog: pytest.LogCaptureFixture
+) -> None:
+    port, _ = health
+    for raw in ("GET /healthz HTTP/1.1\r\n\r\n", "GET /x HTTP/9.9\r\nHost: x\r\n\r\n"):
+        status, _, _ = await _request(port, raw)
+        assert status == 400
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def _outside_address() -> str | None:
+    """An address of this host that is not loopback (None if it has none); no packet is
+    sent: connecting a UDP socket only picks the route."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))
+        except OSError:
+            return None
+        address = str(probe.getsockname()[0])
+    return None if ipaddress.ip_address(address).is_loopback else address
+
+
+async def test_the_listener_binds_only_the_configured_address_loopback_by_default() -> None:
+    host, _ = parse_listen(MetricsConfig().listen)
+    assert ipaddress.ip_address(host).is_loopback
+    outside = _outside_address()
+    if outside is None:
+        pytest.skip("this host has no address but loopback")
+    with pytest.raises(ValueError, match="address to listen on"):
+        await serve_health("", 0, Metrics(), lambda: (True, "ready"))
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(serve_health, host, 0, Metrics(), lambda: (True, "ready"))
+        status, _, _ = await _request(port, "GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert status == 200
+        with pytest.raises(OSError, match="connection attempts failed"):
+            await anyio.connect_tcp(outside, port)
+        tg.cancel_scope.cancel()
+
+
+# A handler whose submits wait for the test (tests.test_ops:make_gated in a config).
+_GATE: dict[str, anyio.Event] = {}
+
+
+class _Gated:
+    key = "gated"
+    idempotent_submit = True
+
+    async def submit(self, params: Any, ctx: Any) -> Any:
+        _GATE["started"].set()
+        await _GATE["release"].wait()
+        return Submitted("job")
+
+    async def query(self, handle: dict[str, Any], ctx: Any) -> Any:
+        return Succeeded(None)
+
+
+def make_gated(options: dict[str, Any]) -> _Gated:
+    return _Gated()
+
+
+async def test_the_listener_answers_through_a_drain_and_closes_when_it_ends(
+    redis_client: redis.asyncio.Redis, redis_url: str
+) -> None:
+    """Drain order (daemon.py): the health listener stops at step 5, after the calls in
+    flight finished; until then /readyz says "draining" and /healthz stays 200."""
+    _GATE.update(started=anyio.Event(), release=anyio.Event())
+    gated = {"key": "gated", "type": "python", "factory": "tests.test_ops:make_gated"}
+    toml = daemon_toml(
+        redis_url, "http://127.0.0.1:9", metrics={"listen": "127.0.0.1:0"},
+        worker={"shutdown_grace": "20s"}, handlers=[gated],
+    )  # fmt: skip
+    daemon = Daemon(parse_config(toml))
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            await tg.start(daemon.serve)
+            assert daemon.worker is not None and daemon.health_port is not None
+            port = daemon.health_port
+            async with AsyncClient.from_url(redis_url) as client:
+                await client.submit("gated", {}, tracking_timeout=60)
+            await _GATE["started"].wait()
+            daemon.worker.stop()  # step 1; the call in flight holds the drain at step 2
+            status, _, body = await _request(port, "GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (status, body.split(b"\n")[0]) == (503, b"draining")
+            status, _, _ = await _request(port, "GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert status == 200
+            _GATE["release"].set()
+    with pytest.raises(OSError, match="connection attempts failed"):
+        await anyio.connect_tcp("127.0.0.1", port)
 
 
 async def test_readyz_says_why_it_is_not_ready(health: tuple[int, list[tuple[bool, str]]]) -> None:
     port, answers = health
-    status, _, body = await _request(port, "GET /readyz HTTP/1.1\r\n\r\n")
+    status, _, body = await _request(port, "GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
     assert (status, body) == (200, b"ready\n")
     for reason in ("redis unreachable", "due work waited 75s without a claim", "draining"):
         answers.append((False, reason))
-        status, _, body = await _request(port, "GET /readyz HTTP/1.1\r\n\r\n")
+        status, _, body = await _request(port, "GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
         assert (status, body) == (503, reason.encode() + b"\n")
-        status, _, _ = await _request(port, "GET /healthz HTTP/1.1\r\n\r\n")
+        status, _, _ = await _request(port, "GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
         assert status == 200  # alive all the same
 
 

@@ -17,9 +17,9 @@ from asynctaskd import AsyncClient, Client, Status
 from asynctaskd.config import parse_config
 from asynctaskd.connection import open_async
 from asynctaskd.daemon import Daemon
+from asynctaskd.devtools.fakevendor import Behaviour, FakeVendorProcess, run_server
 from asynctaskd.embedded import find_binary, free_port
 from asynctaskd.errors import StoreUnavailable
-from asynctaskd.fakevendor import Behaviour, FakeVendorProcess, run_server
 from asynctaskd.keys import Keys
 from tests.configs import tls_daemon_toml, write_daemon_config
 from tests.conftest import SERVER_BINARIES, wait_until_sync

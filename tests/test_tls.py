@@ -18,8 +18,8 @@ import pytest
 from asynctaskd import AsyncClient, Client, Status
 from asynctaskd.config import parse_config
 from asynctaskd.daemon import Daemon
+from asynctaskd.devtools.fakevendor import Behaviour, run_server
 from asynctaskd.errors import StoreUnavailable
-from asynctaskd.fakevendor import Behaviour, run_server
 from tests.clients import Api
 from tests.configs import tls_daemon_toml
 from tests.conftest import SERVER_BINARIES

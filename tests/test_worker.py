@@ -17,9 +17,9 @@ import redis.asyncio
 from asynctaskd.client import AsyncClient
 from asynctaskd.codec import encode_json
 from asynctaskd.config import Config, parse_config
-from asynctaskd.demo import DemoHandler
+from asynctaskd.devtools.demo import DemoHandler
+from asynctaskd.devtools.fakevendor import Behaviour, FakeVendorProcess
 from asynctaskd.errors import NotSent, PermanentError, RetryableError
-from asynctaskd.fakevendor import Behaviour, FakeVendorProcess
 from asynctaskd.handlers import (
     Failed,
     HandlerContext,

@@ -61,9 +61,9 @@ from redis import Redis
 from redis.crc import key_slot
 
 from asynctaskd import Client
+from asynctaskd.devtools.fakevendor import Behaviour, FakeVendorProcess
 from asynctaskd.embedded import ServerProcess, find_binary
 from asynctaskd.errors import AsyncTaskdError, StoreUnavailable, TaskNotFound
-from asynctaskd.fakevendor import Behaviour, FakeVendorProcess
 from tests.chaos.checker import (
     History,
     Report,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from asynctaskd.devtools.fakevendor import Behaviour, FakeVendorProcess
 from asynctaskd.embedded import ServerProcess
-from asynctaskd.fakevendor import Behaviour, FakeVendorProcess
 from asynctaskd.model import Status
 from tests.chaos.harness import Daemons, check_history, create_tasks, daemon_config, settled
 from tests.conftest import wait_until_sync

@@ -6,8 +6,8 @@ from typing import Any
 
 import httpx
 
-from .errors import PermanentError, RetryableError
-from .handlers import Failed, HandlerContext, Running, Submitted, Succeeded
+from asynctaskd.errors import PermanentError, RetryableError
+from asynctaskd.handlers import Failed, HandlerContext, Running, Submitted, Succeeded
 
 __all__ = ["DemoHandler", "make_handler"]
 
@@ -39,7 +39,7 @@ def _raise_for(response: httpx.Response, what: str) -> None:
 
 
 class DemoHandler:
-    """Talks to `asynctaskd.fakevendor`: POST /v1/jobs, GET /v1/jobs/{id}."""
+    """Talks to `asynctaskd.devtools.fakevendor`: POST /v1/jobs, GET /v1/jobs/{id}."""
 
     def __init__(self, key: str, base_url: str, *, idempotent: bool = False) -> None:
         self.key = key

@@ -36,7 +36,7 @@ Each new job ends ``failed`` with probability ``fail_fraction``, never ends (sta
 ``running``) with probability ``never_finish_fraction``, and otherwise ``succeeded``.
 ``seed`` makes the draws repeatable.
 
-Run it with ``python -m asynctaskd.fakevendor --port 0`` (``--help`` lists the knobs), in
+Run it with ``python -m asynctaskd.devtools.fakevendor --port 0`` (``--help`` lists the knobs), in
 process with `run_server`, or from sync code and tests with `FakeVendorProcess`.
 """
 
@@ -408,7 +408,7 @@ def _number(text: str) -> int | float:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m asynctaskd.fakevendor",
+        prog="python -m asynctaskd.devtools.fakevendor",
         description="A fake vendor HTTP server: submit once, poll until done.",
     )
     parser.add_argument("--host", default="127.0.0.1")
@@ -484,11 +484,19 @@ class FakeVendorProcess:
     def start(
         cls, behaviour: Behaviour | None = None, *, host: str = "127.0.0.1"
     ) -> FakeVendorProcess:
-        """Start `python -m asynctaskd.fakevendor` on a free port; wait until it is healthy."""
+        """Start `python -m asynctaskd.devtools.fakevendor` on a free port; wait until healthy."""
         workdir = Path(tempfile.mkdtemp(prefix="fakevendor-"))
         port_file = workdir / "port"
         stderr_path = workdir / "stderr"
-        argv = [sys.executable, "-m", "asynctaskd.fakevendor", "--host", host, "--port", "0"]
+        argv = [
+            sys.executable,
+            "-m",
+            "asynctaskd.devtools.fakevendor",
+            "--host",
+            host,
+            "--port",
+            "0",
+        ]
         argv += ["--port-file", str(port_file), *_behaviour_args(behaviour or Behaviour())]
         with stderr_path.open("wb") as stderr:
             process = subprocess.Popen(

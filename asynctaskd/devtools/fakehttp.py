@@ -29,7 +29,7 @@ from typing import Final, NamedTuple
 import msgspec
 
 # The grammar the client pool (http1) checks answers with, for requests too.
-from .http1 import _CHUNK_SIZE, _DIGITS, _MAX_HEAD, _TOKEN
+from asynctaskd.http1 import _CHUNK_SIZE, _DIGITS, _MAX_HEAD, _TOKEN
 
 __all__ = ["Answer", "Request", "serving"]
 
