@@ -887,6 +887,14 @@ def fetcher_for(client: httpx.AsyncClient) -> Fetcher:
     return fetcher
 
 
+class _NoCookies(http.cookiejar.CookieJar):
+    """A jar that takes no cookie from a response (its policy refuses them anyway):
+    skipping the standard library's parsing saves ~12 us of httpx's ~175 per request."""
+
+    def extract_cookies(self, response: Any, request: Any) -> None:
+        return None
+
+
 def make_http_client(
     *,
     max_connections: int = 1000,
@@ -920,7 +928,7 @@ def make_http_client(
         )
         for pattern, url in routes.items()
     }
-    no_cookies = http.cookiejar.CookieJar(http.cookiejar.DefaultCookiePolicy(allowed_domains=[]))
+    no_cookies = _NoCookies(http.cookiejar.DefaultCookiePolicy(allowed_domains=[]))
     client = httpx.AsyncClient(
         transport=transport,
         mounts=mounts,
