@@ -106,7 +106,7 @@ def handler_http_clients(config: Config) -> dict[str, httpx.AsyncClient]:
                 proxy=hc.proxy,
                 max_response_bytes=hc.max_response_bytes or DEFAULT_MAX_RESPONSE_BYTES,
             )
-        except ValueError as exc:
+        except (ValueError, ImportError) as exc:  # ImportError: socks5 without socksio
             raise ConfigError(f"handlers[{i}] ({hc.key}).proxy: {exc}") from None
     return clients
 

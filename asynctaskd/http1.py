@@ -611,7 +611,7 @@ class Http1Pool:
         lowered = b"\n" + block.lower()
         if b"\ntransfer-encoding:" in lowered:
             # httpx adds Content-Length to an in-memory body; with both, the message is
-            # invalid (RFC 9112 6.3) and a server rejects it, or worse, frames it its way.
+            # invalid and a server rejects it, or worse, frames it its own way.
             raise httpx.LocalProtocolError(
                 "a Transfer-Encoding header set by hand on an in-memory body: drop the "
                 "header, or pass the body as an async iterator to have it sent chunked",

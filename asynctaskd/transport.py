@@ -439,7 +439,7 @@ class PoolTransport(httpx.AsyncBaseTransport):
             trust_env=False,
         )
         # aiohttp silently resends GET/HEAD/OPTIONS/TRACE/PUT/DELETE once when the
-        # connection drops (RFC 9112 9.3.1 allows it for idempotent methods). A vendor's
+        # connection drops (HTTP allows it for idempotent methods). A vendor's
         # PUT or DELETE is not necessarily idempotent, and the worker, not the transport,
         # decides what may be sent twice. There is no public switch; this private flag is
         # pinned by tests/test_transport.py (one PUT, one request at the server).
@@ -826,7 +826,7 @@ class Fetcher:
         self, host: bytes, headers: Mapping[str, str] | None
     ) -> list[tuple[bytes, bytes]] | None:
         """Host, the client's headers and then the call's (a call's replaces the client's
-        of the same name); None if one is not ASCII."""
+        of the same name, Host included); None if one is not ASCII."""
         base = self._client.headers.raw
         try:
             extra = (
@@ -836,12 +836,13 @@ class Fetcher:
             )
         except UnicodeEncodeError:
             return None
-        replaced = {name.lower() for name, _ in extra} | _DROPPED
-        raw = [(b"Host", host)]
+        given = {name.lower() for name, _ in extra}
+        replaced = given | _DROPPED
+        raw = [] if b"host" in given else [(b"Host", host)]
         raw += [pair for pair in base if pair[0].lower() not in replaced]
-        if not any(name.lower() == b"accept-encoding" for name, _ in extra):
+        if b"accept-encoding" not in given:
             raw.append(_ACCEPT_ENCODING)
-        raw += [pair for pair in extra if pair[0].lower() not in (b"host", b"content-length")]
+        raw += [pair for pair in extra if pair[0].lower() != b"content-length"]
         return raw
 
     def _timeouts(self, timeout: httpx.Timeout | float | None) -> dict[str, float | None]:

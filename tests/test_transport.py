@@ -945,3 +945,27 @@ async def test_aclose_is_idempotent_and_final() -> None:
     await transport.aclose()
     with pytest.raises(RuntimeError, match="closed"):
         await transport.handle_async_request(httpx.Request("GET", "http://127.0.0.1:1/"))
+
+
+async def test_fetch_sends_the_client_headers_then_the_call_headers(
+    client: httpx.AsyncClient, echo_url: str
+) -> None:
+    fetch = fetcher_for(client)
+    reply = await fetch(
+        "PUT",
+        f"{echo_url}/echo/h?x=1",
+        headers={"Host": "vendor.test", "X-Client": "call", "Accept-Encoding": "identity"},
+        content='"é"',
+    )
+    echoed = reply.json()
+    headers = {name.lower(): value for name, value in echoed["headers"]}
+    assert echoed["method"] == "PUT" and echoed["path"] == "/echo/h?x=1"
+    assert headers["host"] == "vendor.test"  # the call's Host replaces the URL's
+    assert headers["x-client"] == "call"  # and its headers the client's
+    assert headers["accept-encoding"] == "identity"
+    assert headers["content-length"] == "4"  # the text as UTF-8
+    assert echoed["json"] == "é"
+    assert reply.header("X-SERVER") == "echo" and reply.header("missing") is None
+    # A URL httpx would rewrite does not take the direct path: httpx sends it, its way.
+    reply = await fetch("GET", f"{echo_url}/echo/a b/./c?q=é")
+    assert reply.json()["path"] == "/echo/a%20b/c?q=%C3%A9"
