@@ -215,7 +215,7 @@ class _Connection(asyncio.Protocol):
         self._busy = False  # an exchange is in flight: from the write to the body's end
         self._waiter: asyncio.Future[Answer] | None = None
         self._request: httpx.Request | None = None
-        self._parser: httptools.HttpResponseParser | None = None
+        self._llhttp: httptools.HttpResponseParser | None = None
         self._limit: int | None = None
         self._head_only = False
         # The answer being parsed.
@@ -243,7 +243,7 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def data_received(self, data: bytes) -> None:
-        parser = self._parser
+        parser = self._llhttp
         if not self._busy or parser is None or self._complete:
             # Bytes while idle or after a complete answer (a 408, say): the connection can
             # no longer be trusted.
@@ -308,7 +308,7 @@ class _Connection(asyncio.Protocol):
             self._headers.append((name, value.strip(b" \t")))
 
     def on_headers_complete(self) -> None:
-        parser = self._parser
+        parser = self._llhttp
         assert parser is not None
         status = parser.get_status_code()
         if 100 <= status < 200 and status != 101:
@@ -389,7 +389,7 @@ class _Connection(asyncio.Protocol):
         self._request = request
         self._head_only = method == "HEAD"
         self._limit = limit
-        self._parser = httptools.HttpResponseParser(self)
+        self._llhttp = httptools.HttpResponseParser(self)
         self._head_done = self._complete = self._until_close = False
         self._chunks = []
         self._received = self._fed = self._chunk_count = 0
@@ -410,7 +410,7 @@ class _Connection(asyncio.Protocol):
     def exchanged(self) -> None:
         """The exchange is over (answered, failed or abandoned): stop watching for it."""
         self._busy = False
-        self._waiter = self._request = self._parser = self._stream = None
+        self._waiter = self._request = self._llhttp = self._stream = None
         self._timeout = None
         self._chunks = []
         if self._paused and self.transport is not None and not self.closed:
@@ -435,7 +435,7 @@ class _Connection(asyncio.Protocol):
         waiter = self._waiter
         if waiter is None or waiter.done():
             return
-        parser = self._parser
+        parser = self._llhttp
         assert parser is not None
         version = b"HTTP/" + parser.get_http_version().encode("ascii")
         if self._complete:
@@ -496,7 +496,7 @@ class _Connection(asyncio.Protocol):
         if isinstance(exc, OSError):
             self._fail(httpx.ReadError(str(exc) or type(exc).__name__, request=request))
             return
-        nothing = self._parser is None or not self._fed
+        nothing = self._llhttp is None or not self._fed
         message = "without sending a response" if nothing else "before the response was complete"
         self._fail(httpx.RemoteProtocolError(f"Server disconnected {message}.", request=request))
 
