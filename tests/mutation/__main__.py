@@ -95,7 +95,7 @@ def check_copy(copy: Path) -> None:
     """The copy's package is the one imported there, not the installed one."""
     env = dict(os.environ, PYTHONPATH=str(copy))
     out = subprocess.run(
-        [sys.executable, "-c", "import asynctaskd; say(asynctaskd.__file__)"],
+        [sys.executable, "-c", "import asynctaskd; print(asynctaskd.__file__)"],
         cwd=copy,
         env=env,
         check=True,
@@ -115,7 +115,7 @@ def try_mutant(copy: Path, m: Mutant, all_servers: bool, timeout: float) -> Outc
     path.write_text(original.replace(m.old, m.new), encoding="utf-8")
     started = time.monotonic()
     try:
-        rc, tail = run_tests(copy, m.tests, all_servers, timeout)
+        rc, tail = run_tests(copy, m.tests, all_servers or m.all_servers, timeout)
     finally:
         path.write_text(original, encoding="utf-8")
     seconds = time.monotonic() - started
@@ -158,10 +158,14 @@ def main(argv: list[str] | None = None) -> int:
         started = time.monotonic()
         if not args.no_baseline:
             tests = tuple(dict.fromkeys(t for m in mutants for t in m.tests))
-            rc, tail = run_tests(copies[0], tests, args.all_servers, args.timeout * 2)
-            if rc != 0:
-                say(f"baseline: the named tests fail without any mutant (exit {rc}):\n{tail}")
-                return 1
+            both = tuple(dict.fromkeys(t for m in mutants if m.all_servers for t in m.tests))
+            for names, on_both in ((tests, args.all_servers), (both, True)):
+                if not names or (on_both and names is both and args.all_servers):
+                    continue
+                rc, tail = run_tests(copies[0], names, on_both, args.timeout * 2)
+                if rc != 0:
+                    say(f"baseline: the named tests fail without any mutant (exit {rc}):\n{tail}")
+                    return 1
             took = time.monotonic() - started
             say(f"baseline: {len(tests)} named tests pass unmutated ({took:.0f} s)")
 
