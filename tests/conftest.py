@@ -44,6 +44,44 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="chaos: run with --run-chaos (make test does)"))
 
 
+# What CI may skip: tests this machine cannot run whatever is installed (the embedded
+# valkey binary has no TLS; a kernel or network it does not have), and tests that run on one
+# server on purpose. Under CI=true any other skip (a tool, a server or an option missing)
+# fails the run: `.ci/run` installs what the suite needs.
+CI_MAY_SKIP = (
+    "is built without TLS support",
+    "run once, on redis-server",
+    "this kernel",
+    "this host has no address but loopback",
+    "this redis-server has WAITAOF",
+)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if not os.environ.get("CI") or hasattr(session.config, "workerinput"):
+        return  # by hand, or an xdist worker: the controller sees every report
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        return
+    unexpected = []
+    for report in reporter.stats.get("skipped", []):
+        longrepr = getattr(report, "longrepr", None)
+        reason = str(longrepr[2] if isinstance(longrepr, tuple) else longrepr)
+        if not any(allowed in reason for allowed in CI_MAY_SKIP):
+            unexpected.append(f"{report.nodeid}: {reason}")
+    if unexpected:
+        reporter.ensure_newline()
+        reporter.write_line(
+            "CI=true: these tests were skipped, and CI must run them (install what they "
+            "need in .ci/run, or add the reason to CI_MAY_SKIP with why):",
+            red=True,
+        )
+        for line in unexpected:
+            reporter.write_line(f"  {line}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
