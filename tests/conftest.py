@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from redis import Redis as SyncRedis
 
 from asynctaskd.embedded import ServerProcess, find_binary
 from asynctaskd.keys import Keys
+from asynctaskd.model import Status
 from asynctaskd.store import Store, SyncStore, open_redis
 
 # Fixtures shared by the client and routing tests (both clients, one test body).
@@ -170,6 +172,27 @@ async def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         await anyio.sleep(0.01)
+
+
+def statuses(reader: Any, ids: Iterable[str]) -> Counter[Status]:
+    """How many of `ids` are in each status, read with `reader.get` (a Client, a SyncStore);
+    a task that is gone fails the test."""
+    out: Counter[Status] = Counter()
+    for task_id in ids:
+        task = reader.get(task_id)
+        assert task is not None, f"{task_id} vanished"
+        out[task.status] += 1
+    return out
+
+
+async def statuses_async(reader: Any, ids: Iterable[str]) -> Counter[Status]:
+    """`statuses` through an async reader (a Store, an AsyncClient)."""
+    out: Counter[Status] = Counter()
+    for task_id in ids:
+        task = await reader.get(task_id)
+        assert task is not None, f"{task_id} vanished"
+        out[task.status] += 1
+    return out
 
 
 def wait_until_sync(predicate: Callable[[], Any], what: str, timeout: float = 5.0) -> Any:

@@ -327,7 +327,9 @@ def test_an_encrypted_key_opens_with_its_password_from_the_url(pki: Pki, tmp_pat
         f"rediss://h/0?ssl_certfile={pki.client_cert}&ssl_keyfile={files['encrypted']}"
         "&ssl_password=secret"
     )
-    open_sync(url).close()
+    open_sync(url).close()  # opens, and the wrong password is named:
+    message = _message(_open_sync, url.replace("=secret", "=wrong"), TlsOptions())
+    assert "ssl_keyfile" in message, message
 
 
 def test_bad_urls_raise_config_error_from_the_clients() -> None:
