@@ -45,12 +45,12 @@ async def ready(r: redis.asyncio.Redis) -> list[str]:
 async def test_take_grants_the_burst_then_says_when_the_next_token_comes(
     store: Store, client: AsyncClient
 ) -> None:
-    await client.set_limit(provider="p", submit_rate=2, submit_burst=5)
+    await client.set_limit(provider="p", submit_rate=0.01, submit_burst=5)
     got = await take(store, {"submit|p|": 3})
     assert got == {"submit|p|": (3, 0)}
     granted, wait_ms = (await take(store, {"submit|p|": 10}))["submit|p|"]
-    assert granted == 2  # 5 - 3, plus whatever refilled in between (< 1 token at 2/s)
-    assert 1 <= wait_ms <= 500  # one token every 500 ms
+    assert granted == 2  # 5 - 3: a token takes 100 s to refill at 0.01/s
+    assert 90_000 <= wait_ms <= 100_000  # the next one: 100 s after the first take
     assert (await take(store, {"submit|p|": 1}))["submit|p|"][0] == 0
 
 
