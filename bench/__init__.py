@@ -1,4 +1,4 @@
-"""Benchmarks for asynctaskd (targets in docs/performance.md); `python -m bench [--full]` runs them all.
+"""Benchmarks for asynctaskd (targets: docs/performance.md); `python -m bench [--full]`.
 
 This module holds what the W2-W5 scripts share: the machine line, the Redis ceiling
 (`redis-benchmark` EVALSHA of the claim-shaped script of bench/claim_save.py), a daemon
