@@ -122,8 +122,14 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--tenant", help="the tenant the task belongs to (quotas, caps, reads)")
     sp.add_argument("--account", help="the vendor account to use (its limits apply)")
     sp.add_argument("--priority", type=int, default=0, help="-100..100, higher first (default 0)")
-    sp.add_argument(
+    dedup = sp.add_mutually_exclusive_group()
+    dedup.add_argument(
         "--dedup-key", help="a live task of the tenant with this key is returned instead"
+    )
+    dedup.add_argument(
+        "--dedup-by-content",
+        action="store_true",
+        help="the key is a hash of handler and params: the same request is one task",
     )
     sp.add_argument("--delay", default=None, help="start no earlier than this from now, e.g. 5m")
     sp.add_argument("--no-strict", action="store_true", help="skip the live-handler check")
@@ -426,6 +432,7 @@ def _client_command(args: argparse.Namespace) -> int:
                 account=args.account,
                 priority=args.priority,
                 dedup_key=args.dedup_key,
+                dedup="content" if args.dedup_by_content else None,
                 delay=_duration(args.delay, "--delay") if args.delay else None,
                 strict=not args.no_strict,
                 route_key=args.route_key,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import functools
+import hashlib
 import math
 import os
 import random
@@ -19,7 +20,7 @@ import secrets
 import time
 import zlib
 from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
-from typing import IO, Any, Final, Self, TypeAlias, TypeVar, cast
+from typing import IO, Any, Final, Literal, Self, TypeAlias, TypeVar, cast
 
 import msgspec
 import redis
@@ -257,6 +258,28 @@ def _status(value: object) -> Status:
     except ValueError:
         names = ", ".join(s.value for s in Status)
         raise InvalidTask(f"{value!r} is not a status; one of {names}") from None
+
+
+def content_dedup_key(handler: str, params: Any) -> str:
+    """The dedup key `submit(dedup="content")` uses: "content:" and the SHA-256 of the
+    handler key and the params as JSON with sorted object keys, so the same request of the
+    same tenant finds the live task whatever order its keys were written in."""
+    try:
+        canonical = msgspec.json.encode(params, order="sorted")
+    except (TypeError, msgspec.EncodeError, RecursionError) as exc:
+        raise InvalidTask(f"params cannot be hashed for dedup='content': {exc}") from None
+    digest = hashlib.sha256(handler.encode() + b"\0" + canonical).hexdigest()
+    return f"content:{digest}"
+
+
+def _dedup(handler: str, params: Any, dedup: object, dedup_key: str | None) -> str | None:
+    if dedup is None:
+        return dedup_key
+    if dedup != "content":
+        raise InvalidTask(f"dedup must be 'content' or None, got {dedup!r:.60}")
+    if dedup_key is not None:
+        raise InvalidTask("give dedup_key or dedup='content', not both")
+    return content_dedup_key(handler, params)
 
 
 def _prepare_submit(
@@ -1069,14 +1092,17 @@ class AsyncClient:
         delay: float | dt.timedelta | None = None,
         strict: bool = True,
         route_key: str | None = None,
+        dedup: Literal["content"] | None = None,
     ) -> Task:
         """Store a new task as PENDING_SUBMIT and return its snapshot; no vendor is called.
 
         Everything is checked before anything is written (InvalidTask, PayloadTooLarge,
         UnknownHandler). `tracking_timeout` (seconds) counts from now; the task is due at
         `not_before` (aware datetime or epoch seconds) or after `delay` seconds. With a
-        `dedup_key`, a live task of the same tenant and key is returned instead. With
-        `strict`, the handler must be served by a live daemon.
+        `dedup_key`, a live task of the same tenant and key is returned instead;
+        `dedup="content"` makes that key from the handler and params
+        (`content_dedup_key`), so the same request is one task. With `strict`, the
+        handler must be served by a live daemon.
 
         `handler` may name a handler group (`set_group`): one member is picked now, by the
         group's policy, and the task is created with that member as its `handler` (and
@@ -1084,6 +1110,7 @@ class AsyncClient:
         `route_key` is the business key a `consistent_hash` group needs (other policies
         and plain handlers ignore it). With `strict`, the picked member must be live.
         """
+        dedup_key = _dedup(handler, params, dedup, dedup_key)
         args = (handler, params, tracking_timeout, tenant, account, provider, priority,
                 dedup_key, metadata, not_before, delay, route_key)  # fmt: skip
         return await self._run(_submit(self._ctx, strict, args))
@@ -1383,8 +1410,10 @@ class Client:
         delay: float | dt.timedelta | None = None,
         strict: bool = True,
         route_key: str | None = None,
+        dedup: Literal["content"] | None = None,
     ) -> Task:
         """Store a new task (or route it through a handler group); see `AsyncClient.submit`."""
+        dedup_key = _dedup(handler, params, dedup, dedup_key)
         args = (handler, params, tracking_timeout, tenant, account, provider, priority,
                 dedup_key, metadata, not_before, delay, route_key)  # fmt: skip
         return self._run(_submit(self._ctx, strict, args))

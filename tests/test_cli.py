@@ -355,3 +355,13 @@ def test_without_a_server_named_the_default_one_is_said_on_stderr(
     monkeypatch.setenv("ASYNCTASKD_URL", "redis://elsewhere:6380/2")
     assert _connection(bare)[0] == "redis://elsewhere:6380/2"
     assert capsys.readouterr().err == ""
+
+
+def test_submit_by_content_twice_is_one_task(redis_url: str) -> None:
+    argv = ("submit", "ocr", "--no-strict", "--dedup-by-content")
+    first = cli(argv[0], argv[1], '{"a": 1, "b": 2}', *argv[2:], url=redis_url).stdout.strip()
+    again = cli(argv[0], argv[1], '{"b": 2, "a": 1}', *argv[2:], url=redis_url).stdout.strip()
+    other = cli(argv[0], argv[1], '{"a": 2, "b": 2}', *argv[2:], url=redis_url).stdout.strip()
+    assert first == again != other
+    both = cli(*argv[:2], "{}", "--dedup-key", "k", "--dedup-by-content", url=redis_url, check=2)
+    assert "not allowed with" in both.stderr

@@ -25,7 +25,7 @@ import redis.asyncio
 from redis import Redis as SyncRedis
 
 import asynctaskd.client as client_mod
-from asynctaskd.client import AsyncClient, Client, Reads, TaskEvent
+from asynctaskd.client import AsyncClient, Client, Reads, TaskEvent, content_dedup_key
 from asynctaskd.errors import (
     CorruptTask,
     IllegalTransition,
@@ -335,6 +335,29 @@ async def test_dedup_key_returns_the_live_task_of_the_same_tenant(
     assert fresh.id != first.id
     assert fresh.shard == first.shard
     assert fresh.params == {"n": 4}
+
+
+async def test_dedup_by_content_makes_the_same_request_one_task(
+    make_api: Callable[..., Api],
+) -> None:
+    api = make_api(shards=4)
+    first = await api.submit("h", {"a": 1, "b": [1, 2]}, dedup="content", tenant="t1", **BASE)
+    assert first.dedup_key == content_dedup_key("h", {"b": [1, 2], "a": 1})
+    assert first.dedup_key.startswith("content:") and len(first.dedup_key) == 72
+    # the same request, its keys in another order: the live task
+    again = await api.submit("h", {"b": [1, 2], "a": 1}, dedup="content", tenant="t1", **BASE)
+    assert again == first
+    for handler, params, tenant in (
+        ("h", {"a": 1, "b": [2, 1]}, "t1"),  # other params
+        ("h2", {"a": 1, "b": [1, 2]}, "t1"),  # another handler
+        ("h", {"a": 1, "b": [1, 2]}, "t2"),  # another tenant
+    ):
+        other = await api.submit(handler, params, dedup="content", tenant=tenant, **BASE)
+        assert other.id != first.id, (handler, params, tenant)
+    with pytest.raises(InvalidTask, match="not both"):
+        await api.submit("h", {}, dedup="content", dedup_key="k", **BASE)
+    with pytest.raises(InvalidTask, match="dedup must be 'content'"):
+        await api.submit("h", {}, dedup="params", **BASE)
 
 
 # Reading, cancelling and tenant isolation.
