@@ -272,6 +272,12 @@ class Metrics:
             ["handler"],
             registry=r,
         )
+        self.handler_exceptions = Counter(
+            "asynctaskd_handler_exceptions_total",
+            "Exceptions handlers raised from submit and query, by type (HandlerErrors too).",
+            ["handler", "op", "exception"],
+            registry=r,
+        )
         self.store_errors = Counter(
             "asynctaskd_store_errors_total",
             "Redis calls that failed (unavailable or refused).",

@@ -57,7 +57,7 @@ GRAFANA_BUILTINS = {"__rate_interval", "__range", "__interval", "__all"}
 # `scope` and `lane` name configured limits (providers, accounts; tenants summed as one);
 # `mode`, `fsync` and `state` are the fixed states of the durability state sets.
 BOUNDED_LABELS = {"handler", "op", "outcome", "status", "phase", "code", "kind", "script",
-                  "version", "scope", "lane", "mode", "fsync", "state"}  # fmt: skip
+                  "version", "scope", "lane", "mode", "fsync", "state", "exception"}  # fmt: skip
 
 # Proxies from the environment must never see requests to loopback.
 _http = urllib.request.build_opener(urllib.request.ProxyHandler({}))
