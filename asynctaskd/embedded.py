@@ -108,8 +108,11 @@ class ServerProcess:
 
     def start(self, timeout: float = 10.0) -> ServerProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        # A session of its own: Ctrl-C at a terminal signals the whole foreground process
+        # group, and the server must outlive the drain of the daemon that uses it (the one
+        # that started it stops it, last).
         self.process = subprocess.Popen(
-            self._argv(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            self._argv(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
         )
         self.wait_ready(timeout)
         return self

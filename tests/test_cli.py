@@ -6,6 +6,8 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -14,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from redis import Redis as SyncRedis
 
@@ -365,3 +368,54 @@ def test_submit_by_content_twice_is_one_task(redis_url: str) -> None:
     assert first == again != other
     both = cli(*argv[:2], "{}", "--dedup-key", "k", "--dedup-by-content", url=redis_url, check=2)
     assert "not allowed with" in both.stderr
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if text in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode():
+                    found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.parametrize("phase", ["during the demo", "keep running"])
+def test_dev_stops_cleanly_on_ctrl_c(tmp_path: Path, phase: str) -> None:
+    """Ctrl-C at a terminal signals the whole foreground process group: here the group is
+    the dev process's own session, signalled as a terminal would."""
+    argv = [sys.executable, "-m", "asynctaskd", "dev", "--demo", "300", "--data-dir", str(tmp_path)]
+    if phase == "keep running":
+        argv.append("--keep-running")
+    wait_for = " stats --url " if phase == "keep running" else "/300"
+    with subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        start_new_session=True,
+    ) as dev:
+        assert dev.stdout is not None and dev.stderr is not None
+        seen = []
+        for line in dev.stdout:
+            seen.append(line)
+            if wait_for in line:
+                break
+        printed = "".join(seen)
+        assert wait_for in printed, printed + dev.stderr.read()
+        if phase == "keep running":
+            # every command it prints works as printed, venv activated or not
+            assert "/metrics" in printed
+            for line in seen[seen.index("try:\n") + 1 :]:
+                ran = subprocess.run(shlex.split(line), capture_output=True, text=True, timeout=60)
+                assert ran.returncode == 0, (line, ran.stderr)
+        os.killpg(dev.pid, signal.SIGINT)
+        out, err = dev.communicate(timeout=30)
+    assert dev.returncode == 0, out + err
+    assert err == "", err  # no traceback, no warning about releases that failed
+    assert out.rstrip().endswith("stopped")
+    assert _processes_mentioning(str(tmp_path)) == []  # the embedded server is gone
+    vendor_url = next(x.split()[-1] for x in seen if x.startswith("fake vendor"))
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(vendor_url + "/healthz", timeout=5)
