@@ -304,10 +304,8 @@ def _connection(args: argparse.Namespace) -> tuple[str, str, int]:
     if getattr(args, "config", None):
         config = load_config(args.config)
         url, namespace, shards = config.redis.url, config.redis.namespace, config.redis.shards
-        if url == "embedded":
-            raise ConfigError(
-                f"{args.config}: redis.url is 'embedded'; pass --url to reach that server"
-            )
+        if url == "embedded":  # the daemon's own server, through its socket
+            url = f"embedded://{Path(config.redis.data_dir).resolve()}"
     url = args.url or url or os.environ.get("ASYNCTASKD_URL")
     if not url:
         url = DEFAULT_URL
