@@ -18,7 +18,6 @@ import random
 import re
 import secrets
 import time
-import zlib
 from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
 from typing import IO, Any, Final, Literal, Self, TypeAlias, TypeVar, cast
 
@@ -41,6 +40,7 @@ from .cursors import (
     sealed_with,
 )
 from .errors import (
+    ConfigError,
     CorruptTask,
     IllegalTransition,
     InvalidTask,
@@ -50,7 +50,7 @@ from .errors import (
     TaskNotFound,
     UnknownHandler,
 )
-from .keys import HANDLER_KEY_RE, Keys, new_task_id
+from .keys import HANDLER_KEY_RE, Keys, deployment_problem, new_task_id, shard_for_dedup
 from .model import Status, Task
 from .plans import Pause, Reads
 from .plans import advance as _advance
@@ -160,6 +160,8 @@ class _Context:
         self.quotas_read_at = -math.inf
         self.cursor_key = b""  # derived from <ns>:cursor_key; empty until first needed
         self.cursor_key_read_at = -math.inf
+        self.deployment_problem = ""  # keys.deployment_problem of <ns>:deployment, as read
+        self.deployment_read_at = -math.inf  # monotonic seconds, with the groups and handlers
 
     def remember_handlers(self, raw: dict[bytes, bytes]) -> dict[str, int]:
         out = {}
@@ -325,7 +327,7 @@ def _prepare_submit(
     )
     shards = ctx.keys.shards
     if dedup_key:  # the same tenant and key always land on the same shard, so dedup works
-        shard = zlib.crc32(f"{tenant_s}\0{dedup_key}".encode()) % shards
+        shard = shard_for_dedup(tenant_s, dedup_key, shards)
     else:
         shard = random.randrange(shards) if shards > 1 else 0
 
@@ -437,6 +439,18 @@ def _continuous(at_last: Any) -> bool:
 # Plans: every operation, as Redis work to do and what to make of the replies.
 
 
+def _check_deployment(ctx: _Context) -> Plan[None]:
+    """Before a create: the namespace's shard count and protocol are this client's
+    (keys.deployment_problem). Read with the groups and handlers (`_find_group`), so it
+    costs no round trip of its own."""
+    if ctx.deployment_read_at == -math.inf:
+        (raw,) = yield Reads(_read("get", ctx.keys.deployment()))
+        ctx.deployment_problem = deployment_problem(raw, ctx.keys)
+        ctx.deployment_read_at = time.monotonic()
+    if ctx.deployment_problem:
+        raise ConfigError(f"{ctx.deployment_problem}: pass shards= to match; nothing was written")
+
+
 def _check_handler(ctx: _Context, handler: str) -> Plan[None]:
     now_ms = time.time() * 1000
     fresh = time.monotonic() - ctx.live_read_at < HANDLER_CACHE_S
@@ -469,11 +483,14 @@ def _find_group(ctx: _Context, name: str) -> Plan[Group | None]:
             return None  # a live handler, and no group had that name a moment ago
     # A miss: the group may have just been defined. Refresh the handlers too, in the same
     # round trip, so the strict check that follows usually needs none.
-    groups, handlers = yield Reads(
+    groups, handlers, deployment = yield Reads(
         _read("hgetall", ctx.keys.groups()),
         _read("hgetall", ctx.keys.handlers()),
+        _read("get", ctx.keys.deployment()),
         share="groups+handlers",
     )
+    ctx.deployment_problem = deployment_problem(deployment, ctx.keys)
+    ctx.deployment_read_at = time.monotonic()
     ctx.remember_handlers(handlers)
     raw = ctx.remember_groups(groups).get(name)
     return None if raw is None else decode_group(name, raw)
@@ -554,6 +571,7 @@ def _delete_group(ctx: _Context, name: str) -> Plan[bool]:
 def _submit(ctx: _Context, strict: bool, args: tuple[Any, ...]) -> Plan[Task]:
     build, timeout_ms = _prepare_submit(ctx, *args)  # everything is checked before routing,
     handler = yield from _route(ctx, args[0], args[-1])  # which may write (INCR)
+    yield from _check_deployment(ctx)
     call, task = build(handler)
     if strict:
         yield from _check_handler(ctx, task.handler)

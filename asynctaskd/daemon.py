@@ -177,6 +177,7 @@ class Daemon:
                 await anyio.sleep(delay)
                 delay = min(5.0, delay * 2)
         self.redis_ok = True
+        await store.register_deployment()  # ConfigError: another shard count or protocol
         await _check_server(store)
         durability = DurabilityWatch(store, config.redis, self.metrics)
         gate = await durability.start()  # logs what the gate enforces, and what it does not
