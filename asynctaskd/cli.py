@@ -1,12 +1,16 @@
 """The `asynctaskd` command: run the daemon, develop locally, inspect and repair tasks.
 
-Exit codes: 0 ok, 1 not found / failed / refused, 2 usage or configuration error.
+Exit codes (also in `asynctaskd --help`): 0 ok; 1 failed (Redis unreachable, or `wait` /
+`watch` saw the task end without succeeding); 2 usage, configuration or input error; 3 not
+found; 4 refused (not possible now: the task's state, a quota, a permission); 5 timed out
+(`wait --timeout`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -17,11 +21,30 @@ from typing import Any, Final
 import msgspec
 
 from .config import LimitConfig, load_config
-from .errors import AsyncTaskdError, ConfigError, IllegalTransition, InvalidTask, TaskNotFound
+from .errors import (
+    AsyncTaskdError,
+    ConfigError,
+    IllegalTransition,
+    InvalidTask,
+    NotPermitted,
+    QuotaExceeded,
+    TaskNotFound,
+    UnknownHandler,
+)
 from .model import Status, Task
 from .routing import POLICIES, Group, MemberSpec
 
-__all__ = ["main"]
+__all__ = ["EXIT_FAILED", "EXIT_NOT_FOUND", "EXIT_REFUSED", "EXIT_TIMED_OUT", "main"]
+
+EXIT_FAILED: Final = 1
+EXIT_USAGE: Final = 2
+EXIT_NOT_FOUND: Final = 3
+EXIT_REFUSED: Final = 4
+EXIT_TIMED_OUT: Final = 5
+DEFAULT_URL: Final = "redis://127.0.0.1:6379/0"
+# A Task's fields only a worker's or operator's read fills in (`get` shows them); other
+# reads leave them at defaults, so their --json leaves them out rather than invent them.
+_INTERNALS: Final = ("fence", "owner", "started_fence", "reclaims", "idempotent")
 
 EPILOG = """\
 examples:
@@ -40,7 +63,19 @@ examples:
   asynctaskd submit ocr '{"text": "hi"}'          a group: one member is picked, once
 
 Reads use --url/--namespace, or [redis] from --config, or $ASYNCTASKD_URL.
+
+exit codes: 0 ok; 1 failed (Redis unreachable, or wait/watch saw the task end without
+succeeding); 2 usage, configuration or input error; 3 not found; 4 refused (not possible
+now: the task's state, a quota, a permission); 5 timed out (wait --timeout).
 """
+
+
+def _status(text: str) -> Status:
+    try:
+        return Status(text.upper())
+    except ValueError:
+        names = ", ".join(s.value for s in Status)
+        raise argparse.ArgumentTypeError(f"{text!r} is not a status; one of {names}") from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     def conn(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--config", type=Path, help="config file (for [redis] url and namespace)")
         sp.add_argument("--url", help="Redis URL (default: from --config or $ASYNCTASKD_URL)")
-        sp.add_argument("--namespace", help="key namespace (default atd)")
+        sp.add_argument("--namespace", help="key namespace (default: from --config, or atd)")
         sp.add_argument(
             "--shards", type=int, help="shards the daemons use (default: from --config, or 1)"
         )
@@ -75,19 +110,27 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--keep-running", action="store_true", help="stay up after the demo finishes")
 
     sp = sub.add_parser("check-config", help="validate a config file and print it, secrets masked")
-    sp.add_argument("--config", type=Path, required=True)
+    sp.add_argument("--config", type=Path, required=True, help="path to config.toml")
     js(sp)
 
     sp = sub.add_parser("submit", help="create a task")
     conn(sp)
     js(sp)
-    sp.add_argument("handler")
+    sp.add_argument("handler", help="the handler key (or handler group) that runs the task")
     sp.add_argument("params", help="JSON params, or @file.json")
     sp.add_argument("--timeout", default="1h", help="tracking timeout, e.g. 30m (default 1h)")
-    sp.add_argument("--tenant")
-    sp.add_argument("--account")
-    sp.add_argument("--priority", type=int, default=0)
-    sp.add_argument("--dedup-key")
+    sp.add_argument("--tenant", help="the tenant the task belongs to (quotas, caps, reads)")
+    sp.add_argument("--account", help="the vendor account to use (its limits apply)")
+    sp.add_argument("--priority", type=int, default=0, help="-100..100, higher first (default 0)")
+    dedup = sp.add_mutually_exclusive_group()
+    dedup.add_argument(
+        "--dedup-key", help="a live task of the tenant with this key is returned instead"
+    )
+    dedup.add_argument(
+        "--dedup-by-content",
+        action="store_true",
+        help="the key is a hash of handler and params: the same request is one task",
+    )
     sp.add_argument("--delay", default=None, help="start no earlier than this from now, e.g. 5m")
     sp.add_argument("--no-strict", action="store_true", help="skip the live-handler check")
     sp.add_argument("--route-key", help="business key for a consistent_hash handler group")
@@ -96,16 +139,22 @@ def _parser() -> argparse.ArgumentParser:
         ("get", "show a task"),
         ("cancel", "cancel a task"),
         ("wait", "wait until a task is terminal or SUBMIT_UNKNOWN"),
+        ("watch", "print a task's changes as they happen, until it settles"),
     ):
         sp = sub.add_parser(name, help=helptext)
         conn(sp)
-        js(sp)
-        sp.add_argument("task_id")
+        if name == "watch":
+            sp.add_argument("--json", action="store_true", help="one JSON object per change")
+        else:
+            js(sp)
+        sp.add_argument("task_id", help="the task's id, as submit printed it")
         sp.add_argument(
             "--tenant", help="the task's tenant: another tenant's task is reported as not found"
         )
         if name == "wait":
-            sp.add_argument("--timeout", default="60s")
+            sp.add_argument(
+                "--timeout", default="60s", help="give up after this long, e.g. 10m (exit 5)"
+            )
         if name == "cancel":
             sp.add_argument(
                 "--wait",
@@ -117,11 +166,13 @@ def _parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("list", help="list tasks by status, handler or tenant")
     conn(sp)
     js(sp)
-    sp.add_argument("--status", choices=[s.value for s in Status])
-    sp.add_argument("--handler")
+    sp.add_argument(
+        "--status", type=_status, metavar="STATUS", help="only tasks in this status, e.g. failed"
+    )
+    sp.add_argument("--handler", help="only this handler's tasks")
     sp.add_argument("--tenant", help="only this tenant's tasks")
-    sp.add_argument("--limit", type=int, default=50)
-    sp.add_argument("--cursor")
+    sp.add_argument("--limit", type=int, default=50, help="tasks per page (default 50)")
+    sp.add_argument("--cursor", help="continue where the previous page said")
 
     for name, helptext in (
         ("stats", "counts by status and handler, live daemons"),
@@ -131,12 +182,14 @@ def _parser() -> argparse.ArgumentParser:
         conn(sp)
         js(sp)
         if name == "top":
-            sp.add_argument("--interval", type=float, default=1.0)
+            sp.add_argument(
+                "--interval", type=float, default=1.0, help="seconds between views (default 1)"
+            )
 
     sp = sub.add_parser("resolve", help="settle a SUBMIT_UNKNOWN task (operators)")
     conn(sp)
     js(sp)
-    sp.add_argument("task_id")
+    sp.add_argument("task_id", help="a task in SUBMIT_UNKNOWN")
     sp.add_argument(
         "--as",
         dest="as_",
@@ -145,9 +198,9 @@ def _parser() -> argparse.ArgumentParser:
         help="SUBMITTED (with --external-id) if the vendor has the job; "
         "PENDING_SUBMIT to resubmit knowingly",
     )
-    sp.add_argument("--external-id")
+    sp.add_argument("--external-id", help="with --as SUBMITTED: the vendor's job id")
     sp.add_argument("--query", help="JSON object the handler's query needs besides the id")
-    sp.add_argument("--message", default="")
+    sp.add_argument("--message", default="", help="why, stored with the task")
 
     for name, helptext in (
         ("pause", "hold back new vendor submits for a handler, provider, tenant or account"),
@@ -158,22 +211,24 @@ def _parser() -> argparse.ArgumentParser:
         js(sp)
         who = sp.add_mutually_exclusive_group(required=True)
         for kind in ("handler", "provider", "tenant", "account"):
-            who.add_argument(f"--{kind}", metavar="NAME")
+            who.add_argument(f"--{kind}", metavar="NAME", help=f"the {kind} to {name}")
         if name == "pause":
             sp.add_argument("--note", default="", help="who and why, shown in stats")
 
     sp = sub.add_parser("requeue", help="run a FAILED or TRACKING_TIMED_OUT task again")
     conn(sp)
     js(sp)
-    sp.add_argument("task_id")
+    sp.add_argument("task_id", help="a FAILED or TRACKING_TIMED_OUT task")
 
     sp = sub.add_parser("group", help="define, list or delete handler groups (routing)")
     gsub = sp.add_subparsers(dest="group_command", metavar="ACTION", required=True)
     gp = gsub.add_parser("set", help="define or replace a group")
     conn(gp)
     js(gp)
-    gp.add_argument("name")
-    gp.add_argument("--policy", required=True, choices=list(POLICIES))
+    gp.add_argument("name", help="the group's name: submits name it as their handler")
+    gp.add_argument(
+        "--policy", required=True, choices=list(POLICIES), help="how a member is picked"
+    )
     gp.add_argument(
         "--member",
         action="append",
@@ -187,7 +242,7 @@ def _parser() -> argparse.ArgumentParser:
     gp = gsub.add_parser("delete", help="remove a group")
     conn(gp)
     js(gp)
-    gp.add_argument("name")
+    gp.add_argument("name", help="the group to remove")
 
     sp = sub.add_parser("limits", help="show, set or clear admission limits (runtime)")
     lsub = sp.add_subparsers(dest="limits_command", metavar="ACTION")
@@ -204,7 +259,7 @@ def _parser() -> argparse.ArgumentParser:
     lp.add_argument("--submit-rate", type=float, help="vendor submits per second")
     lp.add_argument("--submit-burst", type=int, help="submits allowed at once (default: rate)")
     lp.add_argument("--query-rate", type=float, help="vendor status queries per second")
-    lp.add_argument("--query-burst", type=int)
+    lp.add_argument("--query-burst", type=int, help="queries allowed at once (default: rate)")
     lp.add_argument("--max-in-flight", type=int, help="tasks SUBMITTING..RUNNING at once")
     lp.add_argument("--quota", type=int, help="tenant: submits accepted per --quota-period")
     lp.add_argument("--quota-period", help="e.g. 1d (default), 1h")
@@ -225,7 +280,9 @@ def _parser() -> argparse.ArgumentParser:
     conn(sp)
     sp.add_argument("--older-than", required=True, help="e.g. 7d")
     sp.add_argument("--archive", type=Path, help="append purged tasks to this JSON-lines file")
-    sp.add_argument("--limit", type=int, default=10_000)
+    sp.add_argument(
+        "--limit", type=int, default=10_000, help="at most this many tasks (default 10000)"
+    )
     return p
 
 
@@ -243,17 +300,16 @@ def _duration(text: str, what: str) -> float:
 
 
 def _connection(args: argparse.Namespace) -> tuple[str, str, int]:
-    import os
-
     url, namespace, shards = None, None, 1
     if getattr(args, "config", None):
         config = load_config(args.config)
         url, namespace, shards = config.redis.url, config.redis.namespace, config.redis.shards
-        if url == "embedded":
-            raise ConfigError(
-                f"{args.config}: redis.url is 'embedded'; pass --url to reach that server"
-            )
-    url = args.url or url or os.environ.get("ASYNCTASKD_URL") or "redis://127.0.0.1:6379/0"
+        if url == "embedded":  # the daemon's own server, through its socket
+            url = f"embedded://{Path(config.redis.data_dir).resolve()}"
+    url = args.url or url or os.environ.get("ASYNCTASKD_URL")
+    if not url:
+        url = DEFAULT_URL
+        _say(f"asynctaskd: no --url, --config or $ASYNCTASKD_URL: using {DEFAULT_URL}")
     if getattr(args, "shards", None) is not None:
         if not 1 <= args.shards <= 1024:
             raise InvalidTask(f"--shards must be between 1 and 1024, got {args.shards}")
@@ -261,16 +317,19 @@ def _connection(args: argparse.Namespace) -> tuple[str, str, int]:
     return url, args.namespace or namespace or "atd", shards
 
 
-def _task_dict(task: Task) -> dict[str, Any]:
+def _task_dict(task: Task, internals: bool = False) -> dict[str, Any]:
     data: dict[str, Any] = msgspec.to_builtins(task)
+    if not internals:
+        for name in _INTERNALS:
+            del data[name]
     return data
 
 
-def _print_task(task: Task, as_json: bool) -> None:
+def _print_task(task: Task, as_json: bool, internals: bool = False) -> None:
     if as_json:
-        print(json.dumps(_task_dict(task)))  # noqa: T201 - CLI output
+        print(json.dumps(_task_dict(task, internals)))  # noqa: T201 - CLI output
         return
-    d = _task_dict(task)
+    d = _task_dict(task, internals)
     width = max(len(k) for k in d)
     for k, v in d.items():
         if v in (None, "", 0, False) and k not in ("status", "version"):
@@ -284,6 +343,44 @@ def _print_task(task: Task, as_json: bool) -> None:
 
 def _out(value: Any) -> None:
     print(value)  # noqa: T201 - CLI output
+
+
+def _say(text: str) -> None:
+    """A note for the person at the terminal, on stderr (stdout stays the answer)."""
+    print(text, file=sys.stderr)  # noqa: T201 - CLI output
+
+
+def _shown_url(url: str) -> str:
+    """`url` without its password."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return parts._replace(netloc=netloc).geturl()
+
+
+def _empty_namespace(client: Any, where: tuple[str, str], stats: Any = None) -> str:
+    """A hint when the namespace holds nothing at all (a wrong URL, database or namespace
+    reads as zeros), else ''."""
+    s = stats if stats is not None else client.stats()
+    if any(s.by_status.values()) or s.daemons or s.requests:
+        return ""
+    url, namespace = where
+    return (
+        f"namespace {namespace!r} at {_shown_url(url)} holds no tasks and no "
+        "daemon has registered there: check --url (and its database number) and --namespace"
+    )
+
+
+def _parse_json(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidTask(f"{what} are not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidTask(f"{what} nest too deeply (JSON arrays and objects)") from None
 
 
 _CANCEL_SAYS: Final = {
@@ -318,15 +415,13 @@ def _client_command(args: argparse.Namespace) -> int:
     from .client import Client
 
     url, namespace, shards = _connection(args)
+    where = (url, namespace)
     with Client.from_url(url, namespace=namespace, shards=shards) as client:
         cmd = args.command
         if cmd == "submit":
             raw = args.params
             text = Path(raw[1:]).read_text() if raw.startswith("@") else raw
-            try:
-                params = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise InvalidTask(f"params are not valid JSON: {exc}") from None
+            params = _parse_json(text, "params")
             task = client.submit(
                 args.handler,
                 params,
@@ -335,6 +430,7 @@ def _client_command(args: argparse.Namespace) -> int:
                 account=args.account,
                 priority=args.priority,
                 dedup_key=args.dedup_key,
+                dedup="content" if args.dedup_by_content else None,
                 delay=_duration(args.delay, "--delay") if args.delay else None,
                 strict=not args.no_strict,
                 route_key=args.route_key,
@@ -351,8 +447,9 @@ def _client_command(args: argparse.Namespace) -> int:
         if cmd == "get":
             found = client.get(args.task_id, tenant=args.tenant, internals=True)
             if found is None:
-                raise TaskNotFound(f"no task {args.task_id}")
-            _print_task(found, args.json)
+                hint = _empty_namespace(client, where)
+                raise TaskNotFound(f"no task {args.task_id}" + (f" ({hint})" if hint else ""))
+            _print_task(found, args.json, internals=True)
             return 0
         if cmd == "cancel":
             wait_s = 0.0 if args.wait in ("0", "0s") else _duration(args.wait, "--wait")
@@ -362,16 +459,20 @@ def _client_command(args: argparse.Namespace) -> int:
                 _out(json.dumps({"task_id": args.task_id, "canceled": done, "outcome": outcome}))
             else:
                 _out(_CANCEL_SAYS[outcome] if outcome else "already finished; nothing to cancel")
-            return 0 if done else 1
+            return 0 if done else EXIT_REFUSED
         if cmd == "wait":
-            task = client.wait(
-                args.task_id, _duration(args.timeout, "--timeout"), tenant=args.tenant
-            )
+            timeout = _duration(args.timeout, "--timeout")
+            task = client.wait(args.task_id, timeout, tenant=args.tenant)
             _print_task(task, args.json)
-            return 0 if task.status is Status.SUCCEEDED else 1
+            if not (task.status.is_terminal or task.status is Status.SUBMIT_UNKNOWN):
+                _say(f"asynctaskd: timed out after {args.timeout}: {task.status.value} still")
+                return EXIT_TIMED_OUT
+            return 0 if task.status is Status.SUCCEEDED else EXIT_FAILED
+        if cmd == "watch":
+            return _watch(client, args)
         if cmd == "list":
             page = client.list(
-                status=Status(args.status) if args.status else None,
+                status=args.status,
                 handler=args.handler,
                 tenant=args.tenant,
                 limit=args.limit,
@@ -384,14 +485,17 @@ def _client_command(args: argparse.Namespace) -> int:
                     )
                 )
             else:
+                _out(f"{'id':<28}{'status':<20}{'handler':<21}{'tenant':<13}error")
                 for t in page.tasks:
-                    err = f" {t.error.code}" if t.error else ""
-                    _out(f"{t.id}  {t.status.value:<18} {t.handler:<20} {t.tenant or '-':<12}{err}")
+                    err = t.error.code if t.error and t.status is not Status.SUCCEEDED else ""
+                    _out(f"{t.id:<28}{t.status.value:<20}{t.handler:<21}{t.tenant or '-':<13}{err}")
                 if page.cursor:
                     _out(f"more: --cursor {page.cursor}")
+            if not page.tasks and not args.cursor and (hint := _empty_namespace(client, where)):
+                _say(f"asynctaskd: warning: {hint}")
             return 0
         if cmd in ("stats", "top"):
-            return _stats(client, args)
+            return _stats(client, args, where)
         if cmd in ("pause", "resume"):
             who = {k: getattr(args, k) for k in ("handler", "provider", "tenant", "account")}
             if cmd == "pause":
@@ -404,7 +508,7 @@ def _client_command(args: argparse.Namespace) -> int:
             return 0
         if cmd in ("resolve", "requeue"):
             if cmd == "resolve":
-                query = json.loads(args.query) if args.query else None
+                query = _parse_json(args.query, "--query values") if args.query else None
                 task = client.resolve(
                     args.task_id,
                     args.as_,
@@ -470,7 +574,7 @@ def _group(client: Any, args: argparse.Namespace) -> int:
             _out(json.dumps({"name": args.name, "deleted": deleted}))
         else:
             _out(f"deleted group {args.name}" if deleted else f"no group {args.name}")
-        return 0 if deleted else 1
+        return 0 if deleted else EXIT_NOT_FOUND
     raise AssertionError(f"unhandled group action {action}")
 
 
@@ -518,7 +622,7 @@ def _limits(client: Any, args: argparse.Namespace) -> int:
             _out(json.dumps({"scope": args.scope, "cleared": cleared}))
         else:
             _out(f"cleared {args.scope}" if cleared else f"no limits for {args.scope}")
-        return 0 if cleared else 1
+        return 0 if cleared else EXIT_NOT_FOUND
     raise AssertionError(f"unhandled limits action {action}")
 
 
@@ -533,18 +637,26 @@ def _durability(daemon: dict[str, Any]) -> str:
     return f"gate={report.get('mode')} marks={report.get('marks')}"
 
 
-def _stats(client: Any, args: argparse.Namespace) -> int:
+def _stats(client: Any, args: argparse.Namespace, where: tuple[str, str]) -> int:
+    warned: list[str] = []
+
     def render() -> str:
         s = client.stats()
+        hint = _empty_namespace(client, where, s)
+        if hint and not warned:
+            warned.append(hint)
+            _say(f"asynctaskd: warning: {hint}")
         if args.json:
             return json.dumps({**msgspec.to_builtins(s), "paused": client.paused()})
         lines = ["status               count"]
         lines += [f"{st.value:<20} {s.by_status.get(st, 0):>6}" for st in Status]
         if s.by_handler:
+            width = max(len("handler"), *(len(h) for h in s.by_handler)) + 2
             lines.append("")
-            lines.append("handler              " + " ".join(f"{st.value[:9]:>9}" for st in Status))
+            lines.append(f"{'handler':<{width}}" + " ".join(st.value for st in Status))
             for h, counts in sorted(s.by_handler.items()):
-                lines.append(f"{h:<20} " + " ".join(f"{counts.get(st, 0):>9}" for st in Status))
+                cells = " ".join(f"{counts.get(st, 0):>{len(st.value)}}" for st in Status)
+                lines.append(f"{h:<{width}}{cells}")
         paused = client.paused()
         if paused:
             lines.append("")
@@ -565,13 +677,41 @@ def _stats(client: Any, args: argparse.Namespace) -> int:
     if args.command == "stats":
         _out(render())
         return 0
+    # On a terminal each view replaces the last; piped, views follow each other (JSON: one
+    # object per line), with no terminal control codes.
+    clear = "\x1b[2J\x1b[H" if sys.stdout.isatty() and not args.json else ""
+    gap = "" if clear or args.json else "\n"
     try:
         while True:
-            sys.stdout.write("\x1b[2J\x1b[H" + render() + "\n")
+            sys.stdout.write(clear + render() + "\n" + gap)
             sys.stdout.flush()
             time.sleep(max(0.2, args.interval))
     except KeyboardInterrupt:
         return 0
+
+
+def _event_line(event: Any) -> str:
+    at = time.strftime("%H:%M:%S", time.localtime(event.at)) if event.at else "--:--:--"
+    parts = [at, f"{event.status.value:<18}"]
+    if event.progress is not None:
+        parts.append(f"{event.progress:.0%}")
+    parts += [text for text in (event.stage, event.message) if text]
+    return "  ".join(parts).rstrip()
+
+
+def _watch(client: Any, args: argparse.Namespace) -> int:
+    """Stream a task's changes until it settles; exit as `wait` does."""
+    last = None
+    try:
+        for event in client.watch(args.task_id, tenant=args.tenant):
+            last = event
+            _out(json.dumps(msgspec.to_builtins(event)) if args.json else _event_line(event))
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        return 130
+    if last is None:
+        raise TaskNotFound(f"no task {args.task_id}")
+    return 0 if last.status is Status.SUCCEEDED else EXIT_FAILED
 
 
 def _exit_during_startup(signum: int, frame: object) -> None:
@@ -619,16 +759,30 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 _out(json.dumps(effective, indent=2))
             return 0
-        return _client_command(args)
+        code = _client_command(args)
+        sys.stdout.flush()  # here, where a reader that went away is handled below
+        return code
+    except BrokenPipeError:
+        # The reader went away (`| head`): nothing more to say. Point stdout at /dev/null so
+        # the interpreter's final flush does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
     except ConfigError as exc:
-        print(f"asynctaskd: config error: {exc}", file=sys.stderr)  # noqa: T201 - CLI output
-        return 2
+        _say(f"asynctaskd: config error: {exc}")
+        return EXIT_USAGE
+    except UnknownHandler as exc:
+        _say(f"asynctaskd: {str(exc).replace('submit with strict=False', 'pass --no-strict')}")
+        return EXIT_USAGE
     except InvalidTask as exc:
-        print(f"asynctaskd: invalid input: {exc}", file=sys.stderr)  # noqa: T201 - CLI output
-        return 2
-    except (TaskNotFound, IllegalTransition) as exc:
-        print(f"asynctaskd: {exc}", file=sys.stderr)  # noqa: T201 - CLI output
-        return 1
+        _say(f"asynctaskd: invalid input: {exc}")
+        return EXIT_USAGE
+    except TaskNotFound as exc:
+        _say(f"asynctaskd: {exc}")
+        return EXIT_NOT_FOUND
+    except (IllegalTransition, QuotaExceeded, NotPermitted) as exc:
+        _say(f"asynctaskd: refused: {exc}")
+        return EXIT_REFUSED
     except AsyncTaskdError as exc:
-        print(f"asynctaskd: {type(exc).__name__}: {exc}", file=sys.stderr)  # noqa: T201
-        return 1
+        _say(f"asynctaskd: {type(exc).__name__}: {exc}")
+        return EXIT_FAILED

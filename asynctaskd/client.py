@@ -11,15 +11,15 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import functools
+import hashlib
 import math
 import os
 import random
 import re
 import secrets
 import time
-import zlib
 from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
-from typing import IO, Any, Final, Self, TypeAlias, TypeVar, cast
+from typing import IO, Any, Final, Literal, Self, TypeAlias, TypeVar, cast
 
 import msgspec
 import redis
@@ -40,6 +40,7 @@ from .cursors import (
     sealed_with,
 )
 from .errors import (
+    ConfigError,
     CorruptTask,
     IllegalTransition,
     InvalidTask,
@@ -49,7 +50,7 @@ from .errors import (
     TaskNotFound,
     UnknownHandler,
 )
-from .keys import HANDLER_KEY_RE, Keys, new_task_id
+from .keys import HANDLER_KEY_RE, Keys, deployment_problem, new_task_id, shard_for_dedup
 from .model import Status, Task
 from .plans import Pause, Reads
 from .plans import advance as _advance
@@ -159,6 +160,8 @@ class _Context:
         self.quotas_read_at = -math.inf
         self.cursor_key = b""  # derived from <ns>:cursor_key; empty until first needed
         self.cursor_key_read_at = -math.inf
+        self.deployment_problem = ""  # keys.deployment_problem of <ns>:deployment, as read
+        self.deployment_read_at = -math.inf  # monotonic seconds, with the groups and handlers
 
     def remember_handlers(self, raw: dict[bytes, bytes]) -> dict[str, int]:
         out = {}
@@ -259,6 +262,28 @@ def _status(value: object) -> Status:
         raise InvalidTask(f"{value!r} is not a status; one of {names}") from None
 
 
+def content_dedup_key(handler: str, params: Any) -> str:
+    """The dedup key `submit(dedup="content")` uses: "content:" and the SHA-256 of the
+    handler key and the params as JSON with sorted object keys, so the same request of the
+    same tenant finds the live task whatever order its keys were written in."""
+    try:
+        canonical = msgspec.json.encode(params, order="sorted")
+    except (TypeError, msgspec.EncodeError, RecursionError) as exc:
+        raise InvalidTask(f"params cannot be hashed for dedup='content': {exc}") from None
+    digest = hashlib.sha256(handler.encode() + b"\0" + canonical).hexdigest()
+    return f"content:{digest}"
+
+
+def _dedup(handler: str, params: Any, dedup: object, dedup_key: str | None) -> str | None:
+    if dedup is None:
+        return dedup_key
+    if dedup != "content":
+        raise InvalidTask(f"dedup must be 'content' or None, got {dedup!r:.60}")
+    if dedup_key is not None:
+        raise InvalidTask("give dedup_key or dedup='content', not both")
+    return content_dedup_key(handler, params)
+
+
 def _prepare_submit(
     ctx: _Context,
     handler: str,
@@ -302,7 +327,7 @@ def _prepare_submit(
     )
     shards = ctx.keys.shards
     if dedup_key:  # the same tenant and key always land on the same shard, so dedup works
-        shard = zlib.crc32(f"{tenant_s}\0{dedup_key}".encode()) % shards
+        shard = shard_for_dedup(tenant_s, dedup_key, shards)
     else:
         shard = random.randrange(shards) if shards > 1 else 0
 
@@ -414,6 +439,18 @@ def _continuous(at_last: Any) -> bool:
 # Plans: every operation, as Redis work to do and what to make of the replies.
 
 
+def _check_deployment(ctx: _Context) -> Plan[None]:
+    """Before a create: the namespace's shard count and protocol are this client's
+    (keys.deployment_problem). Read with the groups and handlers (`_find_group`), so it
+    costs no round trip of its own."""
+    if ctx.deployment_read_at == -math.inf:
+        (raw,) = yield Reads(_read("get", ctx.keys.deployment()))
+        ctx.deployment_problem = deployment_problem(raw, ctx.keys)
+        ctx.deployment_read_at = time.monotonic()
+    if ctx.deployment_problem:
+        raise ConfigError(f"{ctx.deployment_problem}: pass shards= to match; nothing was written")
+
+
 def _check_handler(ctx: _Context, handler: str) -> Plan[None]:
     now_ms = time.time() * 1000
     fresh = time.monotonic() - ctx.live_read_at < HANDLER_CACHE_S
@@ -446,11 +483,14 @@ def _find_group(ctx: _Context, name: str) -> Plan[Group | None]:
             return None  # a live handler, and no group had that name a moment ago
     # A miss: the group may have just been defined. Refresh the handlers too, in the same
     # round trip, so the strict check that follows usually needs none.
-    groups, handlers = yield Reads(
+    groups, handlers, deployment = yield Reads(
         _read("hgetall", ctx.keys.groups()),
         _read("hgetall", ctx.keys.handlers()),
+        _read("get", ctx.keys.deployment()),
         share="groups+handlers",
     )
+    ctx.deployment_problem = deployment_problem(deployment, ctx.keys)
+    ctx.deployment_read_at = time.monotonic()
     ctx.remember_handlers(handlers)
     raw = ctx.remember_groups(groups).get(name)
     return None if raw is None else decode_group(name, raw)
@@ -531,6 +571,7 @@ def _delete_group(ctx: _Context, name: str) -> Plan[bool]:
 def _submit(ctx: _Context, strict: bool, args: tuple[Any, ...]) -> Plan[Task]:
     build, timeout_ms = _prepare_submit(ctx, *args)  # everything is checked before routing,
     handler = yield from _route(ctx, args[0], args[-1])  # which may write (INCR)
+    yield from _check_deployment(ctx)
     call, task = build(handler)
     if strict:
         yield from _check_handler(ctx, task.handler)
@@ -1069,14 +1110,17 @@ class AsyncClient:
         delay: float | dt.timedelta | None = None,
         strict: bool = True,
         route_key: str | None = None,
+        dedup: Literal["content"] | None = None,
     ) -> Task:
         """Store a new task as PENDING_SUBMIT and return its snapshot; no vendor is called.
 
         Everything is checked before anything is written (InvalidTask, PayloadTooLarge,
         UnknownHandler). `tracking_timeout` (seconds) counts from now; the task is due at
         `not_before` (aware datetime or epoch seconds) or after `delay` seconds. With a
-        `dedup_key`, a live task of the same tenant and key is returned instead. With
-        `strict`, the handler must be served by a live daemon.
+        `dedup_key`, a live task of the same tenant and key is returned instead;
+        `dedup="content"` makes that key from the handler and params
+        (`content_dedup_key`), so the same request is one task. With `strict`, the
+        handler must be served by a live daemon.
 
         `handler` may name a handler group (`set_group`): one member is picked now, by the
         group's policy, and the task is created with that member as its `handler` (and
@@ -1084,6 +1128,7 @@ class AsyncClient:
         `route_key` is the business key a `consistent_hash` group needs (other policies
         and plain handlers ignore it). With `strict`, the picked member must be live.
         """
+        dedup_key = _dedup(handler, params, dedup, dedup_key)
         args = (handler, params, tracking_timeout, tenant, account, provider, priority,
                 dedup_key, metadata, not_before, delay, route_key)  # fmt: skip
         return await self._run(_submit(self._ctx, strict, args))
@@ -1383,8 +1428,10 @@ class Client:
         delay: float | dt.timedelta | None = None,
         strict: bool = True,
         route_key: str | None = None,
+        dedup: Literal["content"] | None = None,
     ) -> Task:
         """Store a new task (or route it through a handler group); see `AsyncClient.submit`."""
+        dedup_key = _dedup(handler, params, dedup, dedup_key)
         args = (handler, params, tracking_timeout, tenant, account, provider, priority,
                 dedup_key, metadata, not_before, delay, route_key)  # fmt: skip
         return self._run(_submit(self._ctx, strict, args))

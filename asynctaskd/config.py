@@ -213,7 +213,7 @@ _Count = Annotated[int, msgspec.Meta(ge=1, le=1_000_000_000)]
 
 
 class LimitConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One `[[limits]]` table: whom it applies to, and its limits (SPEC section 7).
+    """One `[[limits]]` table: whom it applies to, and its limits (docs/architecture.md, Admission).
 
     Whom: `provider` (all its handlers and accounts), `provider` with `account` (one vendor
     account), or `tenant` ("*": every tenant that has no entry of its own). Limits:

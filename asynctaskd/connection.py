@@ -4,6 +4,7 @@ URLs:
   redis://[user[:password]@]host[:port][/db][?option=value...]
   rediss://...                      the same over TLS
   unix://[user[:password]@]/path/to/redis.sock[?db=N]
+  embedded:///path/to/data_dir[?db=N]   the embedded server of a daemon's redis.data_dir
   redis+sentinel://[user[:password]@]host[:port][,host[:port]...]/service[/db][?sentinel_auth=yes]
   rediss+sentinel://...             the same, with TLS to the sentinels and to the master
   redis+cluster://[user[:password]@]host[:port][,host[:port]...]   Redis Cluster seeds
@@ -191,6 +192,30 @@ def connection_problems(url: str, tls: TlsOptions | None = None) -> list[tuple[s
     return []
 
 
+# The unix socket of the embedded server of a data dir (asynctaskd.embedded.EmbeddedServer)
+SOCKET_NAME: Final = "valkey.sock"
+
+
+def socket_path(data_dir: Path) -> Path:
+    """Where the embedded server of `redis.data_dir` listens."""
+    return data_dir / "valkey" / SOCKET_NAME
+
+
+def local_url(url: str) -> str:
+    """`embedded:///path/to/data_dir[?db=N]` as the unix:// URL of that data dir's server;
+    any other URL as it is."""
+    if not url.startswith("embedded:"):
+        return url
+    rest = url.removeprefix("embedded:")
+    path, _, query = rest.removeprefix("//").partition("?")
+    if not path.startswith("/"):
+        raise ConfigError(
+            f"embedded URL {url!r}: name the data dir by its absolute path, e.g. "
+            "embedded:///var/lib/asynctaskd (redis.data_dir of the daemon's config)"
+        )
+    return f"unix://{socket_path(Path(path))}" + (f"?{query}" if query else "")
+
+
 def open_async(
     url: str,
     tls: TlsOptions | None = None,
@@ -205,6 +230,7 @@ def open_async(
     concurrent handler calls; callers queue for a connection rather than erroring.
     `credentials` (username, password) are used unless the URL names its own.
     """
+    url = local_url(url)
     target = _checked(url, tls)
     options = _options(credentials, socket_timeout)
     # RESP2, whatever redis-py's default (RESP3 from redis-py 8): the store reads replies
@@ -256,6 +282,7 @@ def open_sync(
     socket_timeout: float | None = 10.0,
 ) -> redis.Redis:
     """A blocking client for producers in sync code; the same URLs as `open_async`."""
+    url = local_url(url)
     target = _checked(url, tls)
     options = _options(credentials, socket_timeout)
     if target.cluster:

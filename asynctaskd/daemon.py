@@ -33,7 +33,7 @@ from .client import AsyncClient
 from .config import Config, load_config, parse_listen
 from .connection import follow_master, open_async
 from .durability import DurabilityWatch
-from .embedded import ServerProcess, require_valkey_binary
+from .embedded import EmbeddedServer, require_valkey_binary
 from .errors import ConfigError, ScriptError, StoreUnavailable
 from .handlers import HandlerEntry, load_handlers
 from .health import serve_health
@@ -61,10 +61,16 @@ async def redis_url(config: Config) -> AsyncIterator[str]:
         yield config.redis.url
         return
     binary = require_valkey_binary("redis.url = 'embedded'")
-    data_dir = Path(await anyio.Path(config.redis.data_dir).resolve()) / "valkey"
-    server = ServerProcess(binary, data_dir=data_dir, aof=True)
-    await anyio.to_thread.run_sync(server.start)
-    logger.info("embedded valkey on %s, data in %s", server.url, data_dir)
+    root = Path(await anyio.Path(config.redis.data_dir).resolve())
+    # Started from this (the main) thread, not a worker thread: the server dies with the
+    # thread that started it (EmbeddedServer), and worker threads come and go.
+    server = EmbeddedServer(binary, root / "valkey").start()
+    logger.info(
+        "embedded valkey on %s, data in %s; producers and the CLI: --url embedded://%s",
+        server.socket,
+        server.data_dir,
+        root,
+    )
     try:
         yield server.url
     finally:
@@ -198,6 +204,7 @@ class Daemon:
                 await anyio.sleep(delay)
                 delay = min(5.0, delay * 2)
         self.redis_ok = True
+        await store.register_deployment()  # ConfigError: another shard count or protocol
         await _check_server(store)
         durability = DurabilityWatch(store, config.redis, self.metrics)
         gate = await durability.start()  # logs what the gate enforces, and what it does not

@@ -1,8 +1,19 @@
-"""Starts a private Redis-protocol server process: the embedded Valkey, or any binary."""
+"""Starts a private Redis-protocol server process: the embedded Valkey, or any binary.
+
+`ServerProcess` is one server on loopback (tests, `asynctaskd dev`). `EmbeddedServer` is
+the embedded Valkey of one data dir as a deployment (`redis.url = "embedded"`): one server
+per data dir (a lock the daemon holds), never outliving its daemon (the kernel signals it
+when the daemon dies, however it dies), a server left by an older crash stopped before a
+new one starts, and a stable local address: the unix socket `valkey.sock` in the data dir,
+which producers and the CLI reach as `embedded://<redis.data_dir>`
+(`asynctaskd.connection.local_url`).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import fcntl
 import os
 import shutil
 import signal
@@ -10,12 +21,26 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from importlib.resources import files
 from pathlib import Path
 
+from .connection import SOCKET_NAME
 from .errors import ConfigError
 
-__all__ = ["ServerProcess", "find_binary", "free_port", "require_valkey_binary", "valkey_binary"]
+__all__ = [
+    "EmbeddedServer",
+    "ServerProcess",
+    "find_binary",
+    "free_port",
+    "require_valkey_binary",
+    "valkey_binary",
+]
+
+# Who may connect: the socket is the daemon user's and its group's (0770), inside a data
+# dir the group may enter (0750): put a web app's user in that group to let it submit.
+SOCKET_PERM = "770"
+DIR_MODE = 0o750
 
 INSTALL_HINT = "pip install 'asynctaskd[embedded]'"
 
@@ -74,6 +99,8 @@ class ServerProcess:
         data_dir: Path | None = None,
         aof: bool = False,
         extra_args: tuple[str, ...] = (),
+        unixsocket: Path | None = None,
+        parent_death: bool = False,
     ) -> None:
         self.binary = binary
         self.port = port or free_port()
@@ -84,6 +111,10 @@ class ServerProcess:
         self.data_dir = data_dir
         self.aof = aof
         self.extra_args = extra_args
+        self.unixsocket = unixsocket
+        # The kernel sends the server SIGTERM when the thread that started it dies (Linux):
+        # start it from a thread that lives as long as its user (the main one).
+        self.parent_death = parent_death
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -104,12 +135,21 @@ class ServerProcess:
             argv += ["--appendonly", "yes", "--appendfsync", "always"]
         else:
             argv += ["--appendonly", "no"]
+        if self.unixsocket is not None:
+            argv += ["--unixsocket", str(self.unixsocket), "--unixsocketperm", SOCKET_PERM]
         return argv + list(self.extra_args)
 
     def start(self, timeout: float = 10.0) -> ServerProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        # A session of its own: Ctrl-C at a terminal signals the whole foreground process
+        # group, and the server must outlive the drain of the daemon that uses it (the one
+        # that started it stops it, last).
         self.process = subprocess.Popen(
-            self._argv(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            self._argv(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=_die_with(os.getpid()) if self.parent_death else None,
         )
         self.wait_ready(timeout)
         return self
@@ -157,6 +197,107 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _die_with(parent: int) -> Callable[[], None]:
+    """For the child, before exec: SIGTERM when the parent dies (PR_SET_PDEATHSIG), and exit
+    at once if it already has."""
+
+    def arm() -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return arm
+
+
+class EmbeddedServer:
+    """The embedded Valkey of one data dir, for as long as its daemon runs.
+
+    `start` takes the data dir's lock (ConfigError if another daemon holds it), stops a
+    server an earlier daemon left running (its pid in `server.pid`, still serving this
+    data dir), and starts one that dies with this process. Call it from the main thread.
+    """
+
+    def __init__(self, binary: Path, data_dir: Path) -> None:
+        self.binary = binary
+        self.data_dir = data_dir
+        self.server: ServerProcess | None = None
+        self._lock: int | None = None
+
+    @property
+    def url(self) -> str:
+        """The daemon's own URL (loopback TCP, the store's fast path)."""
+        assert self.server is not None
+        return self.server.url
+
+    @property
+    def socket(self) -> Path:
+        return self.data_dir / SOCKET_NAME
+
+    def start(self) -> EmbeddedServer:
+        self.data_dir.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+        lock_path = self.data_dir / "server.lock"
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise ConfigError(
+                f"the embedded data dir {self.data_dir} is in use by another asynctaskd "
+                f"daemon (pid {holder}): one daemon per data dir; stop that one, or give "
+                "this one another redis.data_dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock = fd
+        try:
+            self._stop_leftover()
+            self.server = ServerProcess(
+                self.binary,
+                data_dir=self.data_dir,
+                aof=True,
+                unixsocket=self.socket,
+                parent_death=True,
+            ).start()
+            (self.data_dir / "server.pid").write_text(f"{self.server.process.pid}\n")  # type: ignore[union-attr]
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _stop_leftover(self) -> None:
+        """A server of this data dir whose daemon died without taking it along (a kill on
+        a system without the parent-death signal): stop it, so two never share the AOF."""
+        pid_file = self.data_dir / "server.pid"
+        try:
+            pid = int(pid_file.read_text().strip())
+        except (OSError, ValueError):
+            return
+        try:  # a server changes into its --dir (and rewrites its command line)
+            cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
+        except OSError:
+            return  # gone (or no Linux /proc: signal 0 cannot tell whose pid it is)
+        if cwd != self.data_dir.resolve():
+            return  # the pid was reused by something else
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if Path(f"/proc/{pid}").exists():
+            os.kill(pid, signal.SIGKILL)
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+            with contextlib.suppress(OSError):
+                (self.data_dir / "server.pid").unlink()
+        if self._lock is not None:
+            os.close(self._lock)  # releases the lock
+            self._lock = None
 
 
 def _ping(port: int) -> bool:

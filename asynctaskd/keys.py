@@ -2,20 +2,62 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
 import time
+import zlib
 from typing import Final
 
 from .model import Phase, Status
 
-__all__ = ["HANDLER_KEY_RE", "Keys", "new_task_id"]
+__all__ = [
+    "HANDLER_KEY_RE",
+    "PROTOCOL_VERSION",
+    "Keys",
+    "deployment_problem",
+    "new_task_id",
+    "shard_for_dedup",
+]
+
+PROTOCOL_VERSION: Final = 1  # docs/protocol.md, section 1
 
 # Handler keys, tenants and accounts end up inside key names and counter fields.
 HANDLER_KEY_RE: Final = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")
 
 _CROCKFORD: Final = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+
+
+def shard_for_dedup(tenant: str, dedup_key: str, shards: int) -> int:
+    """The shard of a task with a dedup key: CRC-32 (IEEE, as zlib) of the UTF-8 bytes of
+    tenant, NUL, dedup key, modulo the shard count. Every producer must use this function,
+    or the same tenant and key can land on two shards and dedup fails
+    (docs/protocol.md, section 3, has test vectors)."""
+    return zlib.crc32(f"{tenant}\0{dedup_key}".encode()) % shards
+
+
+def deployment_problem(raw: bytes | str | None, keys: Keys) -> str:
+    """What is wrong with writing to `keys`' namespace given its deployment record (the
+    value of `keys.deployment()`), or '' (nothing, or no record yet: no daemon ran)."""
+    if raw is None:
+        return ""
+    try:
+        record = json.loads(raw)
+        protocol, shards = int(record["protocol"]), int(record["shards"])
+    except (ValueError, TypeError, KeyError):
+        return f"{keys.deployment()} is not a deployment record: {raw[:80]!r}"
+    if protocol != PROTOCOL_VERSION:
+        return (
+            f"namespace {keys.namespace!r} speaks protocol {protocol}, this asynctaskd "
+            f"speaks {PROTOCOL_VERSION}: upgrade it to the daemons' version"
+        )
+    if shards != keys.shards:
+        return (
+            f"namespace {keys.namespace!r} has {shards} shard(s) (its daemons' [redis] "
+            f"shards), but this client was configured with {keys.shards}"
+        )
+    return ""
 
 
 _last: list[int] = [0, 0]  # (ms, random) of the previous id made in this process
@@ -126,6 +168,11 @@ class Keys:
     def daemons(self) -> str:
         """HASH of live daemons: id -> JSON heartbeat."""
         return f"{self.namespace}:daemons"
+
+    def deployment(self) -> str:
+        """STRING: JSON {"protocol": 1, "shards": N}, written once by the first daemon; every
+        producer checks its own shard count against it before it writes."""
+        return f"{self.namespace}:deployment"
 
     def groups(self) -> str:
         """HASH of handler groups: name -> JSON definition (policy and members)."""

@@ -8,7 +8,15 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Generic, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -157,6 +165,11 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        # The process as the host sees it (process_* memory, CPU, open files; Linux only),
+        # the interpreter (python_info) and its garbage collector (python_gc_*).
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
         self.build_info = Gauge(
             "asynctaskd_build_info",
             "Always 1; the version label says which asynctaskd runs.",
@@ -257,6 +270,12 @@ class Metrics:
             "asynctaskd_handler_crashes_total",
             "Unexpected exceptions contained while handling a task.",
             ["handler"],
+            registry=r,
+        )
+        self.handler_exceptions = Counter(
+            "asynctaskd_handler_exceptions_total",
+            "Exceptions handlers raised from submit and query, by type (HandlerErrors too).",
+            ["handler", "op", "exception"],
             registry=r,
         )
         self.store_errors = Counter(

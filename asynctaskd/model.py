@@ -1,6 +1,7 @@
 """The task model: statuses, the legal transitions between them, and the Task snapshot.
 
-The transition table below is the single written source of the lifecycle (SPEC section 4).
+The transition table below is the single written source of the lifecycle (docs/protocol.md,
+section 5).
 The Lua prelude is generated from it, the store checks against it, and the tests walk it.
 """
 
@@ -96,7 +97,8 @@ LEGAL_TRANSITIONS: Final[tuple[Transition, ...]] = (
     Transition(_S.SUBMITTING, _S.SUBMIT_UNKNOWN, "WR", "ambiguous submit or lease lost mid-call"),
     Transition(_S.SUBMITTING, _S.CANCELED, "WR", "cancel merged, nothing reached the vendor"),
     Transition(_S.SUBMITTING, _S.TRACKING_TIMED_OUT, "WR", "deadline during submit"),
-    # Late save of the original submitter, same fence (SPEC section 4), and the operator.
+    # Late save of the original submitter, same fence (docs/protocol.md, section 5), and the
+    # operator.
     Transition(_S.SUBMIT_UNKNOWN, _S.SUBMITTED, "WO", "late handle, or resolved with one"),
     Transition(_S.SUBMIT_UNKNOWN, _S.FAILED, "WO", "late refusal, or resolved as failed"),
     Transition(_S.SUBMIT_UNKNOWN, _S.PENDING_SUBMIT, "WO", "late never-sent, or knowing resubmit"),

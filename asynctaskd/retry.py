@@ -30,7 +30,7 @@ _NEVER_SENT: Final = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeou
 
 
 class SubmitFailure(enum.Enum):
-    """What a failed submit means for the task (SPEC section 4)."""
+    """What a failed submit means for the task (docs/reliability.md)."""
 
     NEVER_SENT = "never_sent"  # back to PENDING_SUBMIT with backoff, up to a limit
     THROTTLED = "throttled"  # the vendor refused for now (429): retry, no budget spent

@@ -26,8 +26,8 @@ import redis.exceptions as rex
 from redis import Redis as SyncRedis
 
 from .codec import decode_request, decode_task, pairs_to_dict
-from .errors import CorruptTask, NotPermitted, ScriptError, StoreUnavailable
-from .keys import HANDLER_KEY_RE, Keys
+from .errors import ConfigError, CorruptTask, NotPermitted, ScriptError, StoreUnavailable
+from .keys import HANDLER_KEY_RE, PROTOCOL_VERSION, Keys, deployment_problem
 from .model import Phase, Status, Task, shard_of
 from .scripts import Script, load_scripts
 from .wire import closed_under_io, exchange, pack, refresh_slots
@@ -1196,6 +1196,19 @@ class Store(_Base):
     async def remove_daemon(self, daemon_id: str) -> None:
         with _mapped("heartbeat"):
             await self.redis.hdel(self.keys.daemons(), daemon_id)
+
+    async def register_deployment(self) -> None:
+        """Record this namespace's protocol version and shard count, or check them against
+        what the first daemon recorded: ConfigError when they differ (a daemon with another
+        shard count would leave tasks on shards nobody claims, and break dedup)."""
+        key = self.keys.deployment()
+        mine = {"protocol": PROTOCOL_VERSION, "shards": self.keys.shards}
+        with _mapped("deployment"):
+            await self.redis.set(key, msgspec.json.encode(mine), nx=True)
+            stored = await self.redis.get(key)
+        problem = deployment_problem(stored, self.keys)
+        if problem:
+            raise ConfigError(f"{problem}: set [redis] shards to match")
 
 
 class _Pending:

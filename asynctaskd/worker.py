@@ -24,6 +24,7 @@ import httpx
 
 from .codec import check_json_like, encode_json
 from .config import Config
+from .crashes import Crashes, describe
 from .errors import HandlerError, InvalidTask, PermanentError, ScriptError, StoreUnavailable
 from .handlers import (
     Failed,
@@ -148,6 +149,7 @@ class Worker:
         self.http = http
         self.handler_http = handler_http or {}  # handlers with a proxy or size limit of their own
         self.metrics = metrics or Metrics()
+        self.crashes = Crashes(self.metrics)
         self.id = worker_id or config.worker.id or default_worker_id()
         self.gate = gate
         self.batcher = Batcher(store, gate)
@@ -873,9 +875,10 @@ class Worker:
         self, entry: HandlerEntry, task: Task, active: _Active, exc: BaseException
     ) -> None:
         kind = classify_submit_error(exc)
-        code, message = _describe(exc)
+        code, message = describe(exc)
         retry = self.config.retry
         attempts = task.submit_attempts + 1
+        self.crashes.report(task.handler, task.id, "submit", attempts, exc)
         log_extra = {"task_id": task.id, "handler": task.handler, "fence": active.lease.fence}
         if kind is SubmitFailure.AMBIGUOUS and entry.idempotent:
             kind = SubmitFailure.NEVER_SENT  # the vendor dedups on the idempotency key
@@ -1033,7 +1036,8 @@ class Worker:
 
     async def _query_failed(self, task: Task, active: _Active, exc: BaseException) -> None:
         retry = self.config.retry
-        code, message = _describe(exc)
+        code, message = describe(exc)
+        self.crashes.report(task.handler, task.id, "query", task.poll_count + 1, exc)
         if isinstance(exc, PermanentError):
             await self._save(
                 active, Status.FAILED, fields={"error_code": code, "error_message": message}
@@ -1125,9 +1129,3 @@ def _query_handle(task: Task) -> dict[str, Any]:
     query = dict(handle.get("query") or {})
     query.setdefault("external_id", handle.get("external_id") or task.external_id)
     return query
-
-
-def _describe(exc: BaseException) -> tuple[str, str]:
-    if isinstance(exc, HandlerError):
-        return exc.code[:200], (exc.message or str(exc))[:_MAX_TEXT]
-    return type(exc).__name__[:200], str(exc)[:_MAX_TEXT]

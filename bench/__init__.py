@@ -1,4 +1,4 @@
-"""Benchmarks for asynctaskd (SPEC section 11); `python -m bench [--full]` runs them all.
+"""Benchmarks for asynctaskd; `python -m bench [--full]` runs them all (docs/performance.md).
 
 This module holds what the W2-W5 scripts share: the machine line, the Redis ceiling
 (`redis-benchmark` EVALSHA of the claim-shaped script of bench/claim_save.py), a daemon

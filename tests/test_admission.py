@@ -1,4 +1,4 @@
-"""Admission end to end: real daemons, the fake vendor, clients (SPEC section 7).
+"""Admission end to end: real daemons, the fake vendor, clients (docs/architecture.md, Admission).
 
 Rate limits and caps with three `asynctaskd run` processes and the fake vendor's log as
 the independent witness; quotas through both clients; no head-of-line blocking behind a

@@ -25,7 +25,7 @@ import redis.asyncio
 from redis import Redis as SyncRedis
 
 import asynctaskd.client as client_mod
-from asynctaskd.client import AsyncClient, Client, Reads, TaskEvent
+from asynctaskd.client import AsyncClient, Client, Reads, TaskEvent, content_dedup_key
 from asynctaskd.errors import (
     CorruptTask,
     IllegalTransition,
@@ -337,6 +337,29 @@ async def test_dedup_key_returns_the_live_task_of_the_same_tenant(
     assert fresh.params == {"n": 4}
 
 
+async def test_dedup_by_content_makes_the_same_request_one_task(
+    make_api: Callable[..., Api],
+) -> None:
+    api = make_api(shards=4)
+    first = await api.submit("h", {"a": 1, "b": [1, 2]}, dedup="content", tenant="t1", **BASE)
+    assert first.dedup_key == content_dedup_key("h", {"b": [1, 2], "a": 1})
+    assert first.dedup_key.startswith("content:") and len(first.dedup_key) == 72
+    # the same request, its keys in another order: the live task
+    again = await api.submit("h", {"b": [1, 2], "a": 1}, dedup="content", tenant="t1", **BASE)
+    assert again == first
+    for handler, params, tenant in (
+        ("h", {"a": 1, "b": [2, 1]}, "t1"),  # other params
+        ("h2", {"a": 1, "b": [1, 2]}, "t1"),  # another handler
+        ("h", {"a": 1, "b": [1, 2]}, "t2"),  # another tenant
+    ):
+        other = await api.submit(handler, params, dedup="content", tenant=tenant, **BASE)
+        assert other.id != first.id, (handler, params, tenant)
+    with pytest.raises(InvalidTask, match="not both"):
+        await api.submit("h", {}, dedup="content", dedup_key="k", **BASE)
+    with pytest.raises(InvalidTask, match="dedup must be 'content'"):
+        await api.submit("h", {}, dedup="params", **BASE)
+
+
 # Reading, cancelling and tenant isolation.
 
 
@@ -404,7 +427,7 @@ async def test_wait_returns_when_another_party_finishes_the_task(
     out: dict[str, Any] = {}
 
     async def waiter() -> None:
-        out["task"] = await api.in_background("wait", t.id, 10)
+        out["task"] = await api.in_background("wait", t.id, 60)
         out["at"] = time.monotonic()
 
     async with anyio.create_task_group() as tg:
@@ -414,7 +437,7 @@ async def test_wait_returns_when_another_party_finishes_the_task(
         await finish(store)
         finished = time.monotonic()
     assert (out["task"].status, out["task"].result) == (S.SUCCEEDED, {"pages": 3})
-    assert out["at"] - finished < 1.0
+    assert out["at"] - finished < 30  # woken by the event, not by its 60 s timeout
     assert api.client._store.round_trips["read"] - reads_before <= 2  # one XREAD, one re-read
 
 
@@ -424,11 +447,11 @@ async def test_wait_returns_the_snapshot_at_timeout_and_stops_on_parked(
     t = await api.submit("h", {}, **BASE)
     started = time.monotonic()
     assert (await api.wait(t.id, 0.2)).status is S.PENDING_SUBMIT
-    assert 0.2 <= time.monotonic() - started < 1.5
+    assert time.monotonic() - started >= 0.2  # it did wait its timeout
     await park(store)
     started = time.monotonic()
-    assert (await api.wait(t.id, 10)).status is S.SUBMIT_UNKNOWN
-    assert time.monotonic() - started < 1.0
+    assert (await api.wait(t.id, 60)).status is S.SUBMIT_UNKNOWN
+    assert time.monotonic() - started < 30  # stopped on the parked task, not the timeout
     with pytest.raises(TaskNotFound):
         await api.wait(new_task_id(), 1)
 
@@ -452,14 +475,14 @@ async def test_a_change_right_after_the_snapshot_is_not_missed(
     api.hook_reads(monkeypatch, fail_after_snapshot)
     started = time.monotonic()
     if op == "wait":
-        task = await api.wait(t.id, 3)
+        task = await api.wait(t.id, 60)
         assert (task.status, task.error) == (S.FAILED, TaskError("BAD", "refused"))
     else:
         events: list[TaskEvent] = []
         await api.collect(t.id, events)
         assert [e.status for e in events] == [S.SUBMITTING, S.FAILED]
     assert fired
-    assert time.monotonic() - started < 2.0
+    assert time.monotonic() - started < 30  # not the wait's 60 s timeout
 
 
 async def test_watch_yields_progress_in_order_until_terminal(api: Api, store: Store) -> None:
@@ -538,7 +561,7 @@ async def test_watch_rides_out_store_errors_and_gives_up_after_its_budget(
     started = time.monotonic()
     with pytest.raises(StoreUnavailable, match="watch gave up after"):
         await api.collect(other.id, [])
-    assert time.monotonic() - started < 3.0
+    assert time.monotonic() - started < 30  # gave up after its 0.3 s budget, not later
 
 
 async def test_watch_shows_a_state_it_re_read_as_the_stream_shows_it(
@@ -618,9 +641,9 @@ async def test_wait_rereads_the_task_when_the_stream_was_trimmed_past_it(
 
     api.hook_reads(monkeypatch, cancel_then_trim)
     started = time.monotonic()
-    assert (await api.wait(t.id, 3)).status is S.CANCELED
+    assert (await api.wait(t.id, 60)).status is S.CANCELED
     assert fired
-    assert time.monotonic() - started < 2.0
+    assert time.monotonic() - started < 30  # the re-read found it, not the 60 s timeout
 
 
 async def test_watch_reports_the_state_a_trimmed_stream_lost(

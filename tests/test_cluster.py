@@ -30,7 +30,7 @@ from asynctaskd.model import shard_of
 from asynctaskd.store import SyncStore
 from tests.cluster import LocalCluster
 from tests.configs import write_daemon_config
-from tests.conftest import wait_until_sync
+from tests.conftest import statuses, wait_until_sync
 
 pytestmark = pytest.mark.slow
 SHARDS = 8
@@ -89,15 +89,6 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> list[int]:
             p.kill()
             codes.append(-9)
     return codes
-
-
-def statuses(client: Client, ids: list[str]) -> Counter[Status]:
-    out: Counter[Status] = Counter()
-    for tid in ids:
-        task = client.get(tid)
-        assert task is not None, f"{tid} vanished"
-        out[task.status] += 1
-    return out
 
 
 def settled(client: Client, ids: list[str]) -> bool:

@@ -5,8 +5,10 @@ No server is needed: clients connect lazily, and TLS files are read when a clien
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -282,15 +284,41 @@ def test_tls_files_in_the_url_are_checked_too(open_client: Open, pki: Pki, tmp_p
     assert message.startswith("Redis URL option ssl_keyfile:") and "is not the key" in message
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+_READ_KEY = """
+import sys
+from asynctaskd.connection import TlsOptions, open_sync
+from asynctaskd.errors import ConfigError
+try:
+    open_sync("rediss://h/0", TlsOptions(cert=sys.argv[1], key=sys.argv[2]))
+except ConfigError as exc:
+    print(exc)
+"""
+
+
+def _without_file_override() -> None:
+    """In the child, before exec: give up root's right to read any file (the bounding set
+    loses CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH, so the exec'd process never has them)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
 def test_an_unreadable_key_is_named(pki: Pki, tmp_path: Path) -> None:
+    """Root reads files whatever their mode, so the check runs in a process that gave up
+    that right."""
     key = tmp_path / "client.key"
     key.write_bytes(pki.client_key.read_bytes())
     key.chmod(0)
-    message = _message(
-        _open_sync, "rediss://h/0", TlsOptions(cert=str(pki.client_cert), key=str(key))
-    )
-    assert message.startswith("redis.tls_key: cannot read") and "Permission denied" in message
+    out = subprocess.run(
+        [sys.executable, "-c", _READ_KEY, str(pki.client_cert), str(key)],
+        preexec_fn=_without_file_override if os.geteuid() == 0 else None,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert out.startswith("redis.tls_key: cannot read") and "Permission denied" in out, out
 
 
 def test_an_encrypted_key_opens_with_its_password_from_the_url(pki: Pki, tmp_path: Path) -> None:
@@ -299,7 +327,9 @@ def test_an_encrypted_key_opens_with_its_password_from_the_url(pki: Pki, tmp_pat
         f"rediss://h/0?ssl_certfile={pki.client_cert}&ssl_keyfile={files['encrypted']}"
         "&ssl_password=secret"
     )
-    open_sync(url).close()
+    open_sync(url).close()  # opens, and the wrong password is named:
+    message = _message(_open_sync, url.replace("=secret", "=wrong"), TlsOptions())
+    assert "ssl_keyfile" in message, message
 
 
 def test_bad_urls_raise_config_error_from_the_clients() -> None:

@@ -24,7 +24,7 @@ from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.model import Status
 from asynctaskd.store import SyncStore
 from tests.configs import write_daemon_config
-from tests.conftest import wait_until_sync
+from tests.conftest import statuses, wait_until_sync
 
 pytestmark = pytest.mark.slow
 
@@ -94,15 +94,6 @@ def create(store: SyncStore, n: int) -> list[str]:
         store.run(store.ops.create(tid, "demo", encode_json({"i": i}), timeout_ms=120_000))
         ids.append(tid)
     return ids
-
-
-def statuses(store: SyncStore, ids: list[str]) -> dict[Status, int]:
-    out: dict[Status, int] = {}
-    for tid in ids:
-        task = store.get(tid)
-        assert task is not None
-        out[task.status] = out.get(task.status, 0) + 1
-    return out
 
 
 def test_daemon_runs_tasks_notifies_systemd_and_drains_on_sigterm(

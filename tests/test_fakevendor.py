@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,19 +16,11 @@ import msgspec
 import pytest
 
 from asynctaskd.devtools.fakevendor import Behaviour, FakeVendorProcess
+from tests.conftest import wait_until_sync
 
 # Non-default knobs, so that starting the module's server also checks the CLI flags.
 STARTED_WITH = Behaviour(retry_after=2, ambiguous_delay=2.0, seed=7)
 INPUT = {"prompt": "a cat", "n": [1, 2.5, None]}
-
-
-def wait_until(predicate: Callable[[], Any], what: str, timeout: float = 5.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.01)
-    return value
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +158,7 @@ def test_ambiguous_submit_creates_the_job_the_client_never_hears_of(
         log = vendor.submit_log()
         return log if len(log) == attempts else []
 
-    log = wait_until(every_submit_logged, "every submit in the log")
+    log = wait_until_sync(every_submit_logged, "every submit in the log")
     assert {e["outcome"] for e in log} == {"ambiguous"}
     assert [e["job_id"] for e in log] == [j["id"] for j in vendor.jobs()]
 

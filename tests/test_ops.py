@@ -57,7 +57,7 @@ GRAFANA_BUILTINS = {"__rate_interval", "__range", "__interval", "__all"}
 # `scope` and `lane` name configured limits (providers, accounts; tenants summed as one);
 # `mode`, `fsync` and `state` are the fixed states of the durability state sets.
 BOUNDED_LABELS = {"handler", "op", "outcome", "status", "phase", "code", "kind", "script",
-                  "version", "scope", "lane", "mode", "fsync", "state"}  # fmt: skip
+                  "version", "scope", "lane", "mode", "fsync", "state", "exception"}  # fmt: skip
 
 # Proxies from the environment must never see requests to loopback.
 _http = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -151,7 +151,13 @@ def _sum(exposition: str, name: str, **labels: str) -> float:
 
 def test_metric_names_follow_prometheus_conventions() -> None:
     metrics = Metrics()
+    standard = {"process", "python_gc", "python_info"}  # prometheus-client's own collectors
+    seen = set()
     for family in metrics.registry.collect():
+        prefix = next((p for p in standard if family.name.startswith(p)), None)
+        if prefix:
+            seen.add(prefix)
+            continue
         assert family.name.startswith("asynctaskd_"), family.name
         if family.type == "histogram":
             assert family.name.endswith("_seconds"), family.name
@@ -165,14 +171,21 @@ def test_metric_names_follow_prometheus_conventions() -> None:
         labelnames = getattr(collector, "_labelnames", ())
         assert set(labelnames) <= BOUNDED_LABELS, labelnames
     assert _sample(text, "asynctaskd_build_info", version=__version__) == 1.0
+    assert seen == standard  # memory, CPU, open files and the GC are in view
+    assert _sample(text, "process_resident_memory_bytes") > 0
 
 
 def test_deploy_doc_lists_every_exported_metric() -> None:
     text = generate_latest(Metrics().registry).decode()
     declared = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
     declared = {name for name in declared if not name.endswith("_created")}  # client's extra
-    table = set(re.findall(r"^\| `(asynctaskd_[a-z_]+)`", DEPLOY.read_text(), re.M))
-    assert table == declared
+    doc = DEPLOY.read_text()
+    table = set(re.findall(r"^\| `(asynctaskd_[a-z_]+)`", doc, re.M))
+    assert table == {name for name in declared if name.startswith("asynctaskd_")}
+    # prometheus-client's own families, one row per prefix
+    for prefix in ("process_", "python_gc_", "python_info"):
+        assert any(name.startswith(prefix) for name in declared), prefix
+        assert f"| `{prefix}" in doc, prefix
 
 
 # --- dashboard -------------------------------------------------------------------------------

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import math
 
+import httpx
 import pytest
 
-from asynctaskd.retry import MAX_DELAY_MS, clamp_delay, delay_ms
+from asynctaskd.errors import NotSent, PermanentError, RetryableError
+from asynctaskd.retry import (
+    MAX_DELAY_MS,
+    SubmitFailure,
+    clamp_delay,
+    classify_submit_error,
+    delay_ms,
+)
 
 NOW = 1_700_000_000.0
 
@@ -50,3 +58,33 @@ def test_delay_ms_is_always_an_integer_the_save_script_takes(delay: float, expec
     ms = delay_ms(delay)
     assert ms == expected and type(ms) is int
     assert 0 <= ms <= 10 * 366 * 86_400_000  # lua/_save.lua's MAX_DELAY_MS
+
+
+REQUEST = httpx.Request("POST", "https://vendor.example/jobs")
+
+
+@pytest.mark.parametrize(
+    ("exc", "expected"),
+    [
+        # raised only while obtaining a connection: nothing reached the vendor
+        (httpx.ConnectError("refused", request=REQUEST), SubmitFailure.NEVER_SENT),
+        (httpx.ConnectTimeout("slow", request=REQUEST), SubmitFailure.NEVER_SENT),
+        (httpx.PoolTimeout("busy", request=REQUEST), SubmitFailure.NEVER_SENT),
+        (NotSent("refused before sending"), SubmitFailure.NEVER_SENT),
+        # anything after the first byte may have arrived: never blindly resubmitted
+        (httpx.ReadTimeout("no answer", request=REQUEST), SubmitFailure.AMBIGUOUS),
+        (httpx.WriteTimeout("stuck", request=REQUEST), SubmitFailure.AMBIGUOUS),
+        (httpx.ReadError("reset", request=REQUEST), SubmitFailure.AMBIGUOUS),
+        (httpx.WriteError("reset", request=REQUEST), SubmitFailure.AMBIGUOUS),
+        (httpx.RemoteProtocolError("cut", request=REQUEST), SubmitFailure.AMBIGUOUS),
+        (OSError("anything else"), SubmitFailure.AMBIGUOUS),
+        (RetryableError("busy", throttled=True), SubmitFailure.THROTTLED),
+        (RetryableError("busy"), SubmitFailure.AMBIGUOUS),
+        (PermanentError("no"), SubmitFailure.PERMANENT),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, BaseException) else str(v),
+)
+def test_only_errors_raised_before_any_byte_left_are_never_sent(
+    exc: BaseException, expected: SubmitFailure
+) -> None:
+    assert classify_submit_error(exc) is expected

@@ -426,6 +426,6 @@ def test_cli_group_set_list_delete(redis_url: str, sync_redis: Any) -> None:
     assert sync_redis.dbsize() == keys_before
     deleted = json.loads(cli("group", "delete", "ocr", "--json", url=redis_url).stdout)
     assert deleted == {"name": "ocr", "deleted": True}
-    again = cli("group", "delete", "ocr", url=redis_url, check=1)
+    again = cli("group", "delete", "ocr", url=redis_url, check=3)  # not found
     assert "no group ocr" in again.stdout
     assert list(json.loads(cli("group", "list", "--json", url=redis_url).stdout)) == ["asr"]

@@ -22,7 +22,7 @@ from asynctaskd.embedded import find_binary, free_port
 from asynctaskd.errors import StoreUnavailable
 from asynctaskd.keys import Keys
 from tests.configs import tls_daemon_toml, write_daemon_config
-from tests.conftest import SERVER_BINARIES, wait_until_sync
+from tests.conftest import SERVER_BINARIES, statuses, wait_until_sync
 from tests.servers import SERVICE, Pki, PrivateServer, SentinelProcess, make_pki, start_server
 from tests.test_daemon import start_daemon
 
@@ -50,15 +50,6 @@ def sentinel_view(sentinel: SentinelProcess) -> tuple[int, int, int]:
         replicas = r.sentinel_slaves(SERVICE)
     up = sum(1 for x in replicas if not (x["is_sdown"] or x["is_disconnected"]))
     return master["port"], up, master["num-other-sentinels"]
-
-
-def statuses(client: Client, ids: list[str]) -> dict[Status, int]:
-    out: dict[Status, int] = {}
-    for task_id in ids:
-        task = client.get(task_id)
-        assert task is not None, task_id
-        out[task.status] = out.get(task.status, 0) + 1
-    return out
 
 
 def ready(metrics_port: int) -> bool:

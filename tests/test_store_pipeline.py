@@ -317,3 +317,26 @@ async def test_claims_of_both_phases_go_in_one_round_trip_each_with_its_own_outc
     assert await redis_client.zrange(Keys().quarantine(0), 0, -1) == [corrupt.task_id.encode()]
     after = store.round_trips
     assert after["claim"] - before.get("claim", 0) == 1
+
+
+async def test_a_gated_call_is_durable_only_when_the_gate_is_met(
+    store: Store, redis_client: redis.asyncio.Redis
+) -> None:
+    """The worker starts a vendor submit only on `durable`: a gate that times out (no
+    replica acknowledged) must say so, and one that asks for nothing passes."""
+    has_waitaof = b"waitaof" in await redis_client.command_list()
+    cases = [(Gate("WAIT", 0, 1, 30), False), (Gate("WAIT", 0, 0, 30), True)]
+    if has_waitaof:
+        cases += [(Gate("WAITAOF", 0, 1, 30), False), (Gate("WAITAOF", 0, 0, 30), True)]
+    for gate, durable in cases:
+        created = await create(store)
+        batcher = Batcher(store, gate)
+        runner = asyncio.create_task(batcher.run())
+        try:
+            result, ok = await batcher.call(store.ops.cancel(created.task_id), gated=True)
+            assert result.code is Code.ACCEPTED
+            assert ok is durable, gate
+        finally:
+            runner.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await runner

@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import anyio
+import anyio.abc
 
 from asynctaskd.config import Config, parse_config
 from asynctaskd.daemon import Daemon, install_uvloop
@@ -70,64 +73,112 @@ def _line(counts: Counter[Status], total: int, elapsed: float) -> str:
     )
 
 
-async def _demo(config: Config, n: int, keep_running: bool) -> int:
+def _cli() -> str:
+    """How to run the CLI so that a copied command works: `asynctaskd` when it is on PATH,
+    else the script beside this interpreter (a venv not activated), else `python -m`."""
+    if shutil.which("asynctaskd"):
+        return "asynctaskd"
+    beside = Path(sys.executable).parent / "asynctaskd"
+    if beside.exists():
+        return str(beside)
+    return f"{sys.executable} -m asynctaskd"
+
+
+def _say(text: str = "") -> None:
+    print(text, flush=True)  # noqa: T201 - CLI output
+
+
+async def _demo(config: Config, n: int, keep_running: bool, vendor_url: str) -> int:
     from asynctaskd.client import AsyncClient
     from asynctaskd.logs import setup_logging
 
     setup_logging("warning", "text")
     daemon = Daemon(config)
+    url = config.redis.url
+    shown = False
     async with anyio.create_task_group() as tg:
-        await tg.start(daemon.serve)
+
+        async def serve(*, task_status: anyio.abc.TaskStatus[None]) -> None:
+            # The daemon drains on Ctrl-C or SIGTERM (its own signal handling); when it has,
+            # the demo's view has nothing left to show.
+            await daemon.serve(task_status=task_status)
+            if not shown:
+                _say("\nstopped")
+            tg.cancel_scope.cancel()
+
+        await tg.start(serve)
         assert daemon.worker is not None
-        client = AsyncClient.from_url(config.redis.url)
+        client = AsyncClient.from_url(url)
         try:
-            ids = []
-            t0 = time.monotonic()
-            for i in range(n):
-                task = await client.submit(
-                    "demo",
-                    {"document": f"page-{i}.pdf"},
-                    tracking_timeout=120,
-                    tenant=f"tenant-{i % 3}",
-                    priority=i % 3,
-                    strict=False,
-                )
-                ids.append(task.id)
-            counts: Counter[Status] = Counter()
-            tty = sys.stdout.isatty() and n > 0
-            last_print = 0.0
-            while True:
-                stats = await client.stats()
-                counts = Counter({s: stats.by_status.get(s, 0) for s in _ORDER})
-                settled = sum(counts[s] for s in _ORDER if s.is_settled)
-                now = time.monotonic()
-                if tty:
-                    sys.stdout.write("\r" + _line(counts, n, now - t0) + "\x1b[K")
-                    sys.stdout.flush()
-                elif n and (now - last_print >= 1.0 or settled >= n):
-                    print(_line(counts, n, now - t0))  # noqa: T201 - CLI output
-                    last_print = now
-                if settled >= n:
-                    break
-                await anyio.sleep(0.2)
-            elapsed = time.monotonic() - t0
-            if tty:
-                print()  # noqa: T201 - CLI output
-            if n:
-                print(f"\n{n} demo tasks settled in {elapsed:.1f}s:")  # noqa: T201 - CLI output
-                for s in _ORDER:
-                    if counts[s]:
-                        print(f"  {s.value:<20} {counts[s]:>5}")  # noqa: T201 - CLI output
+            ids = await _show(client, n, keep_running)
+            shown = not keep_running
             if keep_running:
+                cli = _cli()
+                _say("\nthe daemon keeps running; Ctrl-C stops it, the vendor and the server")
+                _say(f"  metrics       http://127.0.0.1:{daemon.health_port}/metrics"
+                     " (and /healthz, /readyz)")  # fmt: skip
+                _say(f"  valkey        {url}")
+                _say(f"  fake vendor   {vendor_url}")
+                _say("try:")
                 if ids:
-                    print(f"\ntry: asynctaskd get {ids[0]} --url {config.redis.url}")  # noqa: T201
-                print(f"     asynctaskd stats --url {config.redis.url}")  # noqa: T201
-                print("the daemon keeps running; Ctrl-C to stop")  # noqa: T201 - CLI output
+                    _say(f"  {cli} get {ids[0]} --url {url}")
+                _say(f"  {cli} list --status failed --url {url}")
+                _say(f"  {cli} stats --url {url}")
                 await anyio.sleep_forever()
         finally:
-            await client.aclose()
+            with anyio.CancelScope(shield=True):
+                await client.aclose()
             daemon.worker.stop()
     return 0
+
+
+async def _show(client: Any, n: int, keep_running: bool) -> list[str]:
+    """Submit `n` demo tasks and show them settle; returns their ids."""
+    ids = []
+    t0 = time.monotonic()
+    for i in range(n):
+        task = await client.submit(
+            "demo",
+            {"document": f"page-{i}.pdf"},
+            tracking_timeout=120,
+            tenant=f"tenant-{i % 3}",
+            priority=i % 3,
+            strict=False,
+        )
+        ids.append(task.id)
+    counts: Counter[Status] = Counter()
+    tty = sys.stdout.isatty() and n > 0
+    last_print = 0.0
+    while n:
+        stats = await client.stats()
+        counts = Counter({s: stats.by_status.get(s, 0) for s in _ORDER})
+        settled = sum(counts[s] for s in _ORDER if s.is_settled)
+        now = time.monotonic()
+        if tty:
+            sys.stdout.write("\r" + _line(counts, n, now - t0) + "\x1b[K")
+            sys.stdout.flush()
+        elif now - last_print >= 1.0 or settled >= n:
+            _say(_line(counts, n, now - t0))
+            last_print = now
+        if settled >= n:
+            break
+        await anyio.sleep(0.2)
+    if not n:
+        return ids
+    if tty:
+        _say()
+    _say(f"\n{n} demo tasks settled in {time.monotonic() - t0:.1f}s:")
+    for s in _ORDER:
+        if counts[s]:
+            _say(f"  {s.value:<20} {counts[s]:>5}")
+    if counts[Status.FAILED]:
+        _say(
+            "\nThe FAILED ones are the fake vendor's doing: it fails about 3% of jobs on "
+            "purpose,\nand answers some calls with errors and 429s, which the daemon retries."
+        )
+        if not keep_running:
+            _say("To look at them: asynctaskd dev --demo N --keep-running, then its commands.")
+    return ids
 
 
 def run_dev(args: argparse.Namespace) -> int:
@@ -149,23 +200,34 @@ def run_dev(args: argparse.Namespace) -> int:
         fail_fraction=0.03,
         retry_after=1,
     )
-    with (
-        ServerProcess(binary, data_dir=data_dir, aof=True) as server,
-        FakeVendorProcess.start(behaviour) as vendor,
-    ):
-        print(f"embedded valkey  {server.url}  (data in {data_dir})")  # noqa: T201
-        print(f"fake vendor      {vendor.url}")  # noqa: T201 - CLI output
-        config = dev_config(server.url, vendor.url)
-        factory = install_uvloop()
-        options = {"loop_factory": factory} if factory else {}
-        try:
+    # Until the daemon's own signal handling runs (and after it), Ctrl-C and SIGTERM end
+    # the run through KeyboardInterrupt: the `with` below then stops the vendor and the
+    # server, which live in sessions of their own so that the terminal's Ctrl-C reaches
+    # only this process.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with (
+            ServerProcess(binary, data_dir=data_dir, aof=True) as server,
+            FakeVendorProcess.start(behaviour) as vendor,
+        ):
+            _say(f"embedded valkey  {server.url}  (data in {data_dir})")
+            _say(f"fake vendor      {vendor.url}")
+            config = dev_config(server.url, vendor.url)
+            factory = install_uvloop()
+            options = {"loop_factory": factory} if factory else {}
             return anyio.run(
                 _demo,
                 config,
                 args.demo,
                 args.keep_running or args.demo == 0,
+                vendor.url,
                 backend="asyncio",
                 backend_options=options,
             )
-        except KeyboardInterrupt:
-            return 0
+    except KeyboardInterrupt:
+        _say("\nstopped")
+        return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt

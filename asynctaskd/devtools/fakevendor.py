@@ -499,8 +499,12 @@ class FakeVendorProcess:
         ]
         argv += ["--port-file", str(port_file), *_behaviour_args(behaviour or Behaviour())]
         with stderr_path.open("wb") as stderr:
-            process = subprocess.Popen(
-                argv, stdout=subprocess.DEVNULL, stderr=stderr, env=_child_env()
+            process = subprocess.Popen(  # own session: see ServerProcess.start
+                argv,
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                env=_child_env(),
+                start_new_session=True,
             )
         vendor = cls(process, "", workdir)
         try:

@@ -3,7 +3,7 @@
 It reads Redis directly with redis-py (key names are spelled out here from
 docs/protocol.md, not taken from `asynctaskd.keys`; nothing is decoded by
 `asynctaskd.codec` or `asynctaskd.store`), takes the fake vendor's submit log and what
-the producers were told, and checks the guarantees of SPEC section 10:
+the producers were told, and checks the guarantees of docs/reliability.md:
 
 - no vendor job created twice for a task of a non-idempotent handler;
 - no request reaches the vendor's submit without a durable "call started" mark
@@ -28,7 +28,7 @@ the counts it checked and, for every violation, the task's whole history. On Red
 give it a `redis.cluster.RedisCluster` client: SCAN then goes to every primary, and the
 hash, sorted-set and stream reads are routed by key (each shard's keys share one slot).
 
-Secrets (SPEC section 10: never stored in Redis or logs): a `SecretScan` looks for a
+Secrets (docs/reliability.md: never stored in Redis or logs): a `SecretScan` looks for a
 secret the daemons were given, or either half of it (a message cut short), in every key
 name and value of every database of a Redis server (`scan_redis`, over SCAN: strings,
 hash fields and values, list, set and sorted-set members, stream entries), in files

@@ -1,4 +1,4 @@
-"""The CI-sized chaos run (SPEC section 10): faults on a schedule, every history checked.
+"""The CI-sized chaos run (docs/reliability.md): faults on a schedule, every history checked.
 
 Per server: 3 daemons, 3,000 tasks from 3 producer threads (4 tenants, dedup keys, short
 deadlines, delayed tasks, cancels, an idempotent handler beside the non-idempotent one),

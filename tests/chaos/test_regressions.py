@@ -263,6 +263,11 @@ async def test_a_failed_release_does_not_kill_the_worker(
         monkeypatch.setattr(worker.batcher, "call", start_fails)
         with anyio.fail_after(10):
             await worker.run_until_idle()  # raised an ExceptionGroup(RuntimeError) before
+    # The start never ran, so the task was never sent: it waits, leased or due again, for
+    # the next claim (the lease could not be given back, so the reaper frees it).
+    task = await store.get(tid)
+    assert task is not None and task.submit_attempts == 0
+    assert task.status in (Status.SUBMITTING, Status.PENDING_SUBMIT), task.status
 
 
 # --- Found by the cluster chaos run (a master kill -9 + restart on a 3-master cluster) ---

@@ -45,12 +45,12 @@ async def ready(r: redis.asyncio.Redis) -> list[str]:
 async def test_take_grants_the_burst_then_says_when_the_next_token_comes(
     store: Store, client: AsyncClient
 ) -> None:
-    await client.set_limit(provider="p", submit_rate=2, submit_burst=5)
+    await client.set_limit(provider="p", submit_rate=0.01, submit_burst=5)
     got = await take(store, {"submit|p|": 3})
     assert got == {"submit|p|": (3, 0)}
     granted, wait_ms = (await take(store, {"submit|p|": 10}))["submit|p|"]
-    assert granted == 2  # 5 - 3, plus whatever refilled in between (< 1 token at 2/s)
-    assert 1 <= wait_ms <= 500  # one token every 500 ms
+    assert granted == 2  # 5 - 3: a token takes 100 s to refill at 0.01/s
+    assert 90_000 <= wait_ms <= 100_000  # the next one: 100 s after the first take
     assert (await take(store, {"submit|p|": 1}))["submit|p|"][0] == 0
 
 
@@ -78,6 +78,63 @@ async def test_refund_gives_tokens_back_but_not_above_the_burst(
     assert (await take(store, {"submit|p|": 5}))["submit|p|"][0] == 2
     await take(store, {"submit|p|": 50}, "refund")  # more than was ever taken
     assert (await take(store, {"submit|p|": 5}))["submit|p|"][0] == 3
+
+
+async def server_ms(r: redis.asyncio.Redis) -> int:
+    sec, usec = await r.time()
+    return sec * 1000 + usec // 1000
+
+
+BUCKET = "atd:{adm}:bucket:submit:provider:p"
+
+
+async def test_a_bucket_idle_longer_than_its_burst_needs_holds_only_its_burst(
+    store: Store, client: AsyncClient
+) -> None:
+    """The over-burst state itself: empty 700 ms ago at 10/s would be 7 tokens uncapped."""
+    await client.set_limit(provider="p", submit_rate=10, submit_burst=2)
+    assert (await take(store, {"submit|p|": 0}))["submit|p|"] == (0, 0)  # the bucket exists
+    past = await server_ms(store.redis) - 700
+    await store.redis.hset(BUCKET, mapping={"tokens": "0.000000", "ms": past})
+    assert (await take(store, {"submit|p|": 100}))["submit|p|"][0] == 2
+    tokens = float(await store.redis.hget(BUCKET, "tokens") or b"nan")
+    assert 0 <= tokens < 1
+
+
+async def test_a_fraction_of_a_token_grants_nothing_and_says_when_the_rest_comes(
+    store: Store, client: AsyncClient
+) -> None:
+    await client.set_limit(provider="p", submit_rate=10, submit_burst=2)
+    assert (await take(store, {"submit|p|": 0}))["submit|p|"] == (0, 0)
+    now = await server_ms(store.redis)
+    await store.redis.hset(BUCKET, mapping={"tokens": "0.500000", "ms": now})
+    granted, wait_ms = (await take(store, {"submit|p|": 1}))["submit|p|"]
+    assert granted == 0
+    assert 1 <= wait_ms <= 50  # half a token at 10/s: at most 50 ms away
+
+
+async def test_grants_over_time_follow_rate_times_elapsed_plus_burst(
+    store: Store, client: AsyncClient
+) -> None:
+    """Taken as fast as possible, a bucket grants its burst, then `rate` per second: never
+    more than burst + rate * t, never less than that minus the one token in progress, with
+    t measured on the server's own clock around the calls."""
+    rate, burst = 40, 3
+    await client.set_limit(provider="p", submit_rate=rate, submit_burst=burst)
+    before_first = await server_ms(store.redis)
+    first = await take(store, {"submit|p|": 1000})
+    after_first = await server_ms(store.redis)
+    total = first["submit|p|"][0]
+    assert total == burst
+    before_last = after_first
+    while before_last - after_first < 400:
+        before_last = await server_ms(store.redis)
+        total += (await take(store, {"submit|p|": 1000}))["submit|p|"][0]
+    after_last = await server_ms(store.redis)
+    # The refill runs from the first take's clock, in [before_first, after_first], to the
+    # last one's, in [before_last, after_last].
+    assert total <= burst + rate * (after_last - before_first) / 1000
+    assert total >= burst + rate * (before_last - after_first) / 1000 - 1
 
 
 async def test_an_account_lane_takes_from_the_provider_and_the_account_bucket(

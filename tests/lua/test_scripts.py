@@ -60,13 +60,62 @@ async def test_create_dedup_returns_the_live_task(store: Store) -> None:
     a = await create(store, tenant="t1", dedup_key="order-42")
     b = await create(store, tenant="t1", dedup_key="order-42")
     c = await create(store, tenant="t2", dedup_key="order-42")
-    assert b.deduped and b.task_id == a.task_id
+    assert b.deduped and not b.stale and b.task_id == a.task_id
     assert not c.deduped and c.task_id != a.task_id
     # once the first is terminal, the key is free again
     assert await cancel(store, a.task_id) is Code.ACCEPTED
     assert (await store.get(a.task_id)).status is Status.CANCELED  # type: ignore[union-attr]
     d = await create(store, tenant="t1", dedup_key="order-42")
     assert not d.deduped and d.task_id != a.task_id
+
+
+# A request rewritten after create wrote it (by anyone who may write requests): each
+# must be dropped whole, leaving no task, index, count or dedup key behind.
+FORGE = """
+local f = cmsgpack.unpack(redis.call('GET', KEYS[1]))
+local found = false
+for i = 1, #f, 2 do
+  if f[i] == ARGV[1] then f[i + 1] = ARGV[2]; found = true end
+end
+if not found then f[#f + 1] = ARGV[1]; f[#f + 1] = ARGV[2] end
+redis.call('SET', KEYS[1], cmsgpack.pack(f))
+return 1
+"""
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("status", "SUCCEEDED"),
+        ("version", "7"),
+        ("id", "01J0000000000000000000000X-0"),
+        ("handler", "bad handler!"),
+        ("priority", "500"),
+        ("deadline_ms", "1"),
+        ("due_ms", "0"),
+        ("timeout_ms", "x"),
+        ("fence", "3"),
+        ("dedup", "1:t:other"),
+    ],
+)
+async def test_a_forged_create_request_is_dropped_whole(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys, field: str, value: str
+) -> None:
+    created = await create(store, tenant="t", dedup_key="k", take_in=False)
+    tag = keys.tag(0)
+    request = f"{tag}:new:{created.task_id}"
+    before = await keyspace(redis_client)
+    await redis_client.eval(FORGE, 1, request, field, value)
+    batch = await store.claim(0, "submit", 0, 1000, "ingest", 0)
+    assert batch.taken == 1 and [i for i, _ in batch.refused] == [created.task_id]
+    assert await store.get(created.task_id) is None
+    after = await keyspace(redis_client)
+    gone = {k for k in before if k not in after}
+    expected = {request, f"{tag}:intake", f"{tag}:dedup:1:t:k"}
+    if field == "dedup":  # the request names another key: the daemon frees its own later
+        expected.remove(f"{tag}:dedup:1:t:k")  # (a create that finds it gets DEDUP_STALE)
+    assert gone == {k.encode() for k in expected}, gone
+    assert {k for k in after if k not in before} <= {f"{tag}:events".encode()}
 
 
 @pytest.mark.parametrize(
@@ -617,6 +666,27 @@ async def test_terminal_outcome_wins_over_cancel(store: Store) -> None:
     assert r.code is Code.OK and r.status is Status.SUCCEEDED
 
 
+async def keyspace(r: redis.asyncio.Redis) -> dict[bytes, bytes | None]:
+    return {k: await r.dump(k) async for k in r.scan_iter(count=1000)}
+
+
+async def test_a_cancel_that_arrives_after_the_task_finished_changes_nothing(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    """The request was accepted while the task ran; a daemon takes it in after the
+    finishing save: the finished task, its version, counts and events stay as they were."""
+    await submitted(store)
+    c = await claim_one(store, "query")
+    assert (await store.cancel(c.lease.task_id)).code is Code.ACCEPTED  # not taken in yet
+    r = await store.save(c.lease, Status.SUCCEEDED, fields={"result": b"42"})
+    assert r.code is Code.OK and r.status is Status.SUCCEEDED
+    before = await keyspace(redis_client)
+    before.pop(keys.tag(0).encode() + b":intake")
+    assert await ingest(store) == 1
+    after = await keyspace(redis_client)
+    assert after == before
+
+
 async def test_cancel_of_a_parked_task_with_an_old_flag_cancels_it(
     store: Store, redis_client: redis.asyncio.Redis, keys: Keys
 ) -> None:
@@ -889,6 +959,25 @@ async def test_time_out_sweep_covers_never_claimed_tasks(
     r = await store.save(c.lease, Status.PENDING_SUBMIT, delay_ms=10)
     assert r.status is Status.TRACKING_TIMED_OUT
     await check_invariants(redis_client, keys)
+
+
+async def test_one_fence_starts_the_vendor_submit_once(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    """A second start by the same holder (a retried call, a bug) is refused whichever
+    version it carries, and counts no second submit attempt."""
+    await create(store)
+    c = await claim_one(store)
+    first = await store.start(c.lease, False)
+    assert first.code is Code.OK
+    before = await snapshot(redis_client, keys, c.lease.task_id)
+    assert (await store.start(c.lease, False)).code is Code.WRONG_VERSION
+    again = Lease(c.lease.task_id, c.lease.fence, first.version)
+    assert (await store.start(again, False)).code is Code.STARTED
+    assert (await store.start(again, True)).code is Code.STARTED
+    assert await snapshot(redis_client, keys, c.lease.task_id) == before
+    task = await store.get(c.lease.task_id)
+    assert task is not None and task.submit_attempts == 1
 
 
 async def test_start_refused_after_deadline(store: Store) -> None:

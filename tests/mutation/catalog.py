@@ -1,0 +1,429 @@
+"""The catalog: each entry breaks one rule in one line, and names the tests that must notice.
+
+`old` must occur exactly once in `path` (tests/test_mutation_catalog.py checks that on
+every run of the suite), and `new` is what replaces it. `tests` are pytest node ids (a file,
+or a file::test); the runner stops at the first failure, so list the sharpest test first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    rule: str  # the rule the mutant breaks, as a reader of the catalog would say it
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    # The tests run on redis-server only unless the rule is reached on valkey-server alone
+    # (redis-server 7.0 has no WAITAOF, for one).
+    all_servers: bool = False
+
+
+SCRIPTS = "tests/lua/test_scripts.py"
+LUA_ADMISSION = "tests/lua/test_admission.py"
+
+
+def t(file: str, *names: str) -> tuple[str, ...]:
+    return tuple(f"{file}::{n}" for n in names) if names else (file,)
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    # --- fences, leases, versions -----------------------------------------------------------
+    Mutant(
+        "save-ignores-the-fence",
+        "a save under a fence that is not the task's is refused (STALE_FENCE)",
+        "lua/_save.lua",
+        "  if t[2] ~= fence then return {-2} end",
+        "  if false then return {-2} end",
+        t(
+            SCRIPTS,
+            "test_stale_fence_after_reclaim_changes_nothing",
+            "test_forged_fence_is_refused",
+        ),
+    ),
+    Mutant(
+        "save-ignores-the-version",
+        "a save whose read version no longer holds is refused (VERSION_CONFLICT)",
+        "lua/_save.lua",
+        "    if not version_holds(t[3], t[5], A[o + 3]) then return {-3} end",
+        "    if false then return {-3} end",
+        t(SCRIPTS, "test_wrong_version_is_refused"),
+    ),
+    Mutant(
+        "save-without-a-lease",
+        "a save after the lease is gone is refused (NO_LEASE)",
+        "lua/_save.lua",
+        "  local leased = redis.call('ZSCORE', P .. 'leases', id)",
+        "  local leased = true",
+        t(SCRIPTS, "test_no_lease_after_reap_in_query_phase"),
+    ),
+    Mutant(
+        "cancel-not-merged-at-save",
+        "a cancel bumps a leased task's version once, and the holder's save still lands",
+        "lua/_prelude.lua",
+        "  return cancel_version ~= false and cancel_version ~= nil and current == cancel_version",
+        "  return false and cancel_version ~= nil and current == cancel_version",
+        t(SCRIPTS, "test_cancel_during_query_lease_is_merged_at_next_save"),
+    ),
+    Mutant(
+        "save-drops-the-cancel-request",
+        "a save that leaves a canceled task unfinished makes it CANCELED or due now",
+        "lua/_save.lua",
+        "  local cancel = t[4] == '1'",
+        "  local cancel = false",
+        t(SCRIPTS, "test_cancel_during_query_lease_is_merged_at_next_save"),
+    ),
+    Mutant(
+        "illegal-transitions-allowed",
+        "a worker write must be a legal transition of the model",
+        "lua/_prelude.lua",
+        "  return string.find(LEGAL, ' ' .. old .. '>' .. new .. '#' .. actor .. ' ', 1, true) ~= nil",
+        "  return true",
+        t(SCRIPTS, "test_illegal_worker_transitions_are_refused"),
+    ),
+    Mutant(
+        "renew-ignores-the-fence",
+        "a stale holder cannot renew the new holder's lease",
+        "lua/renew.lua",
+        "  elseif fence ~= ARGV[i + 1] then",
+        "  elseif false then",
+        t(SCRIPTS, "test_stale_fence_after_reclaim_changes_nothing"),
+    ),
+    Mutant(
+        "renew-after-the-lease-expired",
+        "a reaped lease is not renewed (NO_LEASE)",
+        "lua/renew.lua",
+        "  elseif not redis.call('ZSCORE', leases, id) then",
+        "  elseif false then",
+        t(SCRIPTS, "test_no_lease_after_reap_in_query_phase"),
+    ),
+    Mutant(
+        "claim-keeps-the-fence",
+        "every claim takes a new fence, so older holders become stale",
+        "lua/claim.lua",
+        "    local fence, v = (tonumber(t[6]) or 0) + 1, (tonumber(t[5]) or 0) + 1",
+        "    local fence, v = (tonumber(t[6]) or 0), (tonumber(t[5]) or 0) + 1",
+        t(
+            SCRIPTS,
+            "test_claim_leases_with_a_new_fence",
+            "test_stale_fence_after_reclaim_changes_nothing",
+        ),
+    ),
+    # --- start once ---------------------------------------------------------------------------
+    Mutant(
+        "second-start-under-one-fence",
+        "one fence starts the vendor submit at most once (ALREADY_STARTED)",
+        "lua/_start.lua",
+        "  if t[7] == fence then return {-8} end",
+        "  if false then return {-8} end",
+        t(SCRIPTS, "test_one_fence_starts_the_vendor_submit_once"),
+    ),
+    Mutant(
+        "start-after-a-cancel",
+        "a submit canceled before its start is never sent",
+        "lua/_start.lua",
+        "  if t[5] == '1' then return {-6, tonumber(t[3])} end",
+        "  if false then return {-6, tonumber(t[3])} end",
+        t(SCRIPTS, "test_cancel_during_submit_lease_stops_the_vendor_call"),
+    ),
+    Mutant(
+        "start-past-the-deadline",
+        "no submit starts after the task's deadline",
+        "lua/_start.lua",
+        "  if t[1] ~= 'SUBMITTING' or (tonumber(t[4]) or 0) <= NOW then return {-7} end",
+        "  if t[1] ~= 'SUBMITTING' then return {-7} end",
+        t(SCRIPTS, "test_start_refused_after_deadline"),
+    ),
+    Mutant(
+        "start-does-not-count-attempts",
+        "each start counts one vendor submit attempt",
+        "lua/_start.lua",
+        "             'submit_attempts', int_s((tonumber(t[8]) or 0) + 1), 'version', int_s(v),",
+        "             'submit_attempts', int_s((tonumber(t[8]) or 0) + 0), 'version', int_s(v),",
+        t(SCRIPTS, "test_full_lifecycle_and_terminal_bookkeeping"),
+    ),
+    # --- the reaper -----------------------------------------------------------------------------
+    Mutant(
+        "reap-resubmits-a-started-submit",
+        "a lease lost after the start parks the task in SUBMIT_UNKNOWN, never a resubmit",
+        "lua/reap.lua",
+        "    local started = status == 'SUBMITTING' and t[3] and t[3] == t[2]",
+        "    local started = false",
+        t(SCRIPTS, "test_reap_started_submit_parks_in_submit_unknown"),
+    ),
+    Mutant(
+        "reap-treats-every-handler-as-idempotent",
+        "only an idempotent handler's started submit goes back to PENDING_SUBMIT",
+        "lua/reap.lua",
+        "      if t[4] == '1' and not late then",
+        "      if not late then",
+        t(SCRIPTS, "test_reap_started_submit_parks_in_submit_unknown"),
+    ),
+    Mutant(
+        "reap-never-fails-a-flapping-task",
+        "a task that loses its query lease too often fails (RECLAIM_LIMIT)",
+        "lua/reap.lua",
+        "      if reclaims > max_reclaims then",
+        "      if false then",
+        t(SCRIPTS, "test_reap_query_lease_makes_task_due_and_counts_reclaims"),
+    ),
+    # --- cancel ---------------------------------------------------------------------------------
+    Mutant(
+        "cancel-of-a-pending-task-waits",
+        "a cancel of a task nobody holds finishes it at once",
+        "lua/_intake.lua",
+        "  local unheld = status == 'PENDING_SUBMIT' or status == 'SUBMIT_UNKNOWN'",
+        "  local unheld = status == 'SUBMIT_UNKNOWN'",
+        t(SCRIPTS, "test_cancel_of_a_pending_task_is_carried_out_when_a_daemon_takes_it_in"),
+    ),
+    Mutant(
+        "cancel-of-an-idle-poll-waits-for-the-poll",
+        "a cancel makes an idle SUBMITTED/RUNNING task due now, so it stops promptly",
+        "lua/_intake.lua",
+        "  if (status == 'SUBMITTED' or status == 'RUNNING') and not t[6] then",
+        "  if false then",
+        t(SCRIPTS, "test_cancel_idle_submitted_task_makes_it_due_now"),
+    ),
+    Mutant(
+        "cancel-reopens-a-finished-task",
+        "a terminal task stays as it finished, whatever cancel arrives",
+        "lua/_intake.lua",
+        "  if not status or not KNOWN[status] or TERMINAL[status] or not t[3] or not int_field(t[5])",
+        "  if not status or not KNOWN[status] or not t[3] or not int_field(t[5])",
+        t(SCRIPTS, "test_a_cancel_that_arrives_after_the_task_finished_changes_nothing"),
+    ),
+    # --- deadlines ------------------------------------------------------------------------------
+    Mutant(
+        "save-ignores-the-deadline",
+        "a save past the deadline ends the task TRACKING_TIMED_OUT",
+        "lua/_save.lua",
+        "  if not TERMINAL[final] and final ~= 'SUBMIT_UNKNOWN' and (tonumber(t[6]) or 0) <= NOW then",
+        "  if false then",
+        ("tests/lua/test_scripts.py", "tests/property/test_state_machine.py"),
+    ),
+    Mutant(
+        "time-out-sweep-reschedules-everything",
+        "the deadline sweep times out tasks past their deadline, claimed or not",
+        "lua/time_out.lua",
+        "  elseif deadline_ms > NOW then",
+        "  elseif true then",
+        t(SCRIPTS, "test_time_out_sweep_covers_never_claimed_tasks"),
+    ),
+    # --- create, dedup, intake ------------------------------------------------------------------
+    Mutant(
+        "dedup-ignores-the-live-task",
+        "a dedup key names one live task: a second submit returns it",
+        "lua/_create.lua",
+        "      if (st and not TERMINAL[st]) or (not st and redis.call('EXISTS', P .. 'new:' .. existing) == 1) then",
+        "      if false then",
+        t(SCRIPTS, "test_create_dedup_returns_the_live_task"),
+    ),
+    Mutant(
+        "create-resend-is-a-conflict",
+        "a create resent with the same id and content returns the stored task",
+        "lua/_create.lua",
+        "      if (stored[name] or '') ~= wanted[name] then return {-5} end",
+        "      if true then return {-5} end",
+        t(
+            "tests/test_client.py",
+            "test_a_create_whose_reply_was_lost_and_resent_by_redis_py_makes_one_task",
+        ),
+    ),
+    Mutant(
+        "intake-takes-a-forged-request",
+        "a request must be exactly what create writes: a new task, version 1",
+        "lua/_intake.lua",
+        "  if f.id ~= id or f.status ~= 'PENDING_SUBMIT' or f.version ~= '1' then",
+        "  if false then",
+        t(SCRIPTS, "test_a_forged_create_request_is_dropped_whole"),
+    ),
+    # --- roles ----------------------------------------------------------------------------------
+    Mutant(
+        "daemon-scripts-open-to-producers",
+        "daemon scripts ask Redis for the daemon role before writing",
+        "lua/_prelude.lua",
+        "local function daemon_only() redis.call('HDEL', P .. 'role:daemon', '') end",
+        "local function daemon_only() end",
+        t(
+            "tests/test_acl.py",
+            "test_daemon_scripts_refuse_producers_and_operator_scripts_refuse_daemons",
+        ),
+    ),
+    Mutant(
+        "operator-scripts-open-to-daemons",
+        "operator scripts ask Redis for the operator role before writing",
+        "lua/_prelude.lua",
+        "local function operator_only() redis.call('HDEL', P .. 'role:operator', '') end",
+        "local function operator_only() end",
+        t(
+            "tests/test_acl.py",
+            "test_daemon_scripts_refuse_producers_and_operator_scripts_refuse_daemons",
+        ),
+    ),
+    # --- admission: buckets and caps ------------------------------------------------------------
+    Mutant(
+        "bucket-refills-past-its-burst",
+        "a token bucket never holds more than its burst",
+        "lua/take.lua",
+        "    tokens = math.min(burst, tokens + math.max(0, NOW - ms) * rate / 1000)",
+        "    tokens = tokens + math.max(0, NOW - ms) * rate / 1000",
+        t(LUA_ADMISSION),
+    ),
+    Mutant(
+        "bucket-refills-ten-times-too-fast",
+        "a bucket refills at its rate per second",
+        "lua/take.lua",
+        "    tokens = math.min(burst, tokens + math.max(0, NOW - ms) * rate / 1000)",
+        "    tokens = math.min(burst, tokens + math.max(0, NOW - ms) * rate / 100)",
+        t(LUA_ADMISSION),
+    ),
+    Mutant(
+        "bucket-grants-a-fraction",
+        "only whole tokens are granted",
+        "lua/take.lua",
+        "    for _, b in ipairs(bs) do granted = math.min(granted, math.floor(b[4])) end",
+        "    for _, b in ipairs(bs) do granted = math.min(granted, math.ceil(b[4])) end",
+        t(LUA_ADMISSION),
+    ),
+    # (A refund without its math.min is no mutant: every load caps the tokens at the
+    # burst, and a bucket over its burst gets a negative PEXPIRE and starts full again.)
+    Mutant(
+        "refund-gives-nothing-back",
+        "unused grants go back to the bucket",
+        "lua/take.lua",
+        "      b[4] = math.min(b[3], b[4] + count)",
+        "      b[4] = math.min(b[3], b[4])",
+        t(LUA_ADMISSION, "test_refund_gives_tokens_back_but_not_above_the_burst"),
+    ),
+    Mutant(
+        "caps-never-full",
+        "an in-flight cap holds tasks back once it is full",
+        "lua/_prelude.lua",
+        "    if n < cap then return false end",
+        "    if true then return false end",
+        t(LUA_ADMISSION, "test_a_full_cap_holds_tasks_and_a_finish_lets_the_next_one_in"),
+    ),
+    # --- the client and the worker --------------------------------------------------------------
+    Mutant(
+        "client-shows-other-tenants-tasks",
+        "a client bound to a tenant sees none of another tenant's tasks",
+        "asynctaskd/client.py",
+        "    return None if tenant is not None and task.tenant != tenant else task",
+        "    return task",
+        t("tests/test_client.py", "test_tenants_cannot_see_each_others_tasks"),
+    ),
+    Mutant(
+        "list-cursor-ignores-its-filters",
+        "a list cursor is valid only with the filters it was made for",
+        "asynctaskd/cursors.py",
+        "    if not hmac.compare_digest(token[1 + _KEY_ID : _CLEAR - _IV], _filter_tag(key, filters)):",
+        "    if False:",
+        ("tests/test_cursors.py",),
+    ),
+    Mutant(
+        "every-transport-error-is-never-sent",
+        "only errors raised before any byte left count as never sent (resubmit-safe)",
+        "asynctaskd/retry.py",
+        "_NEVER_SENT: Final = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, NotSent)",
+        "_NEVER_SENT: Final = (httpx.TransportError, NotSent)",
+        t("tests/test_retry.py", "test_only_errors_raised_before_any_byte_left_are_never_sent"),
+    ),
+    Mutant(
+        "wait-gate-always-satisfied",
+        "a submit starts only after the replicas acknowledged its start mark (WAIT)",
+        "asynctaskd/store.py",
+        "        return int(reply) >= self.replicas",
+        "        return True",
+        ("tests/test_store_pipeline.py::test_a_gated_call_is_durable_only_when_the_gate_is_met",),
+    ),
+    Mutant(
+        "waitaof-gate-always-satisfied",
+        "a submit starts only after its start mark is fsynced or replicated (WAITAOF)",
+        "asynctaskd/store.py",
+        "            return int(reply[0]) >= self.local and int(reply[1]) >= self.replicas",
+        "            return True",
+        ("tests/test_store_pipeline.py::test_a_gated_call_is_durable_only_when_the_gate_is_met",),
+        all_servers=True,
+    ),
+    Mutant(
+        "poll-saved-in-a-claim-round-slept-through",
+        "a poll saved while the claim loop is in a round wakes the loop in time",
+        "asynctaskd/worker.py",
+        "        next_due = min(next_due, self._due_hint)",
+        "        next_due = next_due",
+        t("tests/test_worker.py", "test_a_poll_saved_during_a_claim_round_is_not_slept_through"),
+    ),
+    Mutant(
+        "vendor-delays-uncapped",
+        "a vendor's Retry-After is capped at max_error_delay and the deadline",
+        "asynctaskd/worker.py",
+        "        return clamp_delay(delay, time.time(), task.deadline_at, cap=most)",
+        "        return delay",
+        t(
+            "tests/test_http_handler.py",
+            "test_a_huge_retry_after_is_clamped_and_the_task_stays_readable",
+        ),
+    ),
+    # --- vendor data ----------------------------------------------------------------------------
+    Mutant(
+        "pool-disconnect-claimed-never-sent",
+        "a connection lost after the request was written is ambiguous, never 'never sent'",
+        "asynctaskd/http1.py",
+        '        self._fail(httpx.RemoteProtocolError(f"Server disconnected {message}.", request=request))',
+        '        self._fail(httpx.ConnectError(f"Server disconnected {message}.", request=request))',
+        t(
+            "tests/test_transport.py",
+            "test_server_reads_request_then_closes_is_ambiguous_and_not_resent",
+        ),
+    ),
+    Mutant(
+        "refused-tunnel-is-ambiguous",
+        "a proxy that refuses the CONNECT tunnel means the vendor saw nothing (never sent)",
+        "asynctaskd/transport.py",
+        "        except httpx.ProxyError as exc:",
+        "        except ZeroDivisionError as exc:",
+        t("tests/test_proxy.py", "test_a_refused_tunnel_is_never_sent"),
+    ),
+    Mutant(
+        "response-body-unbounded",
+        "a response body is cut off once it grows past max_response_bytes",
+        "asynctaskd/http1.py",
+        "        if limit is not None and self._received > limit:",
+        "        if False:",
+        t("tests/test_proxy.py", "test_a_body_over_max_response_bytes_fails_unread"),
+    ),
+    Mutant(
+        "finalize-downloads-from-any-host",
+        "finalize downloads only from hosts the handler declares",
+        "asynctaskd/downloads.py",
+        "        if not (host == also or host in self._exact or host.endswith(self._suffixes)):",
+        "        if not (True or host in self._exact or host.endswith(self._suffixes)):",
+        t("tests/test_http_handler.py", "test_finalize_downloads_only_from_declared_public_hosts"),
+    ),
+    Mutant(
+        "finalize-connects-to-private-addresses",
+        "finalize refuses names that resolve to private, loopback or link-local addresses",
+        "asynctaskd/downloads.py",
+        '            why = non_public(entry["host"])',
+        "            why = None",
+        t(
+            "tests/test_http_handler.py",
+            "test_finalize_refuses_a_declared_name_that_resolves_to_a_private_address",
+        ),
+    ),
+    Mutant(
+        "dot-segments-reach-the-url",
+        "a placeholder value of '.' or '..' never climbs the vendor's path",
+        "asynctaskd/http_handler.py",
+        '                if ("." in text or not text.isprintable()) and _UNSAFE_IN_URL.search(text):',
+        "                if False:",
+        t(
+            "tests/test_http_handler.py",
+            "test_a_url_value_with_a_dot_segment_or_control_character_is_never_sent",
+        ),
+    ),
+)

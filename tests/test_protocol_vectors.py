@@ -1,0 +1,74 @@
+"""The protocol's language-neutral test vectors, checked against the Python implementation."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asynctaskd import AsyncClient
+from asynctaskd.errors import ConfigError
+from asynctaskd.keys import PROTOCOL_VERSION, Keys, shard_for_dedup
+from asynctaskd.model import shard_of
+from tests.configs import write_daemon_config
+
+VECTORS = json.loads((Path(__file__).parent / "vectors" / "dedup_shard.json").read_text())
+
+
+@pytest.mark.parametrize("v", VECTORS["vectors"], ids=lambda v: f"{v['tenant']}/{v['shards']}")
+def test_the_dedup_shard_function_matches_the_vectors(v: dict[str, Any]) -> None:
+    assert shard_for_dedup(v["tenant"], v["dedup_key"], v["shards"]) == v["shard"]
+    assert v["crc32"] % v["shards"] == v["shard"]
+
+
+@pytest.mark.anyio
+async def test_the_client_puts_deduplicated_tasks_where_the_vectors_say(redis_client: Any) -> None:
+    for v in VECTORS["vectors"]:
+        client = AsyncClient(redis_client, shards=v["shards"])
+        task = await client.submit(
+            "h", {}, tracking_timeout=60, strict=False,
+            tenant=v["tenant"] or None, dedup_key=v["dedup_key"],
+        )  # fmt: skip
+        assert shard_of(task.id) == v["shard"], v
+
+
+@pytest.mark.anyio
+async def test_a_producer_with_another_shard_count_writes_nothing(redis_client: Any) -> None:
+    keys = Keys("atd", 4)
+    await redis_client.set(keys.deployment(), json.dumps({"protocol": 1, "shards": 4}))
+    before = await redis_client.dbsize()
+    wrong = AsyncClient(redis_client, shards=1)
+    with pytest.raises(ConfigError, match=r"has 4 shard\(s\).*configured with 1"):
+        await wrong.submit("h", {}, tracking_timeout=60, strict=False)
+    assert await redis_client.dbsize() == before
+    right = AsyncClient(redis_client, shards=4)
+    await right.submit("h", {}, tracking_timeout=60, strict=False)
+    await redis_client.set(keys.deployment(), json.dumps({"protocol": 2, "shards": 4}))
+    newer = AsyncClient(redis_client, shards=4)
+    with pytest.raises(
+        ConfigError, match=f"speaks protocol 2, this asynctaskd speaks {PROTOCOL_VERSION}"
+    ):
+        await newer.submit("h", {}, tracking_timeout=60, strict=False)
+
+
+@pytest.mark.slow
+def test_a_daemon_with_another_shard_count_refuses_to_start(
+    redis_url: str, sync_redis: Any, tmp_path: Path
+) -> None:
+    sync_redis.set(Keys().deployment(), json.dumps({"protocol": 1, "shards": 4}))
+    config = write_daemon_config(
+        tmp_path / "daemon.toml", redis_url, "http://127.0.0.1:9", redis={"shards": 2}
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "asynctaskd", "run", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2, run.stderr
+    assert "namespace 'atd' has 4 shard(s)" in run.stderr and "configured with 2" in run.stderr
+    assert sync_redis.hlen(Keys().daemons()) == 0  # it never registered as a daemon
