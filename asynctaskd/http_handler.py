@@ -50,10 +50,12 @@ loopback or link-local address unless `finalize.allow_private_addresses` (see
 `asynctaskd.downloads`, which also says how DNS is handled).
 
 How HTTP outcomes map to the worker's classification (`retry.classify_submit_error`):
-connect errors, DNS, pool timeouts and unreadable credentials raise `NotSent` (provably
-never sent); a request the templates made unsendable (a missing param, an unsafe value, a
-bad URL or header) raises `PermanentError` before anything is sent; read timeouts, resets,
-protocol errors and the total timeout raise a plain `RetryableError` (ambiguous in submit);
+connect errors (a proxy that cannot be reached or refuses the tunnel included), DNS, pool
+timeouts and unreadable credentials raise `NotSent` (provably never sent); a request the
+templates made unsendable (a missing param, an unsafe value, a bad URL or header) raises
+`PermanentError` before anything is sent; read timeouts, resets, protocol errors, an
+answer over the handler's `max_response_bytes` (`RESPONSE_TOO_LARGE`) and the total
+timeout raise a plain `RetryableError` (ambiguous in submit);
 429, and 503 with Retry-After, raise `RetryableError(throttled=True, retry_after=...)`;
 other 5xx a plain `RetryableError`; 4xx (except 408 and 429, or the `errors.permanent` list)
 `PermanentError`. A 2xx answer that is not JSON, lacks the id or status, or has them of the
