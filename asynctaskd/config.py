@@ -201,6 +201,11 @@ class HandlerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     concurrency: Annotated[int, msgspec.Meta(ge=1)] | None = None
     poll_interval: Duration | None = None  # None: retry.poll_interval
     provider: str = ""  # admission provider; empty: the handler key
+    # The handler's HTTP client: a proxy for every request ("" for none; unset: the
+    # HTTP_PROXY/HTTPS_PROXY/ALL_PROXY/NO_PROXY environment), and the largest response
+    # body it accepts (unset: asynctaskd.transport.DEFAULT_MAX_RESPONSE_BYTES).
+    proxy: str | None = None
+    max_response_bytes: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
 
 _Rate = Annotated[float, msgspec.Meta(gt=0)]

@@ -41,7 +41,7 @@ from .keys import Keys
 from .metrics import Metrics
 from .reaper import run_reaper
 from .store import Store, redis_credentials
-from .transport import make_http_client
+from .transport import DEFAULT_MAX_RESPONSE_BYTES, make_http_client
 from .worker import Worker
 
 __all__ = ["Daemon", "redis_url", "serve"]
@@ -97,6 +97,24 @@ def shared_http_client(config: Config) -> httpx.AsyncClient:
     in flight did 3,600 polls/s through 1,000 aiohttp connections, 4,100 through 4,000.
     """
     return make_http_client(max_connections=max(1000, config.worker.max_inflight))
+
+
+def handler_http_clients(config: Config) -> dict[str, httpx.AsyncClient]:
+    """A client of its own for each handler that sets `proxy` or `max_response_bytes`
+    (the rest share `shared_http_client`). An unusable proxy URL is a ConfigError."""
+    clients: dict[str, httpx.AsyncClient] = {}
+    for i, hc in enumerate(config.handlers):
+        if hc.proxy is None and hc.max_response_bytes is None:
+            continue
+        try:
+            clients[hc.key] = make_http_client(
+                max_connections=max(1000, config.worker.max_inflight),
+                proxy=hc.proxy,
+                max_response_bytes=hc.max_response_bytes or DEFAULT_MAX_RESPONSE_BYTES,
+            )
+        except (ValueError, ImportError) as exc:  # ImportError: socks5 without socksio
+            raise ConfigError(f"handlers[{i}] ({hc.key}).proxy: {exc}") from None
+    return clients
 
 
 class Daemon:
@@ -155,15 +173,24 @@ class Daemon:
             settings = {"retention_ms": round(float(config.reaper.retention) * 1000)}
             store = Store(redis, keys, settings)
             http = shared_http_client(config)
+            own = handler_http_clients(config)
             try:
-                await self._run(store, http, task_status)
+                await self._run(store, http, task_status, own)
             finally:
                 with anyio.move_on_after(2, shield=True):
                     await http.aclose()
+                    for client in own.values():
+                        await client.aclose()
                     await store.close()
                     await redis.aclose()
 
-    async def _run(self, store: Store, http: httpx.AsyncClient, task_status: Any) -> None:
+    async def _run(
+        self,
+        store: Store,
+        http: httpx.AsyncClient,
+        task_status: Any,
+        handler_http: dict[str, httpx.AsyncClient] | None = None,
+    ) -> None:
         config = self.config
         if config.metrics.enabled:
             store.on_call = self.metrics.observe_redis_call
@@ -192,7 +219,15 @@ class Daemon:
         # Admission limits are plans run through a client on the daemon's own connections.
         client = AsyncClient(store.redis, config.redis.namespace, shards=config.redis.shards)
         await self._apply_limits(client, config)
-        worker = Worker(store, handlers, config, http=http, metrics=self.metrics, gate=gate)
+        worker = Worker(
+            store,
+            handlers,
+            config,
+            http=http,
+            handler_http=handler_http,
+            metrics=self.metrics,
+            gate=gate,
+        )
         durability.on_gate = worker.use_gate
         self.worker = worker
         if self.own_process:

@@ -15,6 +15,7 @@ import msgspec
 
 from .config import HandlerConfig
 from .errors import ConfigError
+from .transport import Fetcher, fetcher_for
 
 __all__ = [
     "Failed",
@@ -73,6 +74,10 @@ class HandlerContext(msgspec.Struct, kw_only=True):
 
     `idempotency_key` is stable across resubmits of the same task: send it to vendors
     that deduplicate (and declare `idempotent_submit = True`).
+
+    `http` is a stock `httpx.AsyncClient` (with the handler's proxy and response-size
+    settings); `fetch` is the fast way to make a plain call through it (see
+    `asynctaskd.transport.Fetcher`): ``reply = await ctx.fetch("GET", url)``.
     """
 
     task_id: str
@@ -88,6 +93,12 @@ class HandlerContext(msgspec.Struct, kw_only=True):
     http: httpx.AsyncClient
     logger: logging.LoggerAdapter[logging.Logger]
     metadata: Any = None
+
+    @property
+    def fetch(self) -> Fetcher:
+        """`await ctx.fetch(method, url, headers=..., json=... or content=...)` -> `Reply`:
+        one request through `http`'s connections without httpx's per-request objects."""
+        return fetcher_for(self.http)
 
 
 @runtime_checkable

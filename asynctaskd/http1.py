@@ -1,11 +1,14 @@
-"""A lean HTTP/1.1 connection pool for the shared client's buffered requests.
+"""A lean HTTP/1.1 connection pool behind the shared client's transport.
 
-Nearly every vendor call a handler makes is a small request whose whole answer is read at
+Nearly every vendor call a handler makes is a small request whose whole answer arrives at
 once. aiohttp spends ~60 us of CPU on such a call here, httpx's own pool more; this pool
-writes the request with one `transport.write` and parses the answer in `data_received`,
-for ~20 us. It serves only what the shared client's direct path sends: http and https
-URLs, a body already in memory, and the whole response read before returning.
-Streaming goes through aiohttp (`asynctaskd.transport`).
+writes the request with one `transport.write` and feeds the answer to llhttp (the parser
+of Node.js, through `httptools`, as uvicorn uses it) in `data_received`. An answer that is
+complete when its first bytes have been parsed comes back whole; a longer one comes back
+after its head, its body streaming from the connection with flow control
+(`ResponseBody`). Either way no more than `max_response_bytes` of body are accepted: a
+larger Content-Length is refused before its body is read, and a body that grows past the
+limit fails the exchange and closes the connection (`ResponseTooLarge`).
 
 "Never sent" is exact here: `PoolTimeout`, `ConnectTimeout` and `ConnectError` are raised
 only while obtaining a connection, before the first byte of the request is written. Every
@@ -14,10 +17,12 @@ nothing is ever resent: a reused keep-alive connection that the server closed wh
 request was on its way fails as `RemoteProtocolError`, like httpx's own pool reports it.
 A close that already reached the socket is caught before reuse (see `_stirred`).
 
-What it does not do, by design: HTTP/2, proxies, `Expect: 100-continue` waits (the body is
-sent at once; an interim 1xx answer is skipped), protocol upgrades (a 101 answer ends the
-exchange and the connection), and a write timeout (the body is handed to the kernel whole;
-the read timeout starts once it is).
+What it does not do, by design: HTTP/2, proxies (`asynctaskd.transport` routes proxied
+origins elsewhere), request bodies that are not in memory, `Expect: 100-continue` waits
+(the body is sent at once; an interim 1xx answer is skipped), protocol upgrades (a 101
+answer ends the exchange and the connection), and a write timeout (the body is handed to
+the kernel whole; the read timeout starts once it is). A HEAD answer's connection is not
+reused (llhttp cannot be told that a HEAD answer's Content-Length announces no body).
 """
 
 from __future__ import annotations
@@ -27,45 +32,67 @@ import collections
 import re
 import select
 import ssl
+from collections.abc import AsyncIterator, Mapping
 from typing import Final, cast
 
+import httptools
 import httpx
 
-__all__ = ["Answer", "Http1Pool"]
+__all__ = ["Answer", "Http1Pool", "ResponseBody", "ResponseTooLarge"]
 
-# The request httpx built is re-checked before it is written; httpx itself lets a CR or
-# LF through in a header value and a colon in a name (header injection). The head must
-# be a token method, a target without spaces or controls, and lines of a value without
-# CR, LF or NUL, one line per header; the names, joined with spaces, must be tokens (a
-# space inside a name already fails the block pattern; a colon would pass it). The
-# request line is checked every time, a header block once (`Http1Pool._checked`).
+# The request is re-checked before it is written; httpx itself lets a CR or LF through in a
+# header value and a colon in a name (header injection). The head must be a token method,
+# a target without spaces or controls, and lines of a value without CR, LF or NUL, one
+# line per header; the names, joined with spaces, must be tokens (a space inside a name
+# already fails the block pattern; a colon would pass it). The request line is checked
+# every time, a header block once (`Http1Pool._checked`). These check our own requests;
+# the vendor's answers are parsed by llhttp.
 _TOKEN: Final = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
 _REQUEST_LINE: Final = re.compile(rb"%s [\x21-\x7e\x80-\xff]+ HTTP/1\.1\r\n" % _TOKEN)
 _HEADER_BLOCK: Final = re.compile(rb"(?:%s:[ \t]*[^\r\n\x00]*\r\n)*\r\n" % _TOKEN)
 _HEADER_NAMES: Final = re.compile(rb"(?:%s(?: %s)*)?" % (_TOKEN, _TOKEN))
-_STATUS_LINE: Final = re.compile(rb"HTTP/1\.([01]) ([1-9][0-9]{2})(?: ([^\r\n\x00]*))?")
-_HEADER_NAME: Final = re.compile(_TOKEN)
-# A response's header lines after its status line, each "\r\n<token>:<value>": a value
-# without NUL, and without CR LF, which ends a line (a bare CR or LF stays in the value).
-_FIELD_LINES: Final = re.compile(rb"(?:\r\n%s:[^\r\x00]*(?:\r(?!\n)[^\r\x00]*)*)*" % _TOKEN)
-_CHUNK_SIZE: Final = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[^\r\n]*)?")
-_DIGITS: Final = re.compile(rb"[0-9]{1,19}")
 _CLOSE: Final = re.compile(rb"\nconnection:[^\r]*\bclose\b")  # in a lowercased head
 _CHECKED_MAX: Final = 256
 # Idle this long, a connection may have met the server's idle timeout (2-5 s is common):
 # its socket is polled before it is reused. Busier connections are not.
 _PROBE_AFTER_S: Final = 1.0
 _SWEEP_S: Final = 30.0  # how often idle lists are pruned when connections never expire
-_MAX_HEAD: Final = 65536  # status line plus headers, or one chunk-size or trailer line
+_MAX_HEAD: Final = 65536  # status line plus headers, or a chunk-size line and trailers
+# A streamed body: reading from the socket pauses while this much waits unread.
+_HIGH_WATER: Final = 1 << 20
+_LOW_WATER: Final = 1 << 18
 
-# How the response body is delimited (RFC 9112 section 6.3).
-_NO_BODY: Final = 0
-_LENGTH: Final = 1
-_CHUNKED: Final = 2
-_UNTIL_CLOSE: Final = 3
 
-Answer = tuple[int, bytes, bytes, list[tuple[bytes, bytes]], bytes]
-"""status, http_version (b"HTTP/1.1"), reason phrase, raw headers, body."""
+class _Trailing(Exception):
+    """Bytes after a complete answer: parsing stops there."""
+
+
+class ResponseTooLarge(httpx.RemoteProtocolError):
+    """The vendor's answer has a body larger than `max_response_bytes`: the exchange
+    failed after the request was sent (ambiguous, like any other protocol error)."""
+
+
+class Answer:
+    """A parsed answer: status, version (b"HTTP/1.1"), reason phrase, raw headers, and
+    either the whole body (`stream` None) or the stream its body arrives on."""
+
+    __slots__ = ("body", "headers", "reason", "status", "stream", "version")
+
+    def __init__(
+        self,
+        status: int,
+        version: bytes,
+        reason: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        stream: ResponseBody | None,
+    ) -> None:
+        self.status = status
+        self.version = version
+        self.reason = reason
+        self.headers = headers
+        self.body = body
+        self.stream = stream
 
 
 def _stirred(transport: asyncio.Transport) -> bool:
@@ -86,30 +113,123 @@ def _stirred(transport: asyncio.Transport) -> bool:
         return True
 
 
-class _ProtocolError(Exception):
-    """The server's bytes are not a valid HTTP/1.1 response."""
+class ResponseBody:
+    """The rest of an answer's body, as it arrives on its connection.
+
+    Iterate it once; `aclose()` (always call it) hands a fully read connection back to the
+    pool and closes one whose body was left unread.
+    """
+
+    def __init__(self, connection: _Connection) -> None:
+        self._connection: _Connection | None = connection
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._ended = False
+        self._error: httpx.TransportError | None = None
+        self._wakeup: asyncio.Future[None] | None = None
+
+    # -- fed by the connection --------------------------------------------------------
+
+    def feed(self, chunk: bytes) -> None:
+        self._chunks.append(chunk)
+        self._buffered += len(chunk)
+        self._wake()
+
+    def end(self) -> None:
+        self._ended = True
+        self._wake()
+
+    def fail(self, exc: httpx.TransportError) -> None:
+        if not self._ended and self._error is None:
+            self._error = exc
+            self._wake()
+
+    def _wake(self) -> None:
+        if self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
+
+    @property
+    def buffered(self) -> int:
+        return self._buffered
+
+    # -- read by the caller ------------------------------------------------------------
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        while True:
+            if self._chunks:
+                chunk = self._chunks.popleft()
+                self._buffered -= len(chunk)
+                connection = self._connection
+                if connection is not None and self._buffered < _LOW_WATER:
+                    connection.drained()
+                yield chunk
+            elif self._error is not None:
+                raise self._error
+            elif self._ended:
+                return
+            else:
+                connection = self._connection
+                if connection is None:
+                    raise httpx.StreamClosed()
+                self._wakeup = connection.pool.loop.create_future()
+                try:
+                    await self._wakeup
+                finally:
+                    self._wakeup = None
+
+    async def aclose(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is None:
+            return
+        self._chunks.clear()
+        connection.exchanged()
+        if self._ended and self._error is None:
+            connection.pool.release(connection)
+        else:
+            connection.close()
+
+
+def _keeps_alive(version: str, headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether an answer without a body leaves its connection open: HTTP/1.1 unless
+    `Connection: close`, HTTP/1.0 only with `Connection: keep-alive`."""
+    tokens = {
+        token.strip(b" \t").lower()
+        for name, value in headers
+        if name.lower() == b"connection"
+        for token in value.split(b",")
+    }
+    return b"close" not in tokens if version == "1.1" else b"keep-alive" in tokens
 
 
 class _Connection(asyncio.Protocol):
     """One HTTP/1.1 connection: one exchange at a time, the answer parsed as it arrives."""
 
-    def __init__(self, pool: Http1Pool, key: tuple[bytes, bytes, int]) -> None:
+    def __init__(self, pool: Http1Pool, key: tuple[str, str, int]) -> None:
         self.pool = pool
         self.key = key
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.idle_since = 0.0
+        self.reusable = False
         self._loop = pool.loop
+        self._busy = False  # an exchange is in flight: from the write to the body's end
         self._waiter: asyncio.Future[Answer] | None = None
         self._request: httpx.Request | None = None
-        self._buffer = bytearray()
+        self._llhttp: httptools.HttpResponseParser | None = None
+        self._limit: int | None = None
         self._head_only = False
-        self._status: tuple[int, bytes, bytes, list[tuple[bytes, bytes]]] | None = None
-        self._framing = _NO_BODY
-        self._length = 0
+        # The answer being parsed.
+        self._status = 0
+        self._reason = bytearray()
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._head_done = False
+        self._complete = False
+        self._until_close = False
         self._chunks: list[bytes] = []
-        self._trailers = False
-        self.reusable = False
+        self._received = self._fed = self._chunk_count = 0
+        self._stream: ResponseBody | None = None
+        self._paused = False
+        self._problem: httpx.TransportError | None = None
         # The read timeout: one timer per connection, not per exchange (call_at and
         # cancel cost ~2 us, over 1% of a poll). It stays armed across exchanges and,
         # when it fires, re-arms itself from the last read if an exchange is still going.
@@ -123,19 +243,43 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def data_received(self, data: bytes) -> None:
-        if self._waiter is None or self._waiter.done():
+        parser = self._llhttp
+        if not self._busy or parser is None or self._complete:
             # Bytes while idle or after a complete answer (a 408, say): the connection can
             # no longer be trusted.
-            self.close()
+            self.reusable = False
+            if not self._busy:
+                self.close()
             return
-        self._buffer += data
         if self._timeout is not None:
             self._last_read = self._loop.time()
+        # llhttp keeps no bytes, but httptools gathers a header line until it ends, and a
+        # chunk-size line or trailers may run on: bound the bytes that are not body.
+        self._fed += len(data)
         try:
-            self._parse()
-        except _ProtocolError as exc:
-            self._fail(httpx.RemoteProtocolError(str(exc), request=self._request))
+            parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            pass  # a 101 answer: its head was taken; the connection ends with it
+        except httptools.HttpParserError as exc:
+            if self._problem is None and not self._complete:
+                self._problem = httpx.RemoteProtocolError(
+                    f"malformed response: {exc}", request=self._request
+                )
+            self.reusable = False
+        if self._problem is None and not self._complete:
+            if not self._head_done and self._fed > _MAX_HEAD:
+                self._problem = httpx.RemoteProtocolError(
+                    "response head too large", request=self._request
+                )
+            elif self._fed - self._received > _MAX_HEAD + 64 * self._chunk_count:
+                self._problem = httpx.RemoteProtocolError(
+                    "chunk-size lines or trailers too large", request=self._request
+                )
+        if self._problem is not None:
+            self._fail(self._problem)
             self.close()
+            return
+        self._deliver()
 
     def eof_received(self) -> bool:
         self._ended(None)
@@ -147,21 +291,112 @@ class _Connection(asyncio.Protocol):
         self._ended(exc)
         self.pool.forget(self)
 
+    # -- llhttp callbacks ---------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self._complete:
+            # A second answer to one request: stop parsing; the connection is not reused.
+            raise _Trailing
+        self._reason.clear()
+        self._headers = []
+
+    def on_status(self, status: bytes) -> None:
+        self._reason += status
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._head_done:  # trailers of a chunked body are dropped
+            self._headers.append((name, value.strip(b" \t")))
+
+    def on_headers_complete(self) -> None:
+        parser = self._llhttp
+        assert parser is not None
+        status = parser.get_status_code()
+        if 100 <= status < 200 and status != 101:
+            return  # 100 Continue, 103 Early Hints: the real answer follows
+        self._head_done = True
+        self._status = status
+        self.reusable = parser.should_keep_alive()
+        length: int | None = None
+        chunked = False
+        for name, value in self._headers:
+            lowered = name.lower()
+            if lowered == b"content-length":
+                length = int(value)  # llhttp let only digits and one value through
+            elif lowered == b"transfer-encoding":
+                chunked = value.rpartition(b",")[2].strip(b" \t").lower() == b"chunked"
+        if self._head_only or status in (101, 204, 304):
+            self._complete = True
+            if status == 101:
+                self.reusable = False
+            elif self._head_only:
+                # llhttp does not know a HEAD answer has no body (it would wait for one, or
+                # for the server to close): whether the connection stays open is read here.
+                self.reusable = _keeps_alive(parser.get_http_version(), self._headers)
+            return
+        if length is None and not chunked:
+            self._until_close = True  # the body runs until the server closes
+            self.reusable = False
+        limit = self._limit
+        if limit is not None and length is not None and length > limit:
+            self._problem = ResponseTooLarge(
+                f"the response announces {length} bytes of body, over max_response_bytes ({limit})",
+                request=self._request,
+            )
+
+    def on_chunk_header(self) -> None:
+        self._chunk_count += 1
+
+    def on_body(self, body: bytes) -> None:
+        if self._problem is not None or self._complete:
+            self.reusable = False  # a body after an answer without one (a HEAD's)
+            return
+        self._received += len(body)
+        limit = self._limit
+        if limit is not None and self._received > limit:
+            self._problem = ResponseTooLarge(
+                f"the response body grew past max_response_bytes ({limit})",
+                request=self._request,
+            )
+            return
+        stream = self._stream
+        if stream is None:
+            self._chunks.append(body)
+            return
+        stream.feed(body)
+        if stream.buffered > _HIGH_WATER and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def on_message_complete(self) -> None:
+        if self._head_done:
+            self._complete = True
+
     # -- one exchange -------------------------------------------------------------------
 
     def exchange(
-        self, request: httpx.Request, payload: bytes, read_timeout: float | None
+        self,
+        request: httpx.Request | None,
+        method: str,
+        payload: bytes,
+        read_timeout: float | None,
+        limit: int | None,
     ) -> asyncio.Future[Answer]:
-        """Write `payload`; the future gets the parsed answer to it. Call `exchanged()`
-        once it is done or given up on. (Not a coroutine of its own: the caller awaits
-        the future itself, one coroutine fewer to pass through when the answer comes.)"""
+        """Write `payload`; the future gets the answer to it. Call `exchanged()` once it
+        is done or given up on, unless the answer streams (its `ResponseBody` does).
+        (Not a coroutine of its own: the caller awaits the future itself, one coroutine
+        fewer to pass through when the answer comes.)"""
         assert self.transport is not None
         self._request = request
-        self._head_only = request.method == "HEAD"
-        self._status = None
+        self._head_only = method == "HEAD"
+        self._limit = limit
+        self._llhttp = httptools.HttpResponseParser(self)
+        self._head_done = self._complete = self._until_close = False
         self._chunks = []
-        self._trailers = False
+        self._received = self._fed = self._chunk_count = 0
+        self._stream = None
+        self._problem = None
         self.reusable = False
+        self._busy = True
         waiter: asyncio.Future[Answer] = self._loop.create_future()
         self._waiter = waiter
         self.transport.write(payload)
@@ -174,8 +409,49 @@ class _Connection(asyncio.Protocol):
 
     def exchanged(self) -> None:
         """The exchange is over (answered, failed or abandoned): stop watching for it."""
-        self._waiter = self._request = None
+        self._busy = False
+        self._waiter = self._request = self._llhttp = self._stream = None
         self._timeout = None
+        self._chunks = []
+        if self._paused and self.transport is not None and not self.closed:
+            self._paused = False
+            self.transport.resume_reading()
+
+    def drained(self) -> None:
+        """The streamed body's reader caught up: read from the socket again."""
+        if self._paused and self.transport is not None and not self.closed:
+            self._paused = False
+            self.transport.resume_reading()
+
+    def _deliver(self) -> None:
+        """Hand the answer over: whole once complete, or its head and a body stream."""
+        if not self._head_done:
+            return
+        stream = self._stream
+        if stream is not None:
+            if self._complete:
+                stream.end()
+            return
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return
+        parser = self._llhttp
+        assert parser is not None
+        version = b"HTTP/" + parser.get_http_version().encode("ascii")
+        if self._complete:
+            body = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
+            self._chunks = []
+            waiter.set_result(
+                Answer(self._status, version, bytes(self._reason), self._headers, body, None)
+            )
+            return
+        stream = self._stream = ResponseBody(self)
+        for chunk in self._chunks:
+            stream.feed(chunk)
+        self._chunks = []
+        waiter.set_result(
+            Answer(self._status, version, bytes(self._reason), self._headers, b"", stream)
+        )
 
     def _arm(self, when: float) -> None:
         if self._timer is not None:
@@ -189,38 +465,38 @@ class _Connection(asyncio.Protocol):
 
     def _check_timeout(self) -> None:
         self._timer = None
-        if self._timeout is None or self._waiter is None or self._waiter.done():
+        if self._timeout is None or not self._busy or self._complete:
             return  # idle, or an exchange without a read timeout: nothing to watch
         due = self._last_read + self._timeout
-        if self._loop.time() < due:  # bytes arrived meanwhile, or a later exchange began
-            self._arm(due)
+        now = self._loop.time()
+        if now < due or self._paused:
+            # Bytes arrived meanwhile, a later exchange began, or the reader of a streamed
+            # body is behind (reading is paused for it, not for the server).
+            self._arm(max(due, now + self._timeout) if self._paused else due)
             return
         self._fail(httpx.ReadTimeout("timed out waiting for the response", request=self._request))
         self.close()
 
-    def _answer(self, body: bytes) -> None:
-        assert self._status is not None and self._waiter is not None
-        status, version, reason, headers = self._status
-        if not self._waiter.done():
-            self._waiter.set_result((status, version, reason, headers, body))
-
     def _fail(self, exc: httpx.TransportError) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_exception(exc)
+        if self._stream is not None:
+            self._stream.fail(exc)
 
     def _ended(self, exc: Exception | None) -> None:
         """The server closed its side: the end of an until-close body, or a failure."""
-        if self._waiter is None or self._waiter.done():
+        if not self._busy or self._complete:
             return
         self.reusable = False
-        if exc is None and self._status is not None and self._framing == _UNTIL_CLOSE:
-            self._answer(bytes(self._buffer))
+        if exc is None and self._head_done and self._until_close and self._problem is None:
+            self._complete = True
+            self._deliver()
             return
         request = self._request
         if isinstance(exc, OSError):
             self._fail(httpx.ReadError(str(exc) or type(exc).__name__, request=request))
             return
-        nothing = self._status is None and not self._buffer
+        nothing = self._llhttp is None or not self._fed
         message = "without sending a response" if nothing else "before the response was complete"
         self._fail(httpx.RemoteProtocolError(f"Server disconnected {message}.", request=request))
 
@@ -230,147 +506,16 @@ class _Connection(asyncio.Protocol):
             self.closed = True
             self.reusable = False
             self._disarm()
-            self._fail(  # an exchange in flight, when the pool closes
-                httpx.ReadError(
-                    "the connection was closed by the client while awaiting the response",
-                    request=self._request,
+            if not self._complete:
+                self._fail(  # an exchange in flight, when the pool closes
+                    httpx.ReadError(
+                        "the connection was closed by the client while awaiting the response",
+                        request=self._request,
+                    )
                 )
-            )
             if self.transport is not None:
                 self.transport.abort()
             self.pool.forget(self)  # its slot is free now, not when asyncio reports the loss
-
-    # -- parsing ------------------------------------------------------------------------
-
-    def _parse(self) -> None:
-        buffer = self._buffer
-        while self._status is None:
-            end = buffer.find(b"\r\n\r\n")
-            if end < 0:
-                if len(buffer) > _MAX_HEAD:
-                    raise _ProtocolError("response head too large")
-                return
-            head = bytes(buffer[:end])
-            del buffer[: end + 4]
-            self._head(head)
-        framing = self._framing
-        if framing == _LENGTH:
-            if len(buffer) >= self._length:
-                body = bytes(buffer[: self._length])
-                self._finish(len(buffer) - self._length)
-                self._answer(body)
-        elif framing == _CHUNKED:
-            self._dechunk()
-        elif framing == _NO_BODY:
-            self._finish(len(buffer))
-            self._answer(b"")
-        # _UNTIL_CLOSE: the body is whatever arrives until the server closes.
-
-    def _head(self, head: bytes) -> None:
-        """Parse a status line and headers; an interim 1xx answer is dropped."""
-        lines = head.split(b"\r\n")
-        status_line = _STATUS_LINE.fullmatch(lines[0])
-        if status_line is None:
-            raise _ProtocolError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
-        minor, code, reason = status_line.groups()
-        status = int(code)
-        headers: list[tuple[bytes, bytes]] = []
-        lengths: set[bytes] = set()
-        coding = connection = b""
-        if _FIELD_LINES.fullmatch(head, len(lines[0])) is None:
-            _name_bad_line(lines[1:])  # one match checks every line; this says which failed
-        for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            value = value.strip(b" \t")
-            headers.append((name, value))
-            lowered = name.lower()
-            if lowered == b"content-length":
-                if b"," in value:  # "5, 5": a list of values, which must agree
-                    lengths.update(part.strip(b" \t") for part in value.split(b","))
-                else:
-                    lengths.add(value)
-            elif lowered == b"transfer-encoding":
-                coding = value.rpartition(b",")[2].strip(b" \t").lower()
-            elif lowered == b"connection":
-                connection += b"," + value.lower()
-        if 100 <= status < 200 and status != 101:
-            return  # 100 Continue, 103 Early Hints: the real answer follows
-        if connection:
-            tokens = {token.strip(b" \t") for token in connection.split(b",")}
-            self.reusable = b"close" not in tokens if minor == b"1" else b"keep-alive" in tokens
-        else:
-            self.reusable = minor == b"1"  # HTTP/1.1 keeps the connection, 1.0 closes it
-        if self._head_only or status in (101, 204, 304):
-            self._framing = _NO_BODY
-            self.reusable = self.reusable and status != 101
-        elif coding:
-            # Transfer-Encoding overrides Content-Length; a body not ending in chunked
-            # runs until the server closes.
-            self._framing = _CHUNKED if coding == b"chunked" else _UNTIL_CLOSE
-            self.reusable = self.reusable and coding == b"chunked" and not lengths
-        elif lengths:
-            length = lengths.pop()
-            if lengths or _DIGITS.fullmatch(length) is None:
-                raise _ProtocolError("invalid or conflicting Content-Length")
-            self._framing, self._length = _LENGTH, int(length)
-        else:
-            self._framing = _UNTIL_CLOSE
-        if self._framing == _UNTIL_CLOSE:
-            self.reusable = False
-        self._status = (status, b"HTTP/1." + minor, reason or b"", headers)
-
-    def _dechunk(self) -> None:
-        """Decode as much chunked body as has arrived; answer once the last chunk did."""
-        buffer = self._buffer
-        at = 0
-        try:
-            while True:
-                eol = buffer.find(b"\r\n", at)
-                if eol < 0:
-                    if len(buffer) - at > _MAX_HEAD:
-                        raise _ProtocolError("chunk-size or trailer line too long")
-                    return
-                line = bytes(buffer[at:eol])
-                if self._trailers:
-                    at = eol + 2
-                    if not line:
-                        self._finish(len(buffer) - at)
-                        self._answer(b"".join(self._chunks))
-                        return
-                    continue
-                size_line = _CHUNK_SIZE.fullmatch(line)
-                if size_line is None:
-                    raise _ProtocolError(f"malformed chunk-size line: {line[:80]!r}")
-                size = int(size_line[1], 16)
-                if size == 0:
-                    self._trailers = True
-                    at = eol + 2
-                    continue
-                start = eol + 2
-                if len(buffer) < start + size + 2:
-                    return  # wait for the whole chunk and its CRLF
-                if buffer[start + size : start + size + 2] != b"\r\n":
-                    raise _ProtocolError("chunk data not followed by CRLF")
-                self._chunks.append(bytes(buffer[start : start + size]))
-                at = start + size + 2
-        finally:
-            del buffer[:at]
-
-    def _finish(self, extra: int) -> None:
-        """The answer is complete; bytes after it make the connection untrustworthy."""
-        if extra:
-            self.reusable = False
-        self._buffer.clear()
-
-
-def _name_bad_line(lines: list[bytes]) -> None:
-    """Raise for the first header line that is not "<token>:<value without NUL>"."""
-    for line in lines:
-        name, colon, value = line.partition(b":")
-        if not colon or _HEADER_NAME.fullmatch(name) is None:
-            raise _ProtocolError(f"malformed header line: {line[:80]!r}")
-        if b"\x00" in value:
-            raise _ProtocolError(f"NUL in header {name!r}")
 
 
 class Http1Pool:
@@ -393,7 +538,7 @@ class Http1Pool:
         self._keepalive = keepalive
         self._expiry = keepalive_expiry
         self._ssl = ssl_context
-        self._idle: dict[tuple[bytes, bytes, int], list[_Connection]] = {}
+        self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
         self._all: set[_Connection] = set()
         self._opening = 0
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
@@ -403,43 +548,49 @@ class Http1Pool:
         # -> whether it asks the server to close. Bounded; cleared when full.
         self._checked: dict[bytes, bool] = {}
 
-    async def send(self, request: httpx.Request, body: bytes) -> Answer:
-        """Send `request` with `body` (its content, already read) and read the answer."""
-        headers = request.headers.raw
-        line = b"%s %s HTTP/1.1\r\n" % (
-            request.method.encode("ascii", "replace"),
-            request.url.raw_path,
-        )
+    async def send(
+        self,
+        method: str,
+        origin: tuple[str, str, int],
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        timeouts: Mapping[str, float | None],
+        limit: int | None,
+        request: httpx.Request | None = None,
+    ) -> Answer:
+        """Send `method target` with `headers` (Host included) and `body` to `origin`
+        (scheme, host, port) and read the answer: whole, or its head and a body stream.
+
+        `limit` bounds the body (None: no bound); `request`, when there is one, is named
+        by the exceptions raised."""
+        line = b"%s %s HTTP/1.1\r\n" % (method.encode("ascii", "replace"), target)
         block = b"".join([name + b": " + value + b"\r\n" for name, value in headers]) + b"\r\n"
         close = self._checked.get(block)
         if close is None or _REQUEST_LINE.fullmatch(line) is None:
             close = self._check(request, line, block, headers)
-        timeouts = request.extensions.get("timeout") or {}
-        url = request.url
-        secure = url.scheme == "https"
-        key = (url.raw_scheme, url.raw_host, url.port or (443 if secure else 80))
         # An idle connection without a coroutine of its own (most requests): ~0.6 us less.
-        connection = None if self._closed else self._reuse(key)
+        connection = None if self._closed else self._reuse(origin)
         if connection is None:
-            connection = await self._acquire(request, key, secure, timeouts)
+            connection = await self._acquire(request, origin, timeouts)
         try:
-            try:
-                answer = await connection.exchange(
-                    request, line + block + body, timeouts.get("read")
-                )
-            finally:
-                connection.exchanged()
+            answer = await connection.exchange(
+                request, method, line + block + body, timeouts.get("read"), limit
+            )
         except BaseException:
+            connection.exchanged()
             connection.close()  # cancelled or failed mid-exchange: its state is unknown
             raise
         if close:
             connection.reusable = False  # the caller asked the server to close it
-        self._release(connection)
+        if answer.stream is None:
+            connection.exchanged()
+            self.release(connection)
         return answer
 
     def _check(
         self,
-        request: httpx.Request,
+        request: httpx.Request | None,
         line: bytes,
         block: bytes,
         headers: list[tuple[bytes, bytes]],
@@ -460,7 +611,7 @@ class Http1Pool:
         lowered = b"\n" + block.lower()
         if b"\ntransfer-encoding:" in lowered:
             # httpx adds Content-Length to an in-memory body; with both, the message is
-            # invalid (RFC 9112 6.3) and a server rejects it, or worse, frames it its way.
+            # invalid and a server rejects it, or worse, frames it its own way.
             raise httpx.LocalProtocolError(
                 "a Transfer-Encoding header set by hand on an in-memory body: drop the "
                 "header, or pass the body as an async iterator to have it sent chunked",
@@ -474,7 +625,7 @@ class Http1Pool:
 
     # -- connections --------------------------------------------------------------------
 
-    def _reuse(self, key: tuple[bytes, bytes, int]) -> _Connection | None:
+    def _reuse(self, key: tuple[str, str, int]) -> _Connection | None:
         """An idle connection to `key` that is still good to send on, or None."""
         idle = self._idle.get(key)
         while idle:
@@ -496,10 +647,9 @@ class Http1Pool:
 
     async def _acquire(
         self,
-        request: httpx.Request,
-        key: tuple[bytes, bytes, int],
-        secure: bool,
-        timeouts: dict[str, float | None],
+        request: httpx.Request | None,
+        key: tuple[str, str, int],
+        timeouts: Mapping[str, float | None],
     ) -> _Connection:
         """A connection for the request's origin: idle, new, or the first to free up."""
         if self._closed:
@@ -511,7 +661,7 @@ class Http1Pool:
             if connection is not None:
                 return connection
             if self._max is None or len(self._all) + self._opening < self._max or self._evict():
-                return await self._open(request, key, secure, timeouts.get("connect"))
+                return await self._open(request, key, timeouts.get("connect"))
             if not waited:
                 waited = True
                 pool_timeout = timeouts.get("pool")
@@ -536,7 +686,7 @@ class Http1Pool:
                 return True
         return False
 
-    async def _wait_for_slot(self, request: httpx.Request, deadline: float | None) -> None:
+    async def _wait_for_slot(self, request: httpx.Request | None, deadline: float | None) -> None:
         waiter = self.loop.create_future()
         self._waiters.append(waiter)
         try:
@@ -562,12 +712,12 @@ class Http1Pool:
 
     async def _open(
         self,
-        request: httpx.Request,
-        key: tuple[bytes, bytes, int],
-        secure: bool,
+        request: httpx.Request | None,
+        key: tuple[str, str, int],
         connect_timeout: float | None,
     ) -> _Connection:
-        host = key[1].decode("ascii")
+        host = key[1]
+        secure = key[0] == "https"
         self._opening += 1
         try:
             async with asyncio.timeout(connect_timeout):
@@ -603,7 +753,7 @@ class Http1Pool:
         if self._waiters and (self._max is None or len(self._all) + self._opening < self._max):
             self._wake_one()
 
-    def _release(self, connection: _Connection) -> None:
+    def release(self, connection: _Connection) -> None:
         if connection.closed or not connection.reusable or not self._keepalive or self._closed:
             connection.close()
             return

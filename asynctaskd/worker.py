@@ -137,6 +137,7 @@ class Worker:
         config: Config,
         *,
         http: httpx.AsyncClient,
+        handler_http: dict[str, httpx.AsyncClient] | None = None,
         metrics: Metrics | None = None,
         worker_id: str | None = None,
         gate: Gate | None = None,
@@ -146,6 +147,7 @@ class Worker:
         self.handlers = handlers
         self.config = config
         self.http = http
+        self.handler_http = handler_http or {}  # handlers with a proxy or size limit of their own
         self.metrics = metrics or Metrics()
         self.crashes = Crashes(self.metrics)
         self.id = worker_id or config.worker.id or default_worker_id()
@@ -621,7 +623,7 @@ class Worker:
             poll_count=task.poll_count,
             deadline_at=task.deadline_at,
             cancel_requested=task.cancel_requested,
-            http=self.http,
+            http=self.handler_http.get(task.handler, self.http),
             logger=logging.LoggerAdapter(handler_logger, extra),
             metadata=task.metadata,
         )

@@ -291,6 +291,8 @@ def daemon_config(
     metrics_port: int | None = None,
     lease: str = "30s",
 ) -> Path:
+    # How the demo handler calls the vendor: "fetch" (ctx.fetch) or "http" (ctx.http).
+    demo_client = os.environ.get("BENCH_DEMO_CLIENT", "fetch")
     metrics = (
         f'enabled = true\nlisten = "127.0.0.1:{metrics_port}"'
         if metrics_port
@@ -315,7 +317,7 @@ format = "json"
 key = "demo"
 type = "python"
 factory = "asynctaskd.devtools.demo:make_handler"
-options = {{ base_url = "{vendor_url}", key = "demo" }}
+options = {{ base_url = "{vendor_url}", key = "demo", client = "{demo_client}" }}
 """)
     return path
 

@@ -1,9 +1,9 @@
-"""HTTP client throughput: httpx's default transport, our aiohttp transport, the shared client.
+"""HTTP client throughput: httpx's default transport, the shared client, `ctx.fetch`.
 
-The cells: ``httpx-default`` (httpx's own pool), ``httpx-aiohttp-transport`` (httpx over
-our `AiohttpTransport`, the path a streamed request takes), ``shared-client`` (what
-handlers get: `make_http_client`, whose plain requests go through `Http1Pool`) and plain
-``aiohttp`` for reference.
+The cells: ``httpx-default`` (httpx's own pool), ``shared-client`` (what handlers get as
+`ctx.http`: a stock httpx client over our `PoolTransport`, whose in-memory requests go
+through `Http1Pool`), ``fetch`` (`ctx.fetch`: the same pool without httpx's request and
+response objects) and plain ``aiohttp`` for reference.
 
 Run with ``python bench/http_client.py`` (``--help`` for the knobs). The fake vendor
 (`asynctaskd.devtools.fakevendor`, on `asynctaskd.devtools.fakehttp` and uvloop) serves in its own
@@ -43,9 +43,9 @@ import aiohttp
 import httpx
 
 from asynctaskd.devtools.fakevendor import FakeVendorProcess
-from asynctaskd.transport import AiohttpTransport, make_http_client
+from asynctaskd.transport import fetcher_for, make_http_client
 
-CLIENTS = ("httpx-default", "httpx-aiohttp-transport", "shared-client", "aiohttp")
+CLIENTS = ("httpx-default", "shared-client", "fetch", "aiohttp")
 Get = Callable[[], Awaitable[None]]
 
 
@@ -72,11 +72,21 @@ async def _client(name: str, url: str, max_connections: int) -> AsyncIterator[Ge
 
             yield shared_get
         return
+    if name == "fetch":
+        async with make_http_client(max_connections=max_connections) as shared:
+            fetch = fetcher_for(shared)
+
+            async def fetch_get() -> None:
+                reply = await fetch("GET", url)
+                if reply.status >= 400:
+                    raise httpx.HTTPError(f"status {reply.status}")
+
+            yield fetch_get
+        return
     limits = httpx.Limits(
         max_connections=max_connections, max_keepalive_connections=max_connections
     )
-    transport = AiohttpTransport(limits=limits) if name == "httpx-aiohttp-transport" else None
-    async with httpx.AsyncClient(limits=limits, transport=transport, timeout=30.0) as client:
+    async with httpx.AsyncClient(limits=limits, timeout=30.0) as client:
 
         async def httpx_get() -> None:
             response = await client.get(url)

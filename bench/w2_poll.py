@@ -310,14 +310,14 @@ def run_peer(
 
 # --- HTTP floor -------------------------------------------------------------------------------
 
-FLOOR_CLIENTS = ("aiohttp", "shared-client")
+FLOOR_CLIENTS = ("aiohttp", "shared-client", "fetch")
 
 
 async def _floor_child(client: str, base: str, n: int, concurrency: int) -> dict[str, float]:
     """CPU per vendor GET (+ JSON decode) for one client in this process, after warm-up."""
     import aiohttp
 
-    from asynctaskd.transport import make_http_client
+    from asynctaskd.transport import fetcher_for, make_http_client
 
     async with aiohttp.ClientSession() as s, s.post(f"{base}/v1/jobs", json={"input": 1}) as r:
         url = f"{base}/v1/jobs/{(await r.json())['id']}"
@@ -330,6 +330,16 @@ async def _floor_child(client: str, base: str, n: int, concurrency: int) -> dict
                 await response.json()
 
         close = session.close
+    elif client == "fetch":
+        http = make_http_client()
+        fetch = fetcher_for(http)
+
+        async def get() -> None:
+            reply = await fetch("GET", url)
+            assert reply.status == 200
+            reply.json()
+
+        close = http.aclose
     else:
         http = make_http_client()
 

@@ -1,4 +1,4 @@
-"""AiohttpTransport over real loopback sockets, and its exception table, row by row.
+"""PoolTransport over real loopback sockets, and its exception table, row by row.
 
 The servers run in the test's own event loop: aiohttp.web for well-behaved HTTP, raw
 asyncio streams for servers that misbehave on purpose. Tests synchronise on events the
@@ -12,7 +12,6 @@ import contextlib
 import datetime
 import gzip
 import json
-import random
 import shutil
 import socket
 import ssl
@@ -31,14 +30,12 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from asynctaskd.config import parse_config
 from asynctaskd.daemon import shared_http_client
 from asynctaskd.transport import (
-    AiohttpTransport,
-    _buffered,
-    _headers,
+    PoolTransport,
+    Reply,
     _mapped_errors,
     _Phase,
-    _plain_request,
     _Progress,
-    _Urls,
+    fetcher_for,
     make_http_client,
 )
 
@@ -82,15 +79,25 @@ async def raw_server(handler: Handler) -> AsyncIterator[str]:
 
 
 async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
-    """One HTTP/1.1 request head and its Content-Length body."""
+    """One HTTP/1.1 request head and its body (Content-Length or chunked)."""
     head = await reader.readuntil(b"\r\n\r\n")
     length = 0
+    chunked = False
     for line in head.split(b"\r\n")[1:]:
         name, _, value = line.partition(b":")
         if name.strip().lower() == b"content-length":
             length = int(value)
-    body = await reader.readexactly(length) if length else b""
-    return head, body
+        elif name.strip().lower() == b"transfer-encoding":
+            chunked = b"chunked" in value.lower()
+    if not chunked:
+        return head, await reader.readexactly(length) if length else b""
+    body = b""
+    while True:
+        size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+        body += await reader.readexactly(size + 2)
+        if size == 0:
+            return head, body[:-2]
+        body = body[:-2]
 
 
 def ok_response(body: bytes = b"ok") -> bytes:
@@ -118,17 +125,28 @@ def closed_port() -> int:
     return port
 
 
-# Every failure test runs both ways a shared-client request can go: a plain request
-# through Http1Pool, and a streamed one through aiohttp.
-VIA = pytest.mark.parametrize("via", ["pool", "aiohttp"])
+# Every failure test runs each way a shared-client request can go: a request with its
+# body in memory through Http1Pool (read whole, or streamed: the pool serves both), the
+# same through `ctx.fetch`'s direct path, and a request whose body streams through aiohttp.
+VIA = pytest.mark.parametrize("via", ["pool", "pool-stream", "fetch", "aiohttp"])
+
+
+async def _streamed(body: bytes) -> AsyncIterator[bytes]:
+    if body:
+        yield body
 
 
 async def fetch(
     http: httpx.AsyncClient, via: str, method: str, url: str, **kwargs: object
 ) -> httpx.Response:
-    """`method url` through the pool (a plain request) or through aiohttp (streamed)."""
+    """`method url` one of the `VIA` ways."""
     if via == "pool":
         return await http.request(method, url, **kwargs)  # type: ignore[arg-type]
+    if via == "fetch":
+        reply = await fetcher_for(http)(method, url, **kwargs)  # type: ignore[arg-type]
+        return httpx.Response(reply.status, headers=reply.headers, content=reply.content)
+    if via == "aiohttp":
+        kwargs["content"] = _streamed(kwargs.pop("content", b""))  # type: ignore[arg-type]
     async with http.stream(method, url, **kwargs) as response:  # type: ignore[arg-type]
         await response.aread()
     return response
@@ -277,7 +295,7 @@ async def test_the_shared_client_keeps_no_cookies(client: httpx.AsyncClient, ech
 
 
 async def test_cookies_are_kept_by_httpx_only(echo_url: str) -> None:
-    async with httpx.AsyncClient(transport=AiohttpTransport()) as own:
+    async with httpx.AsyncClient(transport=PoolTransport()) as own:
         await own.get(f"{echo_url}/cookie")
         second = await own.get(f"{echo_url}/cookie")
 
@@ -315,191 +333,38 @@ DIRECT_CASES = {
 
 
 @pytest.mark.parametrize("case", list(DIRECT_CASES))
-async def test_the_direct_send_path_answers_exactly_as_httpx_own_path(
+async def test_the_pool_transport_answers_exactly_as_httpx_own_transport(
     client: httpx.AsyncClient, echo_url: str, case: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The shared client against plain httpx with its own transport: same bytes out, same
-    response in."""
+    response in; and `ctx.fetch` sends what they send and reads what they read."""
     method, path, kwargs = DIRECT_CASES[case]
     caplog.set_level("INFO", logger="httpx")
-    direct = await client.request(method, f"{echo_url}{path}", **kwargs)
+    ours = await client.request(method, f"{echo_url}{path}", **kwargs)
     async with httpx.AsyncClient(headers={"X-Client": "asynctaskd"}) as plain:
         reference = await plain.request(method, f"{echo_url}{path}", **kwargs)
-
-    assert _seen(direct) == _seen(reference)
-    assert type(direct.stream) is httpx.ByteStream  # read at once: the direct path
-    assert type(reference.stream) is not httpx.ByteStream  # bound to httpx's pool
-    assert direct.request.headers.multi_items() == reference.request.headers.multi_items()
-    assert direct.request.content == reference.request.content
-    assert direct.elapsed > datetime.timedelta(0)
     lines = [r.getMessage() for r in caplog.records if r.name == "httpx"]
+    reply = await fetcher_for(client)(method, f"{echo_url}{path}", **kwargs)
+
+    assert _seen(ours) == _seen(reference)
+    assert ours.request.headers.multi_items() == reference.request.headers.multi_items()
+    assert ours.request.content == reference.request.content
+    assert ours.elapsed > datetime.timedelta(0)
     assert len(lines) == 2 and lines[0] == lines[1]
-
-
-@pytest.mark.parametrize("encoded", [False, True], ids=["plain", "gzip"])
-def test_a_buffered_response_has_what_httpx_constructor_gives_it(encoded: bool) -> None:
-    """`_buffered` builds the response attribute by attribute: the same attributes, with
-    the same values, as `httpx.Response(status, stream=...)`, and for a body that needs no
-    decoding what `aread()` then sets. A new httpx that sets more in its constructor fails
-    here, not in a handler."""
-    body = b'{"ok": true}'
-    raw = [(b"Content-Type", b"application/json"), (b"X-Many", b"1"), (b"x-many", b"2")]
-    if encoded:
-        raw.append((b"Content-Encoding", b"gzip"))
-    ours = _buffered(201, raw, body, b"HTTP/1.1", b"Created")
-    theirs = httpx.Response(
-        201,
-        headers=raw,
-        stream=httpx.ByteStream(body),
-        extensions={"http_version": b"HTTP/1.1", "reason_phrase": b"Created"},
-    )
-    if not encoded:
-        theirs.read()  # what the direct path leaves: the body read, the stream consumed
-    # (`read()` also leaves an identity `_decoder`, which httpx makes when one is needed.)
-    left_out = ("headers", "stream", "_decoder")
-    expected = {k: v for k, v in vars(theirs).items() if k not in left_out}
-    got = {k: v for k, v in vars(ours).items() if k not in left_out}
-    assert got == expected
-    assert ours.headers.multi_items() == theirs.headers.multi_items()
-    assert type(ours) is not httpx.Response and isinstance(ours, httpx.Response)
-
-
-URL_SAMPLES = [
-    "http://127.0.0.1:8080/v1/jobs/abc-123",
-    "https://API.Example.COM/v1/jobs?x=1&y=a+b",
-    "https://api.example.com:443/a/b/",
-    "http://api.example.com:80/a",
-    "http://user:pw@api.example.com/a",
-    "http://[::1]:9000/x?y",
-    "http://h/a/./b/../c",
-    "http://h/a/.hidden/..",
-    "http://h/.",
-    "http://h/a%2fb%2F?q=%e9",
-    "http://h/a%zz/b%",
-    "http://h/é/ü?é=1",
-    "http://h/a b?c d",
-    "http://h/a#frag",
-    "http://h?x=/y",
-    "http://h#x/y",
-    "http://h",
-    "http://h/",
-    "http://h/?",
-    "http://h/a??b?",
-    "http://h/[x]|^\\",
-    "HTTP://h/a",
-    "ftp://h/a",
-    "/relative/path",
-    "http://h/a:b@c;d=e,f*g+h'(i)j!k$l&m~n_o-p.q",
-]
-
-
-@pytest.mark.parametrize("text", URL_SAMPLES)
-def test_the_url_shortcut_parses_as_httpx_does(text: str) -> None:
-    urls = _Urls()
-    for _ in range(2):  # the origin parsed, then the origin reused
-        fast = urls(text)
-        reference = httpx.URL(text)
-        assert str(fast) == str(reference)
-        assert fast.raw_path == reference.raw_path
-        assert (fast.scheme, fast.userinfo, fast.host, fast.port) == (
-            reference.scheme,
-            reference.userinfo,
-            reference.host,
-            reference.port,
-        )
-        assert (fast.path, fast.query, fast.fragment) == (
-            reference.path,
-            reference.query,
-            reference.fragment,
-        )
-
-
-def test_the_url_shortcut_agrees_with_httpx_on_random_urls() -> None:
-    rng = random.Random(7)
-    alphabet = "aZ09-._~!$&'()*+,;=:@/?#%[]| é\\"
-    urls = _Urls()
-    for _ in range(3000):
-        origin = rng.choice(["http://h", "https://h:8443", "http://u@h:80", "http://[::1]"])
-        tail = "".join(rng.choice(alphabet) for _ in range(rng.randrange(12)))
-        text = origin + "/" + tail
-        try:
-            reference = httpx.URL(text)
-        except httpx.InvalidURL:
-            with pytest.raises(httpx.InvalidURL):
-                urls(text)
-            continue
-        assert str(urls(text)) == str(reference), text
-    assert len(urls._origins) == 4  # each origin was kept: the shortcut was taken
-
-
-def test_the_url_shortcut_keeps_a_bounded_number_of_origins() -> None:
-    urls = _Urls()
-    for port in range(1, 600):
-        text = f"http://h:{port}/x"
-        assert str(urls(text)) == str(httpx.URL(text))
-    assert len(urls._origins) <= 256
-
-
-REQUEST_CASES = [
-    ("GET", {}, {}),
-    ("get", {"X-Mixed-Case": "1"}, {}),
-    ("POST", {}, {}),  # a body method without a body: Content-Length: 0 first
-    ("PATCH", {}, {"content": b""}),
-    ("POST", {}, {"json": {"input": {"\u00e9": [1, 2.5]}}}),
-    ("PUT", {"Content-Type": "application/x-custom"}, {"json": [1]}),
-    ("PUT", {}, {"content": "text \u00e9"}),
-    ("POST", {"Content-Length": "3"}, {"content": b"abc"}),
-    ("POST", {"Host": "elsewhere.example"}, {"content": b"x"}),
-    ("DELETE", {"content-type": "text/plain"}, {}),
-    ("POST", {}, {"content": iter([b"a", b"b"])}),  # not in memory: httpx builds it
-]
-
-
-@pytest.mark.parametrize(("method", "headers", "body"), REQUEST_CASES)
-def test_a_plain_request_is_built_as_httpx_builds_it(
-    method: str, headers: dict[str, str], body: dict[str, object]
-) -> None:
-    url = httpx.URL("http://api.example.com:8080/v1/jobs?x=1")
-    client_headers = httpx.Headers({"X-Client": "asynctaskd", "User-Agent": "ua"})
-    extensions = {"timeout": {"connect": 1.0}}
-    merged = httpx.Headers(client_headers)
-    merged.update(headers)
-    kwargs: dict[str, object] = {**body}
-    if isinstance(kwargs.get("content"), Iterator):
-        kwargs["content"] = iter(list(kwargs["content"]))  # type: ignore[call-overload]
-
-    built = _plain_request(
-        method, url, merged.raw, kwargs.get("content"), kwargs.get("json"), extensions
-    )
-    reference = httpx.Request(method, url, headers=merged, extensions=extensions, **body)  # type: ignore[arg-type]
-
-    assert set(vars(built)) == set(vars(reference))  # no attribute httpx sets is missing
-    assert (built.method, built.url, built.extensions) == (
-        reference.method,
-        reference.url,
-        reference.extensions,
-    )
-    assert built.headers.raw == reference.headers.raw  # the same names, case and order
-    assert vars(built.headers) == vars(reference.headers)  # and nothing else differs
-    assert type(built.stream) is type(reference.stream)
-    if isinstance(reference.stream, httpx.ByteStream):
-        assert built.content == reference.content
-
-
-@pytest.mark.parametrize(
-    "raw",
-    [
-        [],
-        [(b"Content-Type", b"application/json"), (b"X-Dup", b"1"), (b"x-dup", b"2")],
-        [(b"X-Latin", "caf\u00e9".encode("latin-1")), (b"X-Utf8", "\u00e9t\u00e9".encode())],
-    ],
-)
-def test_headers_built_in_one_pass_are_httpx_headers(raw: list[tuple[bytes, bytes]]) -> None:
-    built, reference = _headers(raw), httpx.Headers(raw)
-    assert vars(built) == vars(reference)
-    assert built.multi_items() == reference.multi_items()
-    assert built.encoding == reference.encoding
-    assert built.get_list("x-dup") == reference.get_list("x-dup")
+    assert isinstance(reply, Reply)
+    assert reply.status == reference.status_code
+    assert [(k, v) for k, v in reply.headers if k.lower() != b"date"] == [
+        (k, v) for k, v in reference.headers.raw if k.lower() != b"date"
+    ]
+    if reference.headers.get("x-server") != "echo":
+        assert reply.content == reference.content
+        return
+    # The echo: the same request arrived (fetch orders the headers its own way).
+    sent, expected = reply.json(), reference.json()
+    assert sent["headers"] != expected["headers"] or sent == expected
+    sent["headers"].sort()
+    expected["headers"].sort()
+    assert sent == expected
 
 
 async def test_aiohttp_adds_no_header_httpx_did_not_send(echo_url: str) -> None:
@@ -656,7 +521,7 @@ async def test_a_thousand_concurrent_requests_complete() -> None:
 async def test_make_http_client_wires_transport_timeout_and_headers() -> None:
     timeout = httpx.Timeout(10.0, connect=2.0)
     async with make_http_client(timeout=timeout, headers={"X-A": "1"}) as http:
-        assert isinstance(http._transport, AiohttpTransport)
+        assert isinstance(http._transport, PoolTransport)
         assert http.timeout == timeout
         assert http.headers["x-a"] == "1"
 
@@ -715,7 +580,9 @@ async def test_untrusted_certificate_is_connect_error(tls_url: str, via: str) ->
             await fetch(http, via, "GET", tls_url)
 
     cause = (
-        ssl.SSLCertVerificationError if via == "pool" else aiohttp.ClientConnectorCertificateError
+        ssl.SSLCertVerificationError
+        if via != "aiohttp"
+        else aiohttp.ClientConnectorCertificateError
     )
     assert isinstance(caught.value.__cause__, cause)
 
@@ -723,7 +590,7 @@ async def test_untrusted_certificate_is_connect_error(tls_url: str, via: str) ->
 async def test_verify_with_a_context_or_off(tls_url: str, certificate: tuple[str, str]) -> None:
     trusting = ssl.create_default_context(cafile=certificate[0])
     for verify in (trusting, False):
-        async with httpx.AsyncClient(transport=AiohttpTransport(verify=verify)) as http:
+        async with httpx.AsyncClient(transport=PoolTransport(verify=verify)) as http:
             assert (await http.get(tls_url)).text == "secret"
 
 
@@ -736,9 +603,10 @@ async def test_connect_refused_is_connect_error(via: str) -> None:
         with pytest.raises(httpx.ConnectError) as caught:
             await fetch(http, via, "GET", f"http://127.0.0.1:{closed_port()}/v1/jobs")
 
-    cause = ConnectionRefusedError if via == "pool" else aiohttp.ClientConnectorError
+    cause = ConnectionRefusedError if via != "aiohttp" else aiohttp.ClientConnectorError
     assert isinstance(caught.value.__cause__, cause)
-    assert caught.value.request.url.port is not None
+    if via != "fetch":  # the fast path has no httpx request to name
+        assert caught.value.request.url.port is not None
 
 
 @pytest.fixture
@@ -775,7 +643,7 @@ async def test_connect_timeout_on_a_full_backlog_is_connect_timeout(
         with anyio.fail_after(10), pytest.raises(httpx.ConnectTimeout) as caught:
             await fetch(http, via, "GET", f"http://{host}:{port}/v1/jobs")
 
-    cause = TimeoutError if via == "pool" else aiohttp.ServerTimeoutError
+    cause = TimeoutError if via != "aiohttp" else aiohttp.ServerTimeoutError
     assert isinstance(caught.value.__cause__, cause)
 
 
@@ -935,7 +803,7 @@ async def test_garbage_instead_of_http_is_remote_protocol_error(via: str) -> Non
 
 
 async def test_transport_is_bound_to_its_event_loop() -> None:
-    transport = AiohttpTransport()
+    transport = PoolTransport()
     async with web_server(echo_app()) as url, httpx.AsyncClient(transport=transport) as http:
         assert (await http.get(f"{url}/status/204")).status_code == 204
 
@@ -1072,8 +940,32 @@ def test_non_aiohttp_errors_pass_through() -> None:
 
 
 async def test_aclose_is_idempotent_and_final() -> None:
-    transport = AiohttpTransport()
+    transport = PoolTransport()
     await transport.aclose()
     await transport.aclose()
     with pytest.raises(RuntimeError, match="closed"):
         await transport.handle_async_request(httpx.Request("GET", "http://127.0.0.1:1/"))
+
+
+async def test_fetch_sends_the_client_headers_then_the_call_headers(
+    client: httpx.AsyncClient, echo_url: str
+) -> None:
+    fetch = fetcher_for(client)
+    reply = await fetch(
+        "PUT",
+        f"{echo_url}/echo/h?x=1",
+        headers={"Host": "vendor.test", "X-Client": "call", "Accept-Encoding": "identity"},
+        content='"é"',
+    )
+    echoed = reply.json()
+    headers = {name.lower(): value for name, value in echoed["headers"]}
+    assert echoed["method"] == "PUT" and echoed["path"] == "/echo/h?x=1"
+    assert headers["host"] == "vendor.test"  # the call's Host replaces the URL's
+    assert headers["x-client"] == "call"  # and its headers the client's
+    assert headers["accept-encoding"] == "identity"
+    assert headers["content-length"] == "4"  # the text as UTF-8
+    assert echoed["json"] == "é"
+    assert reply.header("X-SERVER") == "echo" and reply.header("missing") is None
+    # A URL httpx would rewrite does not take the direct path: httpx sends it, its way.
+    reply = await fetch("GET", f"{echo_url}/echo/a b/./c?q=é")
+    assert reply.json()["path"] == "/echo/a%20b/c?q=%C3%A9"

@@ -28,13 +28,14 @@ from typing import Final, NamedTuple
 
 import msgspec
 
-# The grammar the client pool (http1) checks answers with, for requests too.
-from asynctaskd.http1 import _CHUNK_SIZE, _DIGITS, _MAX_HEAD, _TOKEN
-
 __all__ = ["Answer", "Request", "serving"]
 
 logger = logging.getLogger(__name__)
 
+_TOKEN: Final = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+_CHUNK_SIZE: Final = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[^\r\n]*)?")
+_DIGITS: Final = re.compile(rb"[0-9]{1,19}")
+_MAX_HEAD: Final = 65536  # request line plus headers, or one chunk-size or trailer line
 _REQUEST_LINE: Final = re.compile(rb"(%s) ([\x21-\x7e\x80-\xff]+) HTTP/1\.([01])" % _TOKEN)
 # The header lines after the request line, each "\r\n<token>:<value without CR, LF, NUL>".
 _FIELD_LINES: Final = re.compile(rb"(?:\r\n%s:[^\r\n\x00]*)*" % _TOKEN)

@@ -370,6 +370,33 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     # --- vendor data ----------------------------------------------------------------------------
     Mutant(
+        "pool-disconnect-claimed-never-sent",
+        "a connection lost after the request was written is ambiguous, never 'never sent'",
+        "asynctaskd/http1.py",
+        '        self._fail(httpx.RemoteProtocolError(f"Server disconnected {message}.", request=request))',
+        '        self._fail(httpx.ConnectError(f"Server disconnected {message}.", request=request))',
+        t(
+            "tests/test_transport.py",
+            "test_server_reads_request_then_closes_is_ambiguous_and_not_resent",
+        ),
+    ),
+    Mutant(
+        "refused-tunnel-is-ambiguous",
+        "a proxy that refuses the CONNECT tunnel means the vendor saw nothing (never sent)",
+        "asynctaskd/transport.py",
+        "        except httpx.ProxyError as exc:",
+        "        except ZeroDivisionError as exc:",
+        t("tests/test_proxy.py", "test_a_refused_tunnel_is_never_sent"),
+    ),
+    Mutant(
+        "response-body-unbounded",
+        "a response body is cut off once it grows past max_response_bytes",
+        "asynctaskd/http1.py",
+        "        if limit is not None and self._received > limit:",
+        "        if False:",
+        t("tests/test_proxy.py", "test_a_body_over_max_response_bytes_fails_unread"),
+    ),
+    Mutant(
         "finalize-downloads-from-any-host",
         "finalize downloads only from hosts the handler declares",
         "asynctaskd/downloads.py",
