@@ -41,20 +41,32 @@ local function task_key(id) return P .. 'task:' .. id end
 local function daemon_only() redis.call('HDEL', P .. 'role:daemon', '') end
 local function operator_only() redis.call('HDEL', P .. 'role:operator', '') end
 
-local function setting(name, default)
-  local v = redis.call('HGET', P .. 'settings', name)
-  if v then return tonumber(v) end
-  return default
-end
-
+-- An integer argument: canonical decimal text (an optional '-', then digits, no
+-- spaces, exponent or hex) of at most 15 digits, so a double holds it and what int_s
+-- writes back exactly, within [lo, hi] where given.
 local function int_arg(v, name, lo, hi)
-  local n = tonumber(v)
-  if not n or n ~= math.floor(n) or (lo and n < lo) or (hi and n > hi) then
+  local n = type(v) == 'string' and #v <= 16 and string.find(v, '^%-?%d+$') and tonumber(v)
+  if not n or (lo and n < lo) or (hi and n > hi) then
     error('asynctaskd: ARGV ' .. name .. ' must be an integer'
           .. (lo and (' >= ' .. lo) or '') .. (hi and (' <= ' .. hi) or '')
           .. ', got ' .. tostring(v))
   end
   return n
+end
+
+-- A task field the script depends on is not what the scripts write: raise, naming the
+-- task and the field, before anything is written (docs/protocol.md section 6).
+local function corrupt(id, field, v)
+  error('asynctaskd: task ' .. tostring(id) .. ' field ' .. field .. ' is corrupt: '
+        .. tostring(v))
+end
+
+-- KEYS[k] must be the hash of the task ARGV names, or its writes and its index entries
+-- would be about two different tasks.
+local function task_key_of(k, id)
+  if id == '' or KEYS[k] ~= P .. 'task:' .. id then
+    error('asynctaskd: KEYS[' .. k .. '] is not the key of task ' .. tostring(id))
+  end
 end
 
 -- A stored counter a script may increment: absent (false), or an integer as Redis itself
@@ -80,9 +92,32 @@ local function unschedule(id)
 end
 
 
-local EVENTS_MAXLEN = nil
+-- Settings (docs/protocol.md section 9): a script that can write an event or finish a
+-- task calls settings() before its first write; one HMGET reads and checks all three, so
+-- a bad value raises before anything is written, never from emit() or finish() half-way.
+local SETTINGS_MAX = 316224000000  -- 10 years, as the longest delay
+local EVENTS_MAXLEN, EXPIRY_MS = nil, nil
+local function setting_int(v, name, default, lo, hi)
+  if not v then return default end
+  local n = #v <= 15 and string.find(v, '^%d+$') and tonumber(v)
+  if not n or n < lo or n > hi then
+    error('asynctaskd: settings ' .. name .. ' must be an integer from ' .. lo .. ' to '
+          .. hi .. ', got ' .. v)
+  end
+  return n
+end
+local function settings()
+  if EXPIRY_MS then return end
+  local s = redis.call('HMGET', P .. 'settings', 'retention_ms', 'expiry_grace_ms',
+                       'events_maxlen')
+  local retention = setting_int(s[1], 'retention_ms', 604800000, 1, SETTINGS_MAX)
+  local grace = setting_int(s[2], 'expiry_grace_ms', 86400000, 0, SETTINGS_MAX)
+  EVENTS_MAXLEN = int_s(setting_int(s[3], 'events_maxlen', 100000, 1, 1000000000))
+  EXPIRY_MS = int_s(retention + grace)
+end
+
 local function emit(id, status, version, extra)
-  if not EVENTS_MAXLEN then EVENTS_MAXLEN = int_s(setting('events_maxlen', 100000)) end
+  if not EVENTS_MAXLEN then settings() end
   local args = {'XADD', P .. 'events', 'MAXLEN', '~', EVENTS_MAXLEN, '*',
                 'task', id, 'status', status, 'version', int_s(version)}
   if extra then
@@ -252,6 +287,7 @@ local function place(id, phase, score)
 end
 
 local function schedule(id, phase, due_ms, priority)
+  if not (priority >= -100 and priority <= 100) then priority = 0 end  -- also NaN
   if due_ms <= NOW then
     place(id, phase, (100 - priority) * PRIO_SPAN + due_ms)
   else
@@ -307,7 +343,6 @@ end
 -- Everything that happens when a task becomes terminal, in one place. `written`: the
 -- caller (a save, in its own HSET and HDEL) already removed the lease, wrote finished_ms
 -- and deleted owner, due_ms and started_fence.
-local EXPIRY_MS = nil  -- retention + grace, as text: read once per script call
 local function finish(tk, id, old, new, handler, written)
   move_status(tk, id, old, new, handler)
   unschedule(id)
@@ -324,9 +359,7 @@ local function finish(tk, id, old, new, handler, written)
     if redis.call('GET', dk) == id then redis.call('DEL', dk) end
   end
   -- purge deletes the hash at retention with exact counters; the expiry is the safety net
-  if not EXPIRY_MS then
-    EXPIRY_MS = int_s(setting('retention_ms', 604800000) + setting('expiry_grace_ms', 86400000))
-  end
+  if not EXPIRY_MS then settings() end
   redis.call('PEXPIRE', tk, EXPIRY_MS)
 end
 
@@ -346,5 +379,5 @@ end
 local function version_holds(current, cancel_version, read)
   if current == read then return true end
   return cancel_version ~= false and cancel_version ~= nil and current == cancel_version
-         and tonumber(current) == tonumber(read) + 1
+         and tonumber(current) == (tonumber(read) or -2) + 1
 end

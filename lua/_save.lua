@@ -18,6 +18,7 @@ local function save_one(k, A, o, n)
   local tk = KEYS[k]
   local id, fence, want = A[o + 1], A[o + 2], A[o + 4]
   if n < 5 then error('asynctaskd: save takes at least 5 arguments, got ' .. n) end
+  task_key_of(k, id)
   if not KNOWN[want] then error('asynctaskd: ARGV status is not a status: ' .. tostring(want)) end
   local delay_ms = int_arg(A[o + 5], 'delay_ms', 0, MAX_DELAY_MS)
   if n % 2 ~= 1 then error('asynctaskd: save takes field, value pairs after ARGV[5]') end
@@ -55,7 +56,9 @@ local function save_one(k, A, o, n)
   -- removal of owner, started_fence, started_by and emptied fields: one HSET and one HDEL.
   -- Each call a script makes costs Redis far more than the command itself; saves run for
   -- every task several times, so they are batched here.
-  if not int_field(t[3]) then error('asynctaskd: the task version is not an integer') end
+  if not int_field(t[3]) then corrupt(id, 'version', t[3]) end
+  if not t[8] then corrupt(id, 'handler', t[8]) end
+  if not (t[6] and int_field(t[6])) then corrupt(id, 'deadline_ms', t[6]) end
   local v = (tonumber(t[3]) or 0) + 1
   local sets = {'HSET', tk, 'version', int_s(v), 'updated_ms', NOW_S}
   local dels = {'HDEL', tk, 'owner'}

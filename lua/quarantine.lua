@@ -13,6 +13,7 @@
 daemon_only()
 local tk = KEYS[2]
 local id = ARGV[1]
+task_key_of(2, id)
 if redis.call('EXISTS', tk) == 0 then
   redis.call('ZREM', P .. 'quarantine', id)
   unschedule(id)

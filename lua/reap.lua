@@ -22,6 +22,7 @@
 daemon_only()
 local limit = int_arg(ARGV[1], 'limit', 1, 10000)
 local max_reclaims = int_arg(ARGV[2], 'max_reclaims', 0)
+settings()
 local leases = P .. 'leases'
 local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', NOW, 'LIMIT', 0, limit)
 local out = {0}

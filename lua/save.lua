@@ -28,4 +28,5 @@
 -- Invariant: a rejected save writes nothing; a saved one releases the lease.
 
 daemon_only()
+settings()
 return save_one(2, ARGV, 0, #ARGV)

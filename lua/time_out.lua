@@ -15,6 +15,7 @@
 
 daemon_only()
 local limit = int_arg(ARGV[1], 'limit', 1, 10000)
+settings()
 ingest(1000, true)
 local deadlines = P .. 'deadlines'
 local leases = P .. 'leases'

@@ -25,7 +25,10 @@
 
 daemon_only()
 local fence, token = ARGV[2], ARGV[3]
+task_key_of(2, ARGV[1])
 if token == '' then error('asynctaskd: withdraw needs the token of the start') end
+int_arg(ARGV[4], 'delay_ms', 0, 316224000000)
+settings()
 local t = redis.call('HMGET', KEYS[2], 'status', 'fence', 'version', 'started_fence',
                      'started_by')
 if not t[1] then return {-1} end
