@@ -24,6 +24,7 @@ import redis.asyncio
 import redis.exceptions
 
 from asynctaskd import AsyncClient
+from asynctaskd.keys import SETTINGS as KEY_SETTINGS
 from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.model import Status
 from asynctaskd.scripts import SCRIPT_NAMES
@@ -625,3 +626,42 @@ async def test_limits_checks_its_version_key_before_writing(
     entry = '{"source": "runtime", "buckets": {"submit:tenant:t6": "1 1"}}'
     call = store.ops.limits("set", [("tenant:t6", entry)])
     await _raises_and_writes_nothing(store, redis_client, call, "version is not an integer")
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"retention_ms": 0}, "setting retention_ms must be an integer from 1 to"),
+        ({"expiry_grace_ms": -1}, "setting expiry_grace_ms must be an integer from 0 to"),
+        ({"events_maxlen": 2.5}, "setting events_maxlen must be an integer"),
+        ({"events_maxlen": "1000"}, "setting events_maxlen must be an integer"),
+        ({"retention": 1000}, "unknown setting 'retention'"),
+    ],
+)
+async def test_settings_are_checked_where_they_are_written(
+    redis_client: redis.asyncio.Redis, keys: Keys, settings: dict[str, Any], message: str
+) -> None:
+    """A Store writes its settings to every shard (prepare()): one the scripts would
+    refuse fails when the Store is made, and nothing is written."""
+    with pytest.raises(ValueError, match=message):
+        Store(redis_client, keys, settings)
+    assert await redis_client.dbsize() == 0
+
+
+@pytest.mark.parametrize("end", [0, 1])
+async def test_the_scripts_take_every_setting_a_store_may_write(
+    redis_client: redis.asyncio.Redis, keys: Keys, end: int
+) -> None:
+    """keys.SETTINGS and settings() in the prelude agree: each bound a Store writes, a
+    script that finishes a task and writes its event takes."""
+    store = Store(redis_client, keys, {name: r[end] for name, r in KEY_SETTINGS.items()})
+    await store.prepare()
+    created = await create(store)
+    await store.cancel(created.task_id)
+    await store.time_out(0, 10)  # carries the cancel out: finish() and emit()
+    events = await redis_client.xrange(keys.events(0))
+    assert events[-1][1][b"task"] == created.task_id.encode()
+    assert events[-1][1][b"status"] == b"CANCELED"
+    ttl = await redis_client.pttl(keys.task(0, created.task_id))  # -2: the 1 ms went by
+    expiry = KEY_SETTINGS["retention_ms"][end] + KEY_SETTINGS["expiry_grace_ms"][end]
+    assert expiry - 5000 < ttl <= expiry or (end == 0 and ttl in (-2, 0, 1))
