@@ -3,7 +3,7 @@
 -- The loader puts this after the prelude for the scripts that need it. save_one(k, A, o, n)
 -- is the save of the task whose key is KEYS[k], given A[o + 1] .. A[o + n] as save's ARGV
 -- (save.lua states the contract). It returns save's reply, and raises on bad arguments or
--- a corrupt hash, before anything is written.
+-- a corrupt hash, before anything is written. The caller calls settings() first.
 
 -- The longest delay a save accepts: 10 years, as the client's longest delay. NOW + delay_ms
 -- then stays an integer that a double holds exactly and int_s writes as digits; a larger

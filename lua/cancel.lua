@@ -15,6 +15,7 @@
 -- (PENDING_SUBMIT, SUBMIT_UNKNOWN) becomes CANCELED at once; a held one gets the cancel
 -- flag, recorded with cancel_version so the holder's next save merges it instead of
 -- failing; an idle SUBMITTED/RUNNING task becomes due at once.
+-- Raises before writing on bad ARGV (KEYS[2] must be the key of task_id).
 -- Invariants: writes only with commands that add (RPUSH intake, LPUSH wake); a cancel
 -- that was already requested, or of a finished task, adds nothing.
 

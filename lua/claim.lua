@@ -29,6 +29,8 @@
 -- a task in a rate lane is claimed only against a grant, else it waits in its lane. Grants
 -- are served first, from the lanes' held sets in ready order. At most 1000 tasks are set
 -- aside per call, so the work is bounded and a blocked group never stalls the others.
+-- Bad ARGV or settings raise before anything is written (the intake too); a task it
+-- cannot read is quarantined, never a reason to raise.
 -- Invariants: a task is claimed only if its status belongs to the phase, it is not
 -- leased, and its deadline has not passed; a past deadline times the task out here
 -- instead (no vendor call after the deadline); a canceled PENDING_SUBMIT task becomes

@@ -20,6 +20,7 @@
 --
 -- Returns {version, changed, kept, ...}: the version after the call, how many scopes
 -- changed, and the scopes a runtime entry kept (mode config).
+-- Every pair, and the version key (INCRed last), are checked before anything is written.
 -- Invariants: rates holds the buckets of every stored entry: a change of a scope replaces
 -- that scope's buckets in the same call, so the buckets the take script reads match the
 -- stored limits; version moves only when something changed; a call's work is bounded by

@@ -16,6 +16,7 @@
 --   deadline passed (and no started submit) -> TRACKING_TIMED_OUT
 --   anything else (hash gone, terminal, parked) -> the stray lease entry is removed
 --   counters that are not integers -> the task is quarantined (never a half-done write)
+-- Bad ARGV or settings raise before anything is written.
 -- Invariant: after the script, no task in the lease index has an expired lease among
 -- those it looked at.
 

@@ -3,7 +3,8 @@
 -- KEYS[1] prefix   string  <ns>:{s<N>}:  shard prefix
 -- KEYS[2] task     hash    <ns>:{s<N>}:task:<id>
 -- ARGV[1] task_id
--- ARGV[2] target           SUBMITTED, PENDING_SUBMIT, FAILED or CANCELED
+-- ARGV[2] target           SUBMITTED, PENDING_SUBMIT, FAILED or CANCELED (not a status:
+--                          an error)
 -- ARGV[3] external_id      for SUBMITTED: the vendor job id found at the vendor
 -- ARGV[4] handle           for SUBMITTED: JSON handle {"external_id": ..., "query": {...}}
 -- ARGV[5] message          operator's note, stored as error_message for FAILED/CANCELED
@@ -17,6 +18,8 @@
 -- (requeue: a new attempt with a fresh deadline of the original tracking timeout).
 -- A knowing resubmit of a task whose cancel was requested ends CANCELED instead: the
 -- producer asked for it to stop, and nothing new has reached the vendor.
+-- Raises before writing on bad ARGV (KEYS[2] must be the key of task_id), bad settings,
+-- or a task whose version is not an integer or that has no handler.
 
 operator_only()
 local tk = KEYS[2]

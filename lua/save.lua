@@ -25,6 +25,8 @@
 --     merged cancel turns PENDING_SUBMIT into CANCELED and makes SUBMITTED/RUNNING due
 --     at once, so a worker calls the vendor's cancel and saves CANCELED.
 --   * A non-terminal outcome after the deadline becomes TRACKING_TIMED_OUT (data kept).
+-- Raises before writing on bad ARGV (KEYS[2] must be the key of task_id), bad settings,
+-- or a task whose version or deadline_ms is not an integer or that has no handler.
 -- Invariant: a rejected save writes nothing; a saved one releases the lease.
 
 daemon_only()

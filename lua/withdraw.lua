@@ -21,7 +21,8 @@
 -- checked: the reply that carried it may be the one that was lost.
 -- Invariant: a mark is taken back only by the start that made it, so a fence handed out
 -- twice (a claim lost with a failed-over master, then claimed again) cannot take back the
--- mark of a submit that may have reached the vendor. A rejected withdraw writes nothing.
+-- mark of a submit that may have reached the vendor. A rejected withdraw writes nothing;
+-- it raises before writing as save does.
 
 daemon_only()
 local fence, token = ARGV[2], ARGV[3]
