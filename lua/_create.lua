@@ -32,7 +32,9 @@ local function create_one(k, A, o, n)
   local tk = KEYS[k]
   local id = A[o + 1]
   local handler = A[o + 2]
-  task_key_of(k, id)
+  if KEYS[k] ~= P .. 'task:' .. id then
+    error('asynctaskd: KEYS[' .. k .. '] is not the key of task ' .. id)
+  end
   check_name(handler, 'handler', false)
   check_name(A[o + 3], 'provider', true)
   check_name(A[o + 4], 'tenant', true)

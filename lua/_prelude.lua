@@ -41,33 +41,25 @@ local function task_key(id) return P .. 'task:' .. id end
 local function daemon_only() redis.call('HDEL', P .. 'role:daemon', '') end
 local function operator_only() redis.call('HDEL', P .. 'role:operator', '') end
 
--- An integer argument: canonical decimal text (an optional '-', then digits, no
--- spaces, exponent or hex) of at most 15 digits, so a double holds it and what int_s
--- writes back exactly, within [lo, hi] where given.
+-- An integer argument within [lo, hi] (hi: 2^53 - 1 if not given, so a double holds it
+-- and what int_s writes back exactly; this also refuses inf). `n % 1 ~= 0` is true for a
+-- fraction and for NaN. Other spellings Lua's tonumber reads as that integer ('1e3',
+-- '0x10') are that integer: every script writes the number, never the argument's text.
 local function int_arg(v, name, lo, hi)
-  local n = type(v) == 'string' and #v <= 16 and string.find(v, '^%-?%d+$') and tonumber(v)
-  if not n or (lo and n < lo) or (hi and n > hi) then
+  local n = tonumber(v)
+  if not n or n % 1 ~= 0 or (lo and n < lo) or n > (hi or 9007199254740991) then
     error('asynctaskd: ARGV ' .. name .. ' must be an integer'
-          .. (lo and (' >= ' .. lo) or '') .. (hi and (' <= ' .. hi) or '')
+          .. (lo and (' >= ' .. lo) or '') .. ' <= ' .. (hi or '2^53 - 1')
           .. ', got ' .. tostring(v))
   end
   return n
 end
 
--- A task field the script depends on is not what the scripts write: raise, naming the
--- task and the field, before anything is written (docs/protocol.md section 6).
-local function corrupt(id, field, v)
-  error('asynctaskd: task ' .. tostring(id) .. ' field ' .. field .. ' is corrupt: '
-        .. tostring(v))
-end
-
--- KEYS[k] must be the hash of the task ARGV names, or its writes and its index entries
--- would be about two different tasks.
-local function task_key_of(k, id)
-  if id == '' or KEYS[k] ~= P .. 'task:' .. id then
-    error('asynctaskd: KEYS[' .. k .. '] is not the key of task ' .. tostring(id))
-  end
-end
+-- A script whose KEYS name a task and whose ARGV its id checks that they agree (or its
+-- writes and its index entries would be about two different tasks), and raises
+-- 'asynctaskd: task <id> field <field> is corrupt' for a task field it depends on that
+-- is not what the scripts write, before anything is written. Both are written out where
+-- needed: a helper function here would cost every script call a closure.
 
 -- A stored counter a script may increment: absent (false), or an integer as Redis itself
 -- writes one (no leading zeros, no "-0") with at most 15 digits, so HINCRBY takes it and
@@ -92,32 +84,41 @@ local function unschedule(id)
 end
 
 
--- Settings (docs/protocol.md section 9): a script that can write an event or finish a
--- task calls settings() before its first write; one HMGET reads and checks all three, so
--- a bad value raises before anything is written, never from emit() or finish() half-way.
-local SETTINGS_MAX = 316224000000  -- 10 years, as the longest delay
+-- Settings (docs/protocol.md section 9). A script calls settings() before its first
+-- write, so a bad value raises before anything is written, never from emit() or finish()
+-- half-way: settings() reads and checks all three in one HMGET (a script that may finish
+-- a task), settings(true) only events_maxlen in one HGET (one that may write an event
+-- but finishes no task: most saves). Absent fields take their defaults, kept as text.
 local EVENTS_MAXLEN, EXPIRY_MS = nil, nil
-local function setting_int(v, name, default, lo, hi)
-  if not v then return default end
-  local n = #v <= 15 and string.find(v, '^%d+$') and tonumber(v)
-  if not n or n < lo or n > hi then
-    error('asynctaskd: settings ' .. name .. ' must be an integer from ' .. lo .. ' to '
-          .. hi .. ', got ' .. v)
+local function settings(events_only)
+  if EXPIRY_MS or (events_only and EVENTS_MAXLEN) then return end
+  local s
+  if events_only then
+    s = {false, false, redis.call('HGET', P .. 'settings', 'events_maxlen')}
+  else
+    s = redis.call('HMGET', P .. 'settings', 'retention_ms', 'expiry_grace_ms', 'events_maxlen')
   end
-  return n
-end
-local function settings()
-  if EXPIRY_MS then return end
-  local s = redis.call('HMGET', P .. 'settings', 'retention_ms', 'expiry_grace_ms',
-                       'events_maxlen')
-  local retention = setting_int(s[1], 'retention_ms', 604800000, 1, SETTINGS_MAX)
-  local grace = setting_int(s[2], 'expiry_grace_ms', 86400000, 0, SETTINGS_MAX)
-  EVENTS_MAXLEN = int_s(setting_int(s[3], 'events_maxlen', 100000, 1, 1000000000))
-  EXPIRY_MS = int_s(retention + grace)
+  local n = s[3] and tonumber(s[3])
+  if s[3] and not (n and n % 1 == 0 and n >= 1 and n <= 1000000000) then
+    error('asynctaskd: settings events_maxlen must be an integer from 1 to 1000000000, got '
+          .. s[3])
+  end
+  EVENTS_MAXLEN = n and int_s(n) or '100000'
+  if events_only then return end
+  local r, g = tonumber(s[1] or 604800000), tonumber(s[2] or 86400000)
+  if not (r and r % 1 == 0 and r >= 1 and r <= 316224000000) then
+    error('asynctaskd: settings retention_ms must be an integer from 1 to 316224000000, got '
+          .. s[1])
+  end
+  if not (g and g % 1 == 0 and g >= 0 and g <= 316224000000) then
+    error('asynctaskd: settings expiry_grace_ms must be an integer from 0 to 316224000000, got '
+          .. s[2])
+  end
+  EXPIRY_MS = (s[1] or s[2]) and int_s(r + g) or '691200000'
 end
 
 local function emit(id, status, version, extra)
-  if not EVENTS_MAXLEN then settings() end
+  if not EVENTS_MAXLEN then settings(true) end
   local args = {'XADD', P .. 'events', 'MAXLEN', '~', EVENTS_MAXLEN, '*',
                 'task', id, 'status', status, 'version', int_s(version)}
   if extra then

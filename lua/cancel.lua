@@ -21,7 +21,9 @@
 
 local tk = KEYS[2]
 local id = ARGV[1]
-task_key_of(2, id)
+if KEYS[2] ~= P .. 'task:' .. id then
+  error('asynctaskd: KEYS[2] is not the key of task ' .. id)
+end
 if ARGV[2] ~= '0' and ARGV[2] ~= '1' then
   error("asynctaskd: ARGV check_tenant must be '0' or '1', got " .. tostring(ARGV[2]))
 end

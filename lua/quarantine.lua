@@ -14,7 +14,9 @@
 daemon_only()
 local tk = KEYS[2]
 local id = ARGV[1]
-task_key_of(2, id)
+if KEYS[2] ~= P .. 'task:' .. id then
+  error('asynctaskd: KEYS[2] is not the key of task ' .. id)
+end
 if redis.call('EXISTS', tk) == 0 then
   redis.call('ZREM', P .. 'quarantine', id)
   unschedule(id)

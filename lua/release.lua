@@ -30,8 +30,12 @@ for i = 1, #ARGV, 3 do
   local t = redis.call('HMGET', task_key(id), 'status', 'fence', 'version', 'idempotent',
                        'started_fence', 'handler', 'priority')
   if t[1] and t[2] == ARGV[i + 1] and PHASE[t[1]] then
-    if not int_field(t[3]) then corrupt(id, 'version', t[3]) end
-    if not t[6] then corrupt(id, 'handler', t[6]) end
+    if not int_field(t[3]) then
+      error('asynctaskd: task ' .. id .. ' field version is corrupt: ' .. tostring(t[3]))
+    end
+    if not t[6] then
+      error('asynctaskd: task ' .. id .. ' field handler is corrupt: ' .. tostring(t[6]))
+    end
   end
   read[i] = t
 end

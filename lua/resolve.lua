@@ -25,7 +25,9 @@ operator_only()
 local tk = KEYS[2]
 local id = ARGV[1]
 local target = ARGV[2]
-task_key_of(2, id)
+if KEYS[2] ~= P .. 'task:' .. id then
+  error('asynctaskd: KEYS[2] is not the key of task ' .. id)
+end
 if not KNOWN[target] then error('asynctaskd: ARGV target is not a status: ' .. tostring(target)) end
 local t = redis.call('HMGET', tk, 'status', 'handler', 'priority', 'deadline_ms', 'timeout_ms',
                      'cancel_requested', 'version')
@@ -35,8 +37,12 @@ if not legal(status, target, 'O') then return {-7, status} end
 if target == 'SUBMITTED' and (ARGV[3] == '' or ARGV[4] == '') then
   error('asynctaskd: resolving as SUBMITTED needs the external id and the handle')
 end
-if not int_field(t[7]) then corrupt(id, 'version', t[7]) end
-if not handler then corrupt(id, 'handler', handler) end
+if not int_field(t[7]) then
+  error('asynctaskd: task ' .. id .. ' field version is corrupt: ' .. tostring(t[7]))
+end
+if not handler then
+  error('asynctaskd: task ' .. id .. ' field handler is corrupt: ' .. tostring(handler))
+end
 settings()
 
 if target == 'PENDING_SUBMIT' and status == 'SUBMIT_UNKNOWN' and t[6] == '1' then

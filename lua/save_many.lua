@@ -14,5 +14,4 @@
 -- sees the earlier one), under one NOW; a rejected save writes nothing.
 
 daemon_only()
-settings()
 return run_many(save_one, 'save_many', 1)

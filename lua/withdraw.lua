@@ -26,10 +26,11 @@
 
 daemon_only()
 local fence, token = ARGV[2], ARGV[3]
-task_key_of(2, ARGV[1])
+if KEYS[2] ~= P .. 'task:' .. ARGV[1] then
+  error('asynctaskd: KEYS[2] is not the key of task ' .. ARGV[1])
+end
 if token == '' then error('asynctaskd: withdraw needs the token of the start') end
 int_arg(ARGV[4], 'delay_ms', 0, 316224000000)
-settings()
 local t = redis.call('HMGET', KEYS[2], 'status', 'fence', 'version', 'started_fence',
                      'started_by')
 if not t[1] then return {-1} end

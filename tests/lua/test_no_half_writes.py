@@ -34,6 +34,8 @@ from tests.lua.helpers import claim_one, create, ingest, submitted
 pytestmark = pytest.mark.anyio
 
 # What goes in place of a value: each is wrong for a number, a status, a mode or a key.
+# (Other spellings of an integer, '1e3' or '0x10', are that integer to the scripts, as
+# Lua's tonumber reads them: not a corruption. What they write is the number.)
 CORRUPT: dict[str, str] = {
     "text": "x!y",
     "empty": "",
@@ -41,8 +43,7 @@ CORRUPT: dict[str, str] = {
     "fraction": "1.5",
     "huge": "1" + "0" * 20,
     "inf": "inf",
-    "exponent": "1e3",
-    "hex": "0x10",
+    "nan": "nan",
 }
 # Settings also must not be 0 (retention_ms, events_maxlen: a 0 expiry deletes the hash).
 SETTINGS: dict[str, str] = {"retention_ms": "86400000", "expiry_grace_ms": "3600000",
@@ -52,11 +53,17 @@ SETTINGS_CORRUPT: dict[str, dict[str, str]] = {
     "expiry_grace_ms": {**CORRUPT, "over": "316224000001"},
     "events_maxlen": {**CORRUPT, "zero": "0", "over": "1000000001"},
 }
-# The scripts that can write an event or finish a task: they read and check `settings`.
-USES_SETTINGS = {"claim", "time_out", "reap", "release", "resolve", "save", "save_many",
-                 "withdraw"}  # fmt: skip
+# The settings each scenario's call uses: the scripts that can write an event or finish a
+# task read and check them before writing (a save that only writes an event, as the
+# withdraw here, reads events_maxlen alone; the saves here finish their task).
+ALL_SETTINGS = frozenset(SETTINGS)
+USES_SETTINGS: dict[str, frozenset[str]] = {
+    **dict.fromkeys(("claim", "time_out", "reap", "release", "resolve", "save", "save_many"),
+                    ALL_SETTINGS),
+    "withdraw": frozenset({"events_maxlen"}),
+}  # fmt: skip
 
-NAME_LIKE = {"negative", "fraction", "huge", "inf", "exponent", "hex"}  # valid names/tokens
+NAME_LIKE = {"negative", "fraction", "huge", "inf", "nan"}  # valid names and tokens
 
 
 def _all(outcome: str, **but: str) -> dict[str, str]:
@@ -124,7 +131,7 @@ TASK_FIELDS: dict[str, list[tuple[str, str | None, str]]] = {
               ("version", "1.5", "matching"), ("submit_attempts", "x", "raise")],
     "save": [("version", "x", "unchanged"), ("version", "x", "matching"),
              ("handler", None, "raise"), ("deadline_ms", "x", "raise"),
-             ("deadline_ms", None, "raise")],
+             ("deadline_ms", "nan", "raise"), ("deadline_ms", None, "raise")],
     "withdraw": [("version", "x", "raise"), ("handler", None, "raise"),
                  ("deadline_ms", "soon", "raise")],
     "release": [("version", "x", "raise"), ("version", "99999999999999999", "raise"),
@@ -217,7 +224,7 @@ async def _save_call(store: Store, keys: Keys) -> tuple[Call[Any], str]:
     lease = await _started(store)
     started = await store.run(store.ops.start(lease, False, "tok"))
     lease = Lease(lease.task_id, lease.fence, started.version)
-    call = store.ops.save(lease, Status.SUBMITTED, fields={"external_id": "x1"})
+    call = store.ops.save(lease, Status.FAILED, fields={"error_code": "E"})
     return call, keys.task(0, lease.task_id)
 
 
@@ -480,8 +487,8 @@ async def test_a_corrupt_argv_writes_nothing(
 async def test_corrupt_settings_write_nothing(
     store: Store, redis_client: redis.asyncio.Redis, keys: Keys, script: str
 ) -> None:
-    """A script that uses settings raises on a bad one before writing; the others do not
-    read them, and their call still goes through."""
+    """A script raises on a bad setting it uses before writing; a setting it does not use
+    it does not read, and its call still goes through."""
     r = redis_client
     ran = 0
     for field, values in SETTINGS_CORRUPT.items():
@@ -489,7 +496,7 @@ async def test_corrupt_settings_write_nothing(
             scenario = await reseed(store, r, keys, script)
             await r.hset(keys.tag(0) + ":settings", field, value)
             args = _args(scenario.call)
-            if script in USES_SETTINGS:
+            if field in USES_SETTINGS.get(script, ()):
                 what = f"settings {field}={value!r} ({kind})"
                 await check_refused(store, r, script, scenario.call, args, "raise", what)
             else:
@@ -665,3 +672,18 @@ async def test_the_scripts_take_every_setting_a_store_may_write(
     ttl = await redis_client.pttl(keys.task(0, created.task_id))  # -2: the 1 ms went by
     expiry = KEY_SETTINGS["retention_ms"][end] + KEY_SETTINGS["expiry_grace_ms"][end]
     assert expiry - 5000 < ttl <= expiry or (end == 0 and ttl in (-2, 0, 1))
+
+
+async def test_a_save_that_finishes_nothing_reads_only_events_maxlen(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    """Most saves write an event and finish nothing: they read events_maxlen alone (one
+    HGET), so a bad retention does not stop them, and a bad events_maxlen does, before
+    anything is written."""
+    call, _ = await _save_call(store, keys)
+    call = store.ops.save(Lease(*call.args[:3]), Status.SUBMITTED, fields={"external_id": "x"})
+    settings_key = keys.tag(0) + ":settings"
+    await redis_client.hset(settings_key, mapping={"retention_ms": "soon", "events_maxlen": "-1"})
+    await _raises_and_writes_nothing(store, redis_client, call, "settings events_maxlen")
+    await redis_client.hdel(settings_key, "events_maxlen")
+    assert (await store.run(call)).code is Code.OK
