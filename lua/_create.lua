@@ -19,14 +19,6 @@ local function request_fields(packed)
   return f
 end
 
--- A handler, provider, tenant or account name: what lua/_intake.lua takes in
--- (keys.HANDLER_KEY_RE, at most 64 characters); '' stands for none where allowed.
-local function check_name(v, name, optional)
-  if (optional and v == '') or (#v <= 64 and string.find(v, '^[%w_.:%-]+$')) then return end
-  error('asynctaskd: ARGV ' .. name .. ' must be 1-64 of [A-Za-z0-9_.:-]'
-        .. (optional and " or ''" or '') .. ', got ' .. tostring(v))
-end
-
 local function create_one(k, A, o, n)
   if n ~= 12 then error('asynctaskd: create takes 12 arguments, got ' .. n) end
   local tk = KEYS[k]
@@ -35,20 +27,27 @@ local function create_one(k, A, o, n)
   if KEYS[k] ~= P .. 'task:' .. id then
     error('asynctaskd: KEYS[' .. k .. '] is not the key of task ' .. id)
   end
-  check_name(handler, 'handler', false)
-  check_name(A[o + 3], 'provider', true)
-  check_name(A[o + 4], 'tenant', true)
-  check_name(A[o + 5], 'account', true)
+  -- handler, provider, tenant, account: names as lua/_intake.lua takes them in
+  -- (keys.HANDLER_KEY_RE, at most 64 characters); '' is none, except for the handler
+  for i = 2, 5 do
+    local v = A[o + i]
+    if (v ~= '' or i == 2) and not (#v <= 64 and string.find(v, '^[%w_.:%-]+$')) then
+      error('asynctaskd: ARGV ' .. ({'handler', 'provider', 'tenant', 'account'})[i - 1]
+            .. ' must be 1-64 of [A-Za-z0-9_.:-], got ' .. v)
+    end
+  end
   local priority = int_arg(A[o + 6], 'priority', -100, 100)
   local delay_ms = int_arg(A[o + 7], 'delay_ms', 0, 316224000000)
   local not_before_ms = int_arg(A[o + 8], 'not_before_ms', 0, 9007199254740)
   local timeout_ms = int_arg(A[o + 9], 'timeout_ms', 1, 316224000000)
   local dedup_key = A[o + 12]
   local dedup = nil
-  if dedup_key ~= '' then dedup = #A[o + 4] .. ':' .. A[o + 4] .. ':' .. dedup_key end
-  if KEYS[k + 1] ~= P .. 'dedup:' .. (dedup or '-') then
-    error('asynctaskd: KEYS[' .. (k + 1) .. '] is not the dedup key of tenant '
-          .. A[o + 4] .. ' and dedup_key ' .. dedup_key)
+  if dedup_key ~= '' then  -- without one, KEYS[k + 1] is neither read nor written
+    dedup = #A[o + 4] .. ':' .. A[o + 4] .. ':' .. dedup_key
+    if KEYS[k + 1] ~= P .. 'dedup:' .. dedup then
+      error('asynctaskd: KEYS[' .. (k + 1) .. '] is not the dedup key of tenant '
+            .. A[o + 4] .. ' and dedup_key ' .. dedup_key)
+    end
   end
   local nk = P .. 'new:' .. id
 

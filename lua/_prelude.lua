@@ -92,16 +92,16 @@ end
 local EVENTS_MAXLEN, EXPIRY_MS = nil, nil
 local function settings(events_only)
   if EXPIRY_MS or (events_only and EVENTS_MAXLEN) then return end
-  local s
+  local s, m
   if events_only then
-    s = {false, false, redis.call('HGET', P .. 'settings', 'events_maxlen')}
+    m = redis.call('HGET', P .. 'settings', 'events_maxlen')
   else
     s = redis.call('HMGET', P .. 'settings', 'retention_ms', 'expiry_grace_ms', 'events_maxlen')
+    m = s[3]
   end
-  local n = s[3] and tonumber(s[3])
-  if s[3] and not (n and n % 1 == 0 and n >= 1 and n <= 1000000000) then
-    error('asynctaskd: settings events_maxlen must be an integer from 1 to 1000000000, got '
-          .. s[3])
+  local n = m and tonumber(m)
+  if m and not (n and n % 1 == 0 and n >= 1 and n <= 1000000000) then
+    error('asynctaskd: settings events_maxlen must be an integer from 1 to 1000000000, got ' .. m)
   end
   EVENTS_MAXLEN = n and int_s(n) or '100000'
   if events_only then return end

@@ -50,7 +50,8 @@ local function save_one(k, A, o, n)
     if want == 'PENDING_SUBMIT' then final = 'CANCELED' end
     if want == 'SUBMITTED' or want == 'RUNNING' then delay_ms = 0 end
   end
-  if not TERMINAL[final] and final ~= 'SUBMIT_UNKNOWN' and (tonumber(t[6]) or 0) <= NOW then
+  local deadline = tonumber(t[6])
+  if not TERMINAL[final] and final ~= 'SUBMIT_UNKNOWN' and (deadline or 0) <= NOW then
     final = 'TRACKING_TIMED_OUT'
   end
 
@@ -64,7 +65,6 @@ local function save_one(k, A, o, n)
   if not t[8] then
     error('asynctaskd: task ' .. id .. ' field handler is corrupt: ' .. tostring(t[8]))
   end
-  local deadline = tonumber(t[6])
   if not deadline or deadline % 1 ~= 0 then
     error('asynctaskd: task ' .. id .. ' field deadline_ms is corrupt: ' .. tostring(t[6]))
   end
@@ -113,7 +113,7 @@ local function save_one(k, A, o, n)
     else
       schedule(id, PHASE[final], NOW + delay_ms, tonumber(t[9]) or 0)
       if old == 'SUBMIT_UNKNOWN' then
-        redis.call('ZADD', P .. 'deadlines', tonumber(t[6]) or NOW, id)
+        redis.call('ZADD', P .. 'deadlines', deadline, id)
       end
       if delay_ms == 0 then wake() end
     end

@@ -17,7 +17,7 @@
 -- ARGV[9] timeout_ms       tracking timeout, integer > 0; deadline = created + timeout
 -- ARGV[10] params          JSON text
 -- ARGV[11] metadata        JSON text, '' for none
--- ARGV[12] dedup_key       '' for none; KEYS[3] must be the dedup key of ARGV[4] and this
+-- ARGV[12] dedup_key       '' for none; else KEYS[3] must be the dedup key of ARGV[4] and this
 --
 -- Returns {1, version, created_ms, due_ms} created (a resend of the same create, same id
 -- and content, gets the first one's reply: whatever a client retries, one task), or

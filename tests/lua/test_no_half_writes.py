@@ -86,6 +86,7 @@ ARGV_OUTCOMES: dict[str, dict[str, dict[str, str]]] = {
         "priority": {"negative": "accepted"},
         "params": _all("accepted"),  # opaque JSON text, not parsed (docs/protocol.md)
         "metadata": _all("accepted"),
+        "dedup_key": {"empty": "accepted"},  # no dedup key: KEYS[3] is not used
     },
     "claim": {"owner": _names("accepted", "raise") | {"text": "accepted"}},
     "start": {"fence": _all("unchanged"), "version": _all("unchanged"), "token": _all("accepted")},
