@@ -14,7 +14,7 @@ writes (run on a fresh keyspace, and it must not raise).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,7 @@ from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.model import Status
 from asynctaskd.scripts import SCRIPT_NAMES
 from asynctaskd.store import Call, Code, Lease, Store
+from tests.acl import USERS, create_user, user_url
 from tests.lua.helpers import claim_one, create, ingest, submitted
 
 pytestmark = pytest.mark.anyio
@@ -401,9 +402,12 @@ def refusal(script: str, reply: Any) -> str | None:
     return None
 
 
-async def outcome(store: Store, r: redis.asyncio.Redis, call: Call[Any], args: list[Any]) -> Any:
+async def outcome(
+    store: Store, r: redis.asyncio.Redis, call: Call[Any], args: list[Any],
+    caller: redis.asyncio.Redis | None = None,
+) -> Any:  # fmt: skip
     try:
-        return await call_raw(store, r, call, args)
+        return await call_raw(store, caller or r, call, args)
     except redis.exceptions.ResponseError as exc:
         return exc
 
@@ -414,10 +418,10 @@ def wrote(before: dict[Any, Any], after: dict[Any, Any]) -> list[bytes]:
 
 async def check_refused(
     store: Store, r: redis.asyncio.Redis, script: str, call: Call[Any], args: list[Any],
-    expect: str, what: str,
+    expect: str, what: str, caller: redis.asyncio.Redis | None = None,
 ) -> None:  # fmt: skip
     before = await keyspace(r)
-    reply = await outcome(store, r, call, args)
+    reply = await outcome(store, r, call, args, caller)
     changed = wrote(before, await keyspace(r))
     assert changed == [], f"{script} {what}: replied {reply!r} and wrote {changed}"
     if expect == "raise":
@@ -429,10 +433,11 @@ async def check_refused(
 
 
 async def baseline(
-    store: Store, r: redis.asyncio.Redis, script: str, call: Call[Any], args: list[Any]
-) -> None:
+    store: Store, r: redis.asyncio.Redis, script: str, call: Call[Any], args: list[Any],
+    caller: redis.asyncio.Redis | None = None,
+) -> None:  # fmt: skip
     before = await keyspace(r)
-    reply = await outcome(store, r, call, args)
+    reply = await outcome(store, r, call, args, caller)
     assert not isinstance(reply, Exception) and refusal(script, reply) is None, (
         f"{script}: the baseline call failed: {reply!r}"
     )
@@ -448,11 +453,44 @@ def _args(call: Call[Any]) -> list[Any]:
 # --- the tests ----------------------------------------------------------------------------
 
 
+PRODUCER_SCRIPTS = {"create", "create_many", "cancel", "quota"}
+OPERATOR_SCRIPTS = {"resolve", "purge", "pause", "resume", "limits"}  # limits: mode set
+
+
+@pytest.fixture
+async def as_role(
+    redis_client: redis.asyncio.Redis, redis_url: str
+) -> AsyncIterator[dict[str, redis.asyncio.Redis]]:
+    """A connection per ACL user of docs/security.md, by the scripts it runs."""
+    for name in USERS:
+        await create_user(redis_client, name, f"{name}-pw")
+    conns = {name: redis.asyncio.Redis.from_url(user_url(redis_url, name, f"{name}-pw"))
+             for name in USERS}  # fmt: skip
+    try:
+        yield conns
+    finally:
+        for conn in conns.values():
+            await conn.aclose()
+        for name in USERS:
+            await redis_client.execute_command("ACL", "DELUSER", name)
+
+
+def role(script: str) -> str:
+    if script in PRODUCER_SCRIPTS:
+        return "asynctaskd-producer"
+    return "asynctaskd-operator" if script in OPERATOR_SCRIPTS else "asynctaskd"
+
+
 @pytest.mark.parametrize("script", SCRIPT_NAMES)
 async def test_a_corrupt_argv_writes_nothing(
-    store: Store, redis_client: redis.asyncio.Redis, keys: Keys, script: str
-) -> None:
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys, script: str,
+    as_role: dict[str, redis.asyncio.Redis],
+) -> None:  # fmt: skip
+    """Each call runs as the ACL user whose role the script is (docs/security.md)."""
     r = redis_client
+    caller = as_role[role(script)]
+    with pytest.raises(redis.exceptions.NoPermissionError):  # not the default user
+        await caller.acl_whoami()
     scenario = await reseed(store, r, keys, script)
     call, names = scenario.call, scenario.names
     args = _args(call)
@@ -470,15 +508,16 @@ async def test_a_corrupt_argv_writes_nothing(
                 accepted.append((i, kind))
                 continue
             bad = [*args[:i], value, *args[i + 1 :]]
-            await check_refused(store, r, script, call, bad, expect, f"ARGV {name}={value!r}")
+            what = f"ARGV {name}={value!r}"
+            await check_refused(store, r, script, call, bad, expect, what, caller)
             ran += 1
     assert ran > 0
-    await baseline(store, r, script, call, args)
+    await baseline(store, r, script, call, args, caller)
     # what the table calls accepted is taken: the call does not raise
     for i, kind in accepted:
         scenario = await reseed(store, r, keys, script)
         bad = [*_args(scenario.call)[:i], CORRUPT[kind], *_args(scenario.call)[i + 1 :]]
-        reply = await outcome(store, r, scenario.call, bad)
+        reply = await outcome(store, r, scenario.call, bad, caller)
         assert refusal(script, reply) is None and not isinstance(reply, Exception), (
             f"{script}: ARGV {names[i]}={CORRUPT[kind]!r} is listed as accepted, got {reply!r}"
         )
