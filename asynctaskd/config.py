@@ -15,7 +15,7 @@ import msgspec.toml
 
 from .connection import SCHEMES, TlsOptions, connection_problems
 from .errors import ConfigError
-from .keys import HANDLER_KEY_RE
+from .keys import HANDLER_KEY_RE, SETTINGS
 
 __all__ = [
     "Config",
@@ -366,6 +366,14 @@ def _check(config: Config, text: str) -> Iterator[tuple[list[str], str]]:
         yield (
             ["$.retry.first_error_delay", "$.retry.max_error_delay"],
             f"{float(first):g}s must not exceed retry.max_error_delay ({float(most):g}s)",
+        )
+    # the daemons write it to each shard's settings as retention_ms (docs/protocol.md)
+    retention_ms, (lo, hi) = round(float(config.reaper.retention) * 1000), SETTINGS["retention_ms"]
+    if not lo <= retention_ms <= hi:
+        yield (
+            ["$.reaper.retention"],
+            f"must be from 1ms to {hi // 86_400_000}d (10 years), "
+            f"got {float(config.reaper.retention):g}s",
         )
     try:
         parse_listen(config.metrics.listen)

@@ -15,9 +15,11 @@ from .model import Phase, Status
 __all__ = [
     "HANDLER_KEY_RE",
     "PROTOCOL_VERSION",
+    "SETTINGS",
     "Keys",
     "deployment_problem",
     "new_task_id",
+    "settings_problem",
     "shard_for_dedup",
 ]
 
@@ -25,6 +27,25 @@ PROTOCOL_VERSION: Final = 1  # docs/protocol.md, section 1
 
 # Handler keys, tenants and accounts end up inside key names and counter fields.
 HANDLER_KEY_RE: Final = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")
+
+# The fields of <ns>:{s<N>}:settings and the integers each may hold: what settings() in
+# lua/_prelude.lua accepts (a script raises on anything else, before writing).
+SETTINGS: Final = {
+    "retention_ms": (1, 316_224_000_000),  # 10 years, as the longest delay
+    "expiry_grace_ms": (0, 316_224_000_000),
+    "events_maxlen": (1, 1_000_000_000),
+}
+
+
+def settings_problem(name: str, value: object) -> str | None:
+    """Why `value` cannot be stored as setting `name`, or None if it can."""
+    if name not in SETTINGS:
+        return f"unknown setting {name!r}: the settings are {', '.join(SETTINGS)}"
+    lo, hi = SETTINGS[name]
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        return f"setting {name} must be an integer from {lo} to {hi}, got {value!r}"
+    return None
+
 
 _CROCKFORD: Final = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 

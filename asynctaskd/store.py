@@ -27,7 +27,7 @@ from redis import Redis as SyncRedis
 
 from .codec import decode_request, decode_task, pairs_to_dict
 from .errors import ConfigError, CorruptTask, NotPermitted, ScriptError, StoreUnavailable
-from .keys import HANDLER_KEY_RE, PROTOCOL_VERSION, Keys, deployment_problem
+from .keys import HANDLER_KEY_RE, PROTOCOL_VERSION, Keys, deployment_problem, settings_problem
 from .model import Phase, Status, Task, shard_of
 from .scripts import Script, load_scripts
 from .wire import closed_under_io, exchange, pack, refresh_slots
@@ -646,6 +646,11 @@ class _Base:
         self.keys = keys
         self.ops = Ops(keys)
         self.scripts: dict[str, Script] = load_scripts()
+        # Checked here, where they are written from (prepare()): a value the scripts would
+        # refuse must fail at start-up, not in every script call after.
+        for name, value in (settings or {}).items():
+            if (problem := settings_problem(name, value)) is not None:
+                raise ValueError(problem)
         # Any: redis-py's hset wants a Mapping over its own invariant key union.
         self.settings: dict[Any, Any] = dict(settings or {})
         self.round_trips: dict[str, int] = {}

@@ -20,12 +20,21 @@ local function request_fields(packed)
 end
 
 local function create_one(k, A, o, n)
-  if n < 12 then error('asynctaskd: create takes 12 arguments, got ' .. n) end
+  if n ~= 12 then error('asynctaskd: create takes 12 arguments, got ' .. n) end
   local tk = KEYS[k]
   local id = A[o + 1]
   local handler = A[o + 2]
-  if id == '' or handler == '' then
-    error('asynctaskd: task id and handler must not be empty')
+  if KEYS[k] ~= P .. 'task:' .. id then
+    error('asynctaskd: KEYS[' .. k .. '] is not the key of task ' .. id)
+  end
+  -- handler, provider, tenant, account: names as lua/_intake.lua takes them in
+  -- (keys.HANDLER_KEY_RE, at most 64 characters); '' is none, except for the handler
+  for i = 2, 5 do
+    local v = A[o + i]
+    if (v ~= '' or i == 2) and not (#v <= 64 and string.find(v, '^[%w_.:%-]+$')) then
+      error('asynctaskd: ARGV ' .. ({'handler', 'provider', 'tenant', 'account'})[i - 1]
+            .. ' must be 1-64 of [A-Za-z0-9_.:-], got ' .. v)
+    end
   end
   local priority = int_arg(A[o + 6], 'priority', -100, 100)
   local delay_ms = int_arg(A[o + 7], 'delay_ms', 0, 316224000000)
@@ -33,7 +42,13 @@ local function create_one(k, A, o, n)
   local timeout_ms = int_arg(A[o + 9], 'timeout_ms', 1, 316224000000)
   local dedup_key = A[o + 12]
   local dedup = nil
-  if dedup_key ~= '' then dedup = string.sub(KEYS[k + 1], #P + 7) end  -- strip '<prefix>dedup:'
+  if dedup_key ~= '' then  -- without one, KEYS[k + 1] is neither read nor written
+    dedup = #A[o + 4] .. ':' .. A[o + 4] .. ':' .. dedup_key
+    if KEYS[k + 1] ~= P .. 'dedup:' .. dedup then
+      error('asynctaskd: KEYS[' .. (k + 1) .. '] is not the dedup key of tenant '
+            .. A[o + 4] .. ' and dedup_key ' .. dedup_key)
+    end
+  end
   local nk = P .. 'new:' .. id
 
   if dedup then

@@ -41,21 +41,25 @@ local function task_key(id) return P .. 'task:' .. id end
 local function daemon_only() redis.call('HDEL', P .. 'role:daemon', '') end
 local function operator_only() redis.call('HDEL', P .. 'role:operator', '') end
 
-local function setting(name, default)
-  local v = redis.call('HGET', P .. 'settings', name)
-  if v then return tonumber(v) end
-  return default
-end
-
+-- An integer argument within [lo, hi] (hi: 2^53 - 1 if not given, so a double holds it
+-- and what int_s writes back exactly; this also refuses inf). `n % 1 ~= 0` is true for a
+-- fraction and for NaN. Other spellings Lua's tonumber reads as that integer ('1e3',
+-- '0x10') are that integer: every script writes the number, never the argument's text.
 local function int_arg(v, name, lo, hi)
   local n = tonumber(v)
-  if not n or n ~= math.floor(n) or (lo and n < lo) or (hi and n > hi) then
+  if not n or n % 1 ~= 0 or (lo and n < lo) or n > (hi or 9007199254740991) then
     error('asynctaskd: ARGV ' .. name .. ' must be an integer'
-          .. (lo and (' >= ' .. lo) or '') .. (hi and (' <= ' .. hi) or '')
+          .. (lo and (' >= ' .. lo) or '') .. ' <= ' .. (hi or '2^53 - 1')
           .. ', got ' .. tostring(v))
   end
   return n
 end
+
+-- A script whose KEYS name a task and whose ARGV its id checks that they agree (or its
+-- writes and its index entries would be about two different tasks), and raises
+-- 'asynctaskd: task <id> field <field> is corrupt' for a task field it depends on that
+-- is not what the scripts write, before anything is written. Both are written out where
+-- needed: a helper function here would cost every script call a closure.
 
 -- A stored counter a script may increment: absent (false), or an integer as Redis itself
 -- writes one (no leading zeros, no "-0") with at most 15 digits, so HINCRBY takes it and
@@ -80,9 +84,41 @@ local function unschedule(id)
 end
 
 
-local EVENTS_MAXLEN = nil
+-- Settings (docs/protocol.md section 9). A script calls settings() before its first
+-- write, so a bad value raises before anything is written, never from emit() or finish()
+-- half-way: settings() reads and checks all three in one HMGET (a script that may finish
+-- a task), settings(true) only events_maxlen in one HGET (one that may write an event
+-- but finishes no task: most saves). Absent fields take their defaults, kept as text.
+local EVENTS_MAXLEN, EXPIRY_MS = nil, nil
+local function settings(events_only)
+  if EXPIRY_MS or (events_only and EVENTS_MAXLEN) then return end
+  local s, m
+  if events_only then
+    m = redis.call('HGET', P .. 'settings', 'events_maxlen')
+  else
+    s = redis.call('HMGET', P .. 'settings', 'retention_ms', 'expiry_grace_ms', 'events_maxlen')
+    m = s[3]
+  end
+  local n = m and tonumber(m)
+  if m and not (n and n % 1 == 0 and n >= 1 and n <= 1000000000) then
+    error('asynctaskd: settings events_maxlen must be an integer from 1 to 1000000000, got ' .. m)
+  end
+  EVENTS_MAXLEN = n and int_s(n) or '100000'
+  if events_only then return end
+  local r, g = tonumber(s[1] or 604800000), tonumber(s[2] or 86400000)
+  if not (r and r % 1 == 0 and r >= 1 and r <= 316224000000) then
+    error('asynctaskd: settings retention_ms must be an integer from 1 to 316224000000, got '
+          .. s[1])
+  end
+  if not (g and g % 1 == 0 and g >= 0 and g <= 316224000000) then
+    error('asynctaskd: settings expiry_grace_ms must be an integer from 0 to 316224000000, got '
+          .. s[2])
+  end
+  EXPIRY_MS = (s[1] or s[2]) and int_s(r + g) or '691200000'
+end
+
 local function emit(id, status, version, extra)
-  if not EVENTS_MAXLEN then EVENTS_MAXLEN = int_s(setting('events_maxlen', 100000)) end
+  if not EVENTS_MAXLEN then settings(true) end
   local args = {'XADD', P .. 'events', 'MAXLEN', '~', EVENTS_MAXLEN, '*',
                 'task', id, 'status', status, 'version', int_s(version)}
   if extra then
@@ -252,6 +288,7 @@ local function place(id, phase, score)
 end
 
 local function schedule(id, phase, due_ms, priority)
+  if not (priority >= -100 and priority <= 100) then priority = 0 end  -- also NaN
   if due_ms <= NOW then
     place(id, phase, (100 - priority) * PRIO_SPAN + due_ms)
   else
@@ -307,7 +344,6 @@ end
 -- Everything that happens when a task becomes terminal, in one place. `written`: the
 -- caller (a save, in its own HSET and HDEL) already removed the lease, wrote finished_ms
 -- and deleted owner, due_ms and started_fence.
-local EXPIRY_MS = nil  -- retention + grace, as text: read once per script call
 local function finish(tk, id, old, new, handler, written)
   move_status(tk, id, old, new, handler)
   unschedule(id)
@@ -324,9 +360,7 @@ local function finish(tk, id, old, new, handler, written)
     if redis.call('GET', dk) == id then redis.call('DEL', dk) end
   end
   -- purge deletes the hash at retention with exact counters; the expiry is the safety net
-  if not EXPIRY_MS then
-    EXPIRY_MS = int_s(setting('retention_ms', 604800000) + setting('expiry_grace_ms', 86400000))
-  end
+  if not EXPIRY_MS then settings() end
   redis.call('PEXPIRE', tk, EXPIRY_MS)
 end
 
@@ -346,5 +380,5 @@ end
 local function version_holds(current, cancel_version, read)
   if current == read then return true end
   return cancel_version ~= false and cancel_version ~= nil and current == cancel_version
-         and tonumber(current) == tonumber(read) + 1
+         and tonumber(current) == (tonumber(read) or -2) + 1
 end

@@ -3,7 +3,7 @@
 -- The loader puts this after the prelude for the scripts that need it. save_one(k, A, o, n)
 -- is the save of the task whose key is KEYS[k], given A[o + 1] .. A[o + n] as save's ARGV
 -- (save.lua states the contract). It returns save's reply, and raises on bad arguments or
--- a corrupt hash, before anything is written.
+-- a corrupt hash or a bad setting it uses, before anything is written.
 
 -- The longest delay a save accepts: 10 years, as the client's longest delay. NOW + delay_ms
 -- then stays an integer that a double holds exactly and int_s writes as digits; a larger
@@ -18,6 +18,9 @@ local function save_one(k, A, o, n)
   local tk = KEYS[k]
   local id, fence, want = A[o + 1], A[o + 2], A[o + 4]
   if n < 5 then error('asynctaskd: save takes at least 5 arguments, got ' .. n) end
+  if KEYS[k] ~= P .. 'task:' .. id then
+    error('asynctaskd: KEYS[' .. k .. '] is not the key of task ' .. id)
+  end
   if not KNOWN[want] then error('asynctaskd: ARGV status is not a status: ' .. tostring(want)) end
   local delay_ms = int_arg(A[o + 5], 'delay_ms', 0, MAX_DELAY_MS)
   if n % 2 ~= 1 then error('asynctaskd: save takes field, value pairs after ARGV[5]') end
@@ -47,7 +50,8 @@ local function save_one(k, A, o, n)
     if want == 'PENDING_SUBMIT' then final = 'CANCELED' end
     if want == 'SUBMITTED' or want == 'RUNNING' then delay_ms = 0 end
   end
-  if not TERMINAL[final] and final ~= 'SUBMIT_UNKNOWN' and (tonumber(t[6]) or 0) <= NOW then
+  local deadline = tonumber(t[6])
+  if not TERMINAL[final] and final ~= 'SUBMIT_UNKNOWN' and (deadline or 0) <= NOW then
     final = 'TRACKING_TIMED_OUT'
   end
 
@@ -55,7 +59,15 @@ local function save_one(k, A, o, n)
   -- removal of owner, started_fence, started_by and emptied fields: one HSET and one HDEL.
   -- Each call a script makes costs Redis far more than the command itself; saves run for
   -- every task several times, so they are batched here.
-  if not int_field(t[3]) then error('asynctaskd: the task version is not an integer') end
+  if not int_field(t[3]) then
+    error('asynctaskd: task ' .. id .. ' field version is corrupt: ' .. tostring(t[3]))
+  end
+  if not t[8] then
+    error('asynctaskd: task ' .. id .. ' field handler is corrupt: ' .. tostring(t[8]))
+  end
+  if not deadline or deadline % 1 ~= 0 then
+    error('asynctaskd: task ' .. id .. ' field deadline_ms is corrupt: ' .. tostring(t[6]))
+  end
   local v = (tonumber(t[3]) or 0) + 1
   local sets = {'HSET', tk, 'version', int_s(v), 'updated_ms', NOW_S}
   local dels = {'HDEL', tk, 'owner'}
@@ -86,6 +98,8 @@ local function save_one(k, A, o, n)
     sets[#sets + 1] = 'due_ms'
     sets[#sets + 1] = int_s(NOW + delay_ms)  -- what schedule() below returns
   end
+  -- the settings this save uses (its event; its finish), checked before its first write
+  if terminal then settings() elseif final ~= old or final == 'RUNNING' then settings(true) end
   redis.call(unpack(sets))
   redis.call(unpack(dels))
   local handler = t[8]
@@ -99,7 +113,7 @@ local function save_one(k, A, o, n)
     else
       schedule(id, PHASE[final], NOW + delay_ms, tonumber(t[9]) or 0)
       if old == 'SUBMIT_UNKNOWN' then
-        redis.call('ZADD', P .. 'deadlines', tonumber(t[6]) or NOW, id)
+        redis.call('ZADD', P .. 'deadlines', deadline, id)
       end
       if delay_ms == 0 then wake() end
     end

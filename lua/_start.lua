@@ -8,6 +8,12 @@ local function start_one(k, A, o, n)
   local tk = KEYS[k]
   if n < 4 or n > 5 then error('asynctaskd: start takes 4 or 5 arguments, got ' .. n) end
   local id, fence = A[o + 1], A[o + 2]
+  if KEYS[k] ~= P .. 'task:' .. id then
+    error('asynctaskd: KEYS[' .. k .. '] is not the key of task ' .. id)
+  end
+  if A[o + 4] ~= '0' and A[o + 4] ~= '1' then
+    error("asynctaskd: ARGV idempotent must be '0' or '1', got " .. tostring(A[o + 4]))
+  end
   local t = redis.call('HMGET', tk, 'status', 'fence', 'version', 'deadline_ms',
                        'cancel_requested', 'cancel_version', 'started_fence', 'submit_attempts')
   if not t[1] then return {-1} end
@@ -18,13 +24,16 @@ local function start_one(k, A, o, n)
   if t[7] == fence then return {-8} end
   if t[5] == '1' then return {-6, tonumber(t[3])} end
   -- the marks, submit_attempts + 1 and the version bump (as the prelude's bump): one HSET
-  if not (int_field(t[3]) and int_field(t[8])) then
-    error('asynctaskd: the task version or submit_attempts is not an integer')
+  if not int_field(t[3]) then
+    error('asynctaskd: task ' .. id .. ' field version is corrupt: ' .. tostring(t[3]))
+  end
+  if not int_field(t[8]) then
+    error('asynctaskd: task ' .. id .. ' field submit_attempts is corrupt: ' .. tostring(t[8]))
   end
   local v = (tonumber(t[3]) or 0) + 1
   local token = n == 5 and A[o + 5] or ''
   redis.call('HSET', tk, 'started_fence', fence, 'started_by', token,
-             'idempotent', A[o + 4] == '1' and '1' or '0',
+             'idempotent', A[o + 4],
              'submit_attempts', int_s((tonumber(t[8]) or 0) + 1), 'version', int_s(v),
              'updated_ms', NOW_S)
   return {1, v}

@@ -15,11 +15,15 @@
 -- (PENDING_SUBMIT, SUBMIT_UNKNOWN) becomes CANCELED at once; a held one gets the cancel
 -- flag, recorded with cancel_version so the holder's next save merges it instead of
 -- failing; an idle SUBMITTED/RUNNING task becomes due at once.
+-- Raises before writing on bad ARGV (KEYS[2] must be the key of task_id).
 -- Invariants: writes only with commands that add (RPUSH intake, LPUSH wake); a cancel
 -- that was already requested, or of a finished task, adds nothing.
 
 local tk = KEYS[2]
 local id = ARGV[1]
+if KEYS[2] ~= P .. 'task:' .. id then
+  error('asynctaskd: KEYS[2] is not the key of task ' .. id)
+end
 if ARGV[2] ~= '0' and ARGV[2] ~= '1' then
   error("asynctaskd: ARGV check_tenant must be '0' or '1', got " .. tostring(ARGV[2]))
 end

@@ -7,7 +7,7 @@
 -- ARGV[1] phase            'submit' or 'query'
 -- ARGV[2] n                how many tasks at most, integer 0..1000 (0: only report due times)
 -- ARGV[3] lease_ms         lease length, integer > 0
--- ARGV[4] owner            worker id, recorded in the task
+-- ARGV[4] owner            worker id, recorded in the task, not empty
 -- ARGV[5] promote_limit    how many newly due tasks to move into the ready set at most
 -- ARGV[6..] lane, tokens   token grants the worker took with `take` for rate lanes of this
 --                          phase ('<phase>|<provider>|<account>'), integer 0..100000 each
@@ -29,6 +29,8 @@
 -- a task in a rate lane is claimed only against a grant, else it waits in its lane. Grants
 -- are served first, from the lanes' held sets in ready order. At most 1000 tasks are set
 -- aside per call, so the work is bounded and a blocked group never stalls the others.
+-- Bad ARGV or settings raise before anything is written (the intake too); a task it
+-- cannot read is quarantined, never a reason to raise.
 -- Invariants: a task is claimed only if its status belongs to the phase, it is not
 -- leased, and its deadline has not passed; a past deadline times the task out here
 -- instead (no vendor call after the deadline); a canceled PENDING_SUBMIT task becomes
@@ -45,6 +47,7 @@ end
 local n = int_arg(ARGV[2], 'n', 0, 1000)
 local lease_ms = int_arg(ARGV[3], 'lease_ms', 1)
 local owner = ARGV[4]
+if owner == '' then error('asynctaskd: ARGV owner must not be empty') end
 local promote_limit = int_arg(ARGV[5], 'promote_limit', 0, 100000)
 if #ARGV % 2 ~= 1 then error('asynctaskd: claim takes lane, tokens pairs after ARGV[5]') end
 local grants, granted = {}, {}
@@ -56,6 +59,7 @@ for i = 6, #ARGV, 2 do
   grants[lane] = (grants[lane] or 0) + int_arg(ARGV[i + 1], 'tokens', 0, 100000)
   granted[#granted + 1] = lane
 end
+settings()  -- the last check: nothing is written before this line
 local used = {}
 local due_key = P .. 'due:' .. phase
 local ready_key = P .. 'ready:' .. phase

@@ -6,18 +6,18 @@
 -- KEYS[3] dedup    string  <ns>:{s<N>}:dedup:<len(tenant)>:<tenant>:<dedup_key>, or
 --                          <ns>:{s<N>}:dedup:- when the task has no dedup key
 -- ARGV[1] task_id          ULID, with -<N> appended on shard N > 0
--- ARGV[2] handler          handler key
--- ARGV[3] provider         admission provider ('' = the provider the admission table
---                          names for the handler, else the handler key)
--- ARGV[4] tenant           '' for none
--- ARGV[5] account          '' for none
+-- ARGV[2] handler          handler key, 1-64 of [A-Za-z0-9_.:-]
+-- ARGV[3] provider         admission provider, a name as handler ('' = the provider the
+--                          admission table names for the handler, else the handler key)
+-- ARGV[4] tenant           a name as handler, '' for none
+-- ARGV[5] account          a name as handler, '' for none
 -- ARGV[6] priority         integer -100..100, higher first
 -- ARGV[7] delay_ms         integer >= 0, due this long after server now
 -- ARGV[8] not_before_ms    epoch ms, 0 for none; due = max(now + delay_ms, not_before_ms)
 -- ARGV[9] timeout_ms       tracking timeout, integer > 0; deadline = created + timeout
 -- ARGV[10] params          JSON text
 -- ARGV[11] metadata        JSON text, '' for none
--- ARGV[12] dedup_key       '' for none; must match KEYS[3]
+-- ARGV[12] dedup_key       '' for none; else KEYS[3] must be the dedup key of ARGV[4] and this
 --
 -- Returns {1, version, created_ms, due_ms} created (a resend of the same create, same id
 -- and content, gets the first one's reply: whatever a client retries, one task), or
@@ -25,6 +25,7 @@
 --   {-5}              EXISTS: the task id is taken by a create with other content
 --   {-12, existing_id} DEDUP_STALE: the dedup key names a task that no longer exists; a
 --                     daemon frees the key when it next takes in requests: try again
+-- Raises before writing on bad ARGV (KEYS[2] must be the key of task_id).
 -- Writes only with commands that add to nothing that exists (SETNX new:<id> and the dedup
 -- key, RPUSH intake, LPUSH wake), so a producer's ACL user needs no other write command.
 -- Until a daemon takes the request in, the task is read from new:<id> (docs/protocol.md);

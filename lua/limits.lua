@@ -20,6 +20,7 @@
 --
 -- Returns {version, changed, kept, ...}: the version after the call, how many scopes
 -- changed, and the scopes a runtime entry kept (mode config).
+-- Every pair, and the version key (INCRed last), are checked before anything is written.
 -- Invariants: rates holds the buckets of every stored entry: a change of a scope replaces
 -- that scope's buckets in the same call, so the buckets the take script reads match the
 -- stored limits; version moves only when something changed; a call's work is bounded by
@@ -80,6 +81,13 @@ local function replace(scope, json, v)
   for name, spec in pairs(v.buckets) do redis.call('HSET', rates, name, spec) end
 end
 
+-- The version is INCRed after the writes below: one INCR refuses must fail here.
+local version = redis.call('GET', P .. 'version')
+if version and not int_field(version) then
+  error('asynctaskd: ' .. P .. 'version is not an integer: ' .. version)
+end
+version = tonumber(version) or 0
+
 local changed, kept = 0, {}
 for i = 2, #ARGV, 2 do
   local scope, json = ARGV[i], ARGV[i + 1]
@@ -97,7 +105,6 @@ for i = 2, #ARGV, 2 do
   end
 end
 
-local version = tonumber(redis.call('GET', P .. 'version')) or 0
 if changed > 0 then version = redis.call('INCR', P .. 'version') end
 local out = {version, changed}
 for _, s in ipairs(kept) do out[#out + 1] = s end

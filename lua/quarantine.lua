@@ -8,11 +8,15 @@
 -- Returns {1} quarantined, or {-1} NOT_FOUND.
 -- The task leaves the due sets, the lease index and the deadline index, keeps its status
 -- (and so its counter), and is listed in <prefix>quarantine for an operator. Nothing else
--- of the hash is touched, so what was corrupt can still be inspected.
+-- of the hash is touched, so what was corrupt can still be inspected. KEYS[2] must be the
+-- key of task_id (else an error, nothing written).
 
 daemon_only()
 local tk = KEYS[2]
 local id = ARGV[1]
+if KEYS[2] ~= P .. 'task:' .. id then
+  error('asynctaskd: KEYS[2] is not the key of task ' .. id)
+end
 if redis.call('EXISTS', tk) == 0 then
   redis.call('ZREM', P .. 'quarantine', id)
   unschedule(id)

@@ -16,12 +16,14 @@
 --   deadline passed (and no started submit) -> TRACKING_TIMED_OUT
 --   anything else (hash gone, terminal, parked) -> the stray lease entry is removed
 --   counters that are not integers -> the task is quarantined (never a half-done write)
+-- Bad ARGV or settings raise before anything is written.
 -- Invariant: after the script, no task in the lease index has an expired lease among
 -- those it looked at.
 
 daemon_only()
 local limit = int_arg(ARGV[1], 'limit', 1, 10000)
 local max_reclaims = int_arg(ARGV[2], 'max_reclaims', 0)
+settings()
 local leases = P .. 'leases'
 local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', NOW, 'LIMIT', 0, limit)
 local out = {0}

@@ -11,19 +11,49 @@
 -- PENDING_SUBMIT; SUBMITTED/RUNNING stay and become due at once; the fence is kept, so
 -- the next claim makes this holder stale. Only the fence and the lease are checked, not
 -- the version: a holder may give back a lease after losing the reply to its own write.
--- A rejected release writes nothing.
+-- A rejected release writes nothing. The whole call raises, before anything is written,
+-- on a malformed triple (an empty task_id, fence or version) or a task it would release
+-- whose version is not an integer or that has no handler.
 
 daemon_only()
 if #ARGV % 3 ~= 0 then error('asynctaskd: release takes task_id, fence, version triples') end
 local leases = P .. 'leases'
+-- Every triple and every task it would write is checked first: a bad one raises before
+-- any triple is released.
+local read = {}
+for i = 1, #ARGV, 3 do
+  local id = ARGV[i]
+  if id == '' or ARGV[i + 1] == '' or ARGV[i + 2] == '' then
+    error('asynctaskd: release needs task_id, fence, version; got an empty one in triple '
+          .. (i + 2) / 3)
+  end
+  local t = redis.call('HMGET', task_key(id), 'status', 'fence', 'version', 'idempotent',
+                       'started_fence', 'handler', 'priority')
+  if t[1] and t[2] == ARGV[i + 1] and PHASE[t[1]] then
+    if not int_field(t[3]) then
+      error('asynctaskd: task ' .. id .. ' field version is corrupt: ' .. tostring(t[3]))
+    end
+    if not t[6] then
+      error('asynctaskd: task ' .. id .. ' field handler is corrupt: ' .. tostring(t[6]))
+    end
+  end
+  read[i] = t
+end
+settings()
+
 local out = {}
 local any = false
+local seen = {}
 for i = 1, #ARGV, 3 do
   local id = ARGV[i]
   local tk = task_key(id)
-  local t = redis.call('HMGET', tk, 'status', 'fence', 'version', 'cancel_version',
-                       'started_fence', 'handler', 'priority')
-  if ARGV[i + 2] == '' then error('asynctaskd: release needs task_id, fence, version') end
+  local t = read[i]
+  -- the same task twice: the second sees what the first wrote (all of it valid)
+  if seen[id] then
+    t = redis.call('HMGET', tk, 'status', 'fence', 'version', 'idempotent', 'started_fence',
+                   'handler', 'priority')
+  end
+  seen[id] = true
   if not t[1] then
     out[#out + 1] = -1
   elseif t[2] ~= ARGV[i + 1] then
@@ -34,7 +64,7 @@ for i = 1, #ARGV, 3 do
     local v = bump(tk)
     redis.call('ZREM', leases, id)
     redis.call('HDEL', tk, 'owner')
-    if redis.call('HGET', tk, 'idempotent') == '1' then
+    if t[4] == '1' then
       redis.call('HDEL', tk, 'started_fence')
       move_status(tk, id, 'SUBMITTING', 'PENDING_SUBMIT', t[6])
       redis.call('HSET', tk, 'due_ms', schedule(id, 'submit', NOW, tonumber(t[7]) or 0))

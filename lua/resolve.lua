@@ -3,7 +3,8 @@
 -- KEYS[1] prefix   string  <ns>:{s<N>}:  shard prefix
 -- KEYS[2] task     hash    <ns>:{s<N>}:task:<id>
 -- ARGV[1] task_id
--- ARGV[2] target           SUBMITTED, PENDING_SUBMIT, FAILED or CANCELED
+-- ARGV[2] target           SUBMITTED, PENDING_SUBMIT, FAILED or CANCELED (not a status:
+--                          an error)
 -- ARGV[3] external_id      for SUBMITTED: the vendor job id found at the vendor
 -- ARGV[4] handle           for SUBMITTED: JSON handle {"external_id": ..., "query": {...}}
 -- ARGV[5] message          operator's note, stored as error_message for FAILED/CANCELED
@@ -17,19 +18,32 @@
 -- (requeue: a new attempt with a fresh deadline of the original tracking timeout).
 -- A knowing resubmit of a task whose cancel was requested ends CANCELED instead: the
 -- producer asked for it to stop, and nothing new has reached the vendor.
+-- Raises before writing on bad ARGV (KEYS[2] must be the key of task_id), bad settings,
+-- or a task whose version is not an integer or that has no handler.
 
 operator_only()
 local tk = KEYS[2]
 local id = ARGV[1]
 local target = ARGV[2]
+if KEYS[2] ~= P .. 'task:' .. id then
+  error('asynctaskd: KEYS[2] is not the key of task ' .. id)
+end
+if not KNOWN[target] then error('asynctaskd: ARGV target is not a status: ' .. tostring(target)) end
 local t = redis.call('HMGET', tk, 'status', 'handler', 'priority', 'deadline_ms', 'timeout_ms',
-                     'cancel_requested')
+                     'cancel_requested', 'version')
 local status, handler = t[1], t[2]
 if not status then return {-1} end
-if not KNOWN[target] or not legal(status, target, 'O') then return {-7, status} end
+if not legal(status, target, 'O') then return {-7, status} end
 if target == 'SUBMITTED' and (ARGV[3] == '' or ARGV[4] == '') then
   error('asynctaskd: resolving as SUBMITTED needs the external id and the handle')
 end
+if not int_field(t[7]) then
+  error('asynctaskd: task ' .. id .. ' field version is corrupt: ' .. tostring(t[7]))
+end
+if not handler then
+  error('asynctaskd: task ' .. id .. ' field handler is corrupt: ' .. tostring(handler))
+end
+settings()
 
 if target == 'PENDING_SUBMIT' and status == 'SUBMIT_UNKNOWN' and t[6] == '1' then
   target = 'CANCELED'

@@ -25,6 +25,10 @@
 --     merged cancel turns PENDING_SUBMIT into CANCELED and makes SUBMITTED/RUNNING due
 --     at once, so a worker calls the vendor's cancel and saves CANCELED.
 --   * A non-terminal outcome after the deadline becomes TRACKING_TIMED_OUT (data kept).
+-- Raises before writing on bad ARGV (KEYS[2] must be the key of task_id), a bad setting
+-- it uses (events_maxlen for its event; retention_ms and expiry_grace_ms too when the
+-- task finishes), or a task whose version or deadline_ms is not an integer or that has
+-- no handler.
 -- Invariant: a rejected save writes nothing; a saved one releases the lease.
 
 daemon_only()

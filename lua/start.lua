@@ -5,7 +5,8 @@
 -- ARGV[1] task_id
 -- ARGV[2] fence            fence the worker received from claim
 -- ARGV[3] version          version the worker last read
--- ARGV[4] idempotent       '1' if the handler's vendor dedups on the idempotency key
+-- ARGV[4] idempotent       '1' if the handler's vendor dedups on the idempotency key,
+--                          else '0'
 -- ARGV[5] token            optional: unique to this start, recorded as started_by; with it
 --                          (and only with it) withdraw can take the mark back
 --
@@ -14,6 +15,8 @@
 --   {-6, version} CANCEL_REQUESTED  a cancel arrived: do not call the vendor, save CANCELED
 --   {-7} ILLEGAL    the task is not SUBMITTING, or its deadline has passed
 --   {-8} STARTED    already marked under this fence: one vendor call per claim
+-- Raises before writing on bad ARGV (KEYS[2] must be the key of task_id) or a task whose
+-- version or submit_attempts is not an integer.
 -- Invariants: a rejected mark writes nothing. Once marked, a lease that expires in
 -- SUBMITTING parks the task in SUBMIT_UNKNOWN (or requeues it if idempotent) instead of
 -- resubmitting it; the caller must make this write durable before calling the vendor.

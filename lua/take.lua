@@ -16,6 +16,8 @@
 --           token when granted < count, else 0.
 --   refund: granted = count, given back to every bucket of the lane (never above burst).
 -- A bucket with no rate configured does not limit; a lane with none grants count.
+-- Raises before anything is written on a malformed pair or a rates entry that is not
+-- '<rate> <burst>' (rate > 0, burst >= 1) for any lane of the call.
 -- Invariants: time is the server's; a bucket never holds more than its burst or fewer
 -- than 0 tokens; a bucket's state expires once it would be full again, so idle tenants
 -- leave no keys behind. Several daemons share the buckets; a worker takes for a batch,
@@ -67,21 +69,32 @@ local function store(b)
   redis.call('PEXPIRE', bk, math.ceil((b[3] - b[4]) / b[2]) + 1000)
 end
 
--- Check every pair before writing anything: a malformed call changes no bucket.
+-- Check every pair, and load (and so check) every bucket's rates entry, before writing
+-- anything: a malformed call or a bad rates entry changes no bucket. Lanes that share a
+-- bucket share its loaded state, so a later lane sees what an earlier one took.
 local counts, lanes = {}, {}
 for i = 2, #ARGV, 2 do
   counts[#counts + 1] = int_arg(ARGV[i + 1], 'count', 0, 100000)
   lanes[#lanes + 1] = buckets_of(ARGV[i])
 end
+local loaded, per_lane = {}, {}
+for j = 1, #lanes do
+  local bs = {}
+  for _, names in ipairs(lanes[j]) do
+    local b = loaded[names[1]]
+    if b == nil then
+      b = load(names) or false
+      loaded[names[1]] = b
+    end
+    if b then bs[#bs + 1] = b end
+  end
+  per_lane[j] = bs
+end
 
 local out = {}
 for j = 1, #lanes do
   local count = counts[j]
-  local bs = {}
-  for _, names in ipairs(lanes[j]) do
-    local b = load(names)
-    if b then bs[#bs + 1] = b end
-  end
+  local bs = per_lane[j]
   local granted, wait_ms = count, 0
   if mode == 'take' then
     for _, b in ipairs(bs) do granted = math.min(granted, math.floor(b[4])) end

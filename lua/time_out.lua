@@ -11,10 +11,12 @@
 -- whose lease is live is left to its holder (its save clamps to the deadline) and is
 -- looked at again when that lease expires, so leased tasks never block the sweep.
 -- Parked (SUBMIT_UNKNOWN), terminal and vanished tasks leave the deadline index; a task
--- whose version is not an integer is quarantined instead of breaking the sweep.
+-- whose version is not an integer is quarantined instead of breaking the sweep. Bad ARGV
+-- or settings raise before anything is written (the intake too).
 
 daemon_only()
 local limit = int_arg(ARGV[1], 'limit', 1, 10000)
+settings()
 ingest(1000, true)
 local deadlines = P .. 'deadlines'
 local leases = P .. 'leases'

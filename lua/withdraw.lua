@@ -21,11 +21,16 @@
 -- checked: the reply that carried it may be the one that was lost.
 -- Invariant: a mark is taken back only by the start that made it, so a fence handed out
 -- twice (a claim lost with a failed-over master, then claimed again) cannot take back the
--- mark of a submit that may have reached the vendor. A rejected withdraw writes nothing.
+-- mark of a submit that may have reached the vendor. A rejected withdraw writes nothing;
+-- it raises before writing as save does.
 
 daemon_only()
 local fence, token = ARGV[2], ARGV[3]
+if KEYS[2] ~= P .. 'task:' .. ARGV[1] then
+  error('asynctaskd: KEYS[2] is not the key of task ' .. ARGV[1])
+end
 if token == '' then error('asynctaskd: withdraw needs the token of the start') end
+int_arg(ARGV[4], 'delay_ms', 0, 316224000000)
 local t = redis.call('HMGET', KEYS[2], 'status', 'fence', 'version', 'started_fence',
                      'started_by')
 if not t[1] then return {-1} end

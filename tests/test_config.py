@@ -486,3 +486,12 @@ submit_rate = 5
         '[[limits]]\ntenant = "*"\nquota = 5\nquota_period = "x"\n'
     )
     assert "set at least one" in error_of('[[limits]]\ntenant = "*"\n')
+
+
+@pytest.mark.parametrize("retention", ['"0.5ms"', '"3661d"'])
+def test_a_retention_the_scripts_would_refuse_is_a_config_error(retention: str) -> None:
+    """It is written to each shard's settings as retention_ms, which every script that
+    finishes a task checks: an out-of-range value must stop the daemon at start-up."""
+    with pytest.raises(ConfigError, match=r"reaper\.retention: must be from 1ms to 3660d"):
+        parse_config(f"[reaper]\nretention = {retention}\n")
+    assert parse_config('[reaper]\nretention = "3660d"\n').reaper.retention == 3660 * 86400

@@ -201,7 +201,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "save-ignores-the-deadline",
         "a save past the deadline ends the task TRACKING_TIMED_OUT",
         "lua/_save.lua",
-        "  if not TERMINAL[final] and final ~= 'SUBMIT_UNKNOWN' and (tonumber(t[6]) or 0) <= NOW then",
+        "  if not TERMINAL[final] and final ~= 'SUBMIT_UNKNOWN' and (deadline or 0) <= NOW then",
         "  if false then",
         ("tests/lua/test_scripts.py", "tests/property/test_state_machine.py"),
     ),
