@@ -61,8 +61,10 @@ def test_three_daemons_never_exceed_a_shared_submit_rate(
     assert len(times) == n  # each task submitted once
     # The bound holds for R*(t + d) + B, d the time from taking a token to the vendor
     # seeing its submit (a claim round trip, a refund of unused tokens taken just before
-    # the window, the HTTP path on two shared cores): allow d = 50 ms.
-    jitter = rate * 0.05
+    # the window, the HTTP path on two shared cores): allow d = 150 ms, which a loaded
+    # machine reaches (50 ms failed by one submit under load). Daemons that each kept a
+    # bucket of their own would exceed the bound by tens of submits.
+    jitter = rate * 0.15
     worst = 0.0
     for window in (1.0, 2.0, 3.0):
         j = 0
