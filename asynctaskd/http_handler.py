@@ -157,6 +157,14 @@ class ErrorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     permanent: list[Annotated[int, msgspec.Meta(ge=300, le=599)]] | None = None
     retryable: list[Annotated[int, msgspec.Meta(ge=300, le=599)]] = []
+    # Response headers that say how long a throttle lasts, as a duration ("6m0s", "1.5s",
+    # "20ms") or seconds: on a 429 the longest of them, Retry-After and retry-after-ms wins.
+    reset_headers: list[str] = []
+    # A 429 whose JSON body holds one of these codes at `code_pointer` is no rate limit
+    # but a refusal that waiting does not lift (OpenAI's "insufficient_quota"): it fails
+    # the task for good, with that code.
+    permanent_codes: list[str] = []
+    code_pointer: str = "/error/code"
 
 
 class FinalizeOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -581,6 +589,39 @@ def _origin(url: str) -> tuple[str, str]:
     return (parts.scheme.lower(), parts.netloc.lower())
 
 
+_DURATION_PART: Final = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
+_UNIT_SECONDS: Final = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+
+
+def parse_reset(value: str | None) -> float | None:
+    """Seconds from a rate-limit reset header: a duration as vendors write them ("6m0s",
+    "1.5s", "20ms", "1h2m") or plain seconds; None when it is neither."""
+    if value is None:
+        return None
+    text = value.strip()
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        return float(text)
+    parts = _DURATION_PART.findall(text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        return None
+    return sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
+
+
+def throttle_wait(
+    header: Callable[[str], str | None], reset_headers: Sequence[str] = ()
+) -> float | None:
+    """How long a throttled answer asks to wait: the longest of `retry-after-ms` (the
+    OpenAI SDK reads it first), Retry-After and the handler's `reset_headers`."""
+    waits = []
+    ms = header("retry-after-ms")
+    if ms is not None and re.fullmatch(r"\s*\d+(\.\d+)?\s*", ms):
+        waits.append(float(ms) / 1000)
+    if (after := parse_retry_after(header("retry-after"))) is not None:
+        waits.append(after)
+    waits += [w for name in reset_headers if (w := parse_reset(header(name))) is not None]
+    return max(waits) if waits else None
+
+
 def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
     """Seconds to wait from a Retry-After header: delay-seconds or an HTTP-date; else None."""
     if value is None:
@@ -636,6 +677,9 @@ class HttpHandler:
         errors = plan.options.errors
         self._permanent = None if errors.permanent is None else frozenset(errors.permanent)
         self._retryable = frozenset(errors.retryable)
+        self._reset_headers = tuple(h.lower() for h in errors.reset_headers)
+        self._permanent_codes = frozenset(errors.permanent_codes)
+        self._code_pointer = _Pointer(errors.code_pointer)
         idem = plan.options.submit.idempotency_header
         self._idempotency_header = idem if plan.options.idempotent and idem else ""
 
@@ -987,13 +1031,19 @@ class HttpHandler:
         body = self._excerpt(response.content)
         if status in self._retryable:
             raise RetryableError(f"{what}: vendor answered {status}: {body}", code=code)
-        retry_after = response.header("retry-after")
-        has_retry_after = retry_after is not None
+        has_retry_after = response.header("retry-after") is not None
+        if status == 429 and self._permanent_codes:
+            vendor_code = self._vendor_code(response)
+            if vendor_code in self._permanent_codes:
+                raise PermanentError(
+                    f"{what}: vendor refused ({status} {vendor_code}): {body}",
+                    code=vendor_code.upper()[:200],
+                )
         if status == 429 or (status == 503 and has_retry_after):
             raise RetryableError(
                 f"{what}: throttled by the vendor ({status}): {body}",
                 code=code,
-                retry_after=parse_retry_after(retry_after),
+                retry_after=throttle_wait(response.header, self._reset_headers),
                 throttled=True,
             )
         if self._permanent is not None:
@@ -1003,6 +1053,14 @@ class HttpHandler:
         if permanent:
             raise PermanentError(f"{what}: vendor refused ({status}): {body}", code=code)
         raise RetryableError(f"{what}: vendor answered {status}: {body}", code=code)
+
+    def _vendor_code(self, response: Reply) -> str:
+        """The code at `errors.code_pointer` in a JSON error body, or ''."""
+        try:
+            value = self._code_pointer.get(msgspec.json.decode(response.content[:65536]))
+        except (msgspec.DecodeError, RecursionError, ValueError, TypeError, KeyError):
+            return ""
+        return value if isinstance(value, str) else ""
 
     def _decode(self, response: Reply, what: str) -> Any:
         try:
@@ -1321,6 +1379,10 @@ class _Builder:
             if isinstance(first, str) and not first.startswith(("http://", "https://")):
                 self.fail("base_url", f"expected an http:// or https:// URL, got {o.base_url!r}")
         base_headers = self.headers(o.headers, "headers", _SECRET | _TASK)
+        self.pointer(o.errors.code_pointer, "errors.code_pointer")
+        for name in o.errors.reset_headers:
+            if not _HEADER_NAME.fullmatch(name):
+                self.fail("errors.reset_headers", f"{name!r} is not a header name")
         if o.submit.idempotency_header and not _HEADER_NAME.fullmatch(o.submit.idempotency_header):
             self.fail("submit.idempotency_header", "not a valid header name")
         submit_scope = _TASK | {"params", "base_url"}

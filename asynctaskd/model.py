@@ -169,6 +169,7 @@ class Task(msgspec.Struct, frozen=True, kw_only=True):
     submit_attempts: int = 0
     poll_count: int = 0
     consecutive_errors: int = 0
+    throttles: int = 0  # vendor throttles in a row (429s): the next wait doubles with each
     cancel_requested: bool = False
     dedup_key: str | None = None
     # Internals, for workers and operators.

@@ -856,6 +856,7 @@ class Worker:
                 "handle": handle,
                 "error_code": "",
                 "error_message": "",
+                "throttles": "",
             },
             must_land=True,
         )
@@ -892,12 +893,12 @@ class Worker:
                 active, Status.SUBMIT_UNKNOWN, fields={"error_code": code, "error_message": message}
             )
         elif kind is SubmitFailure.THROTTLED:
-            delay = self._retry_delay(exc, 1, task)
+            throttles = task.throttles + 1
             await self._save_started(
                 active,
                 Status.PENDING_SUBMIT,
-                delay=delay,
-                fields={"error_code": code, "error_message": message},
+                delay=self._retry_delay(exc, throttles, task),
+                fields={"error_code": code, "error_message": message, "throttles": throttles},
             )
         elif attempts > retry.max_submit_retries:
             await self._save_started(
@@ -962,7 +963,11 @@ class Worker:
                 delay = min(float(hint), max(poll, float(self.config.retry.max_error_delay)))
             else:
                 delay = self._jittered(poll)
-            fields: dict[str, Any] = {"poll_count": task.poll_count + 1, "consecutive_errors": ""}
+            fields: dict[str, Any] = {
+                "poll_count": task.poll_count + 1,
+                "consecutive_errors": "",
+                "throttles": "",
+            }
             progress = valid_progress(out.progress)
             if progress is not None:
                 fields["progress"] = repr(progress)
@@ -997,6 +1002,7 @@ class Worker:
                     "error_code": code[:200],
                     "error_message": str(out.message)[:_MAX_TEXT],
                     "poll_count": task.poll_count + 1,
+                    "throttles": "",
                 },
             )
         else:
@@ -1031,7 +1037,12 @@ class Worker:
         await self._save(
             active,
             Status.SUCCEEDED,
-            fields={"result": blob, "poll_count": task.poll_count + 1, "progress": "1.0"},
+            fields={
+                "result": blob,
+                "poll_count": task.poll_count + 1,
+                "progress": "1.0",
+                "throttles": "",
+            },
         )
 
     async def _query_failed(self, task: Task, active: _Active, exc: BaseException) -> None:
@@ -1044,14 +1055,14 @@ class Worker:
             )
             return
         if getattr(exc, "throttled", False):
-            delay = max(retry_after(exc) or 0.0, float(retry.first_error_delay))
+            # No error budget spent, but each throttle in a row waits twice as long (with
+            # jitter, up to max_error_delay), or what the vendor asked for if longer.
+            throttles = task.throttles + 1
             await self._save(
                 active,
                 task.status,
-                delay=clamp_delay(
-                    delay, time.time(), task.deadline_at, cap=float(retry.max_error_delay)
-                ),
-                fields={"error_code": code, "error_message": message},
+                delay=self._retry_delay(exc, throttles, task),
+                fields={"error_code": code, "error_message": message, "throttles": throttles},
             )
             return
         errors = task.consecutive_errors + 1

@@ -12,7 +12,7 @@ local MAX_DELAY_MS = 316224000000
 
 local WRITABLE = {handle = true, external_id = true, result = true, error_code = true,
   error_message = true, progress = true, stage = true, message = true,
-  consecutive_errors = true, poll_count = true}
+  consecutive_errors = true, poll_count = true, throttles = true}
 
 local function save_one(k, A, o, n)
   local tk = KEYS[k]

@@ -55,7 +55,8 @@ if TERMINAL[status] then
   -- requeue: a fresh attempt; the hash was set to expire when it finished
   redis.call('PERSIST', tk)
   redis.call('HDEL', tk, 'finished_ms', 'error_code', 'error_message', 'result',
-             'cancel_requested', 'cancel_version', 'consecutive_errors', 'reclaims')
+             'cancel_requested', 'cancel_version', 'consecutive_errors', 'reclaims',
+             'throttles')
   local deadline_ms = NOW + (tonumber(t[5]) or 3600000)
   redis.call('HSET', tk, 'deadline_ms', deadline_ms)
   t[4] = deadline_ms

@@ -10,7 +10,7 @@
 --                          from 0 to 316224000000 (10 years)
 -- ARGV[6..] field, value   pairs to write; only handle, external_id, result, error_code,
 --                          error_message, progress, stage, message, consecutive_errors,
---                          poll_count; an empty value deletes the field; a field given
+--                          poll_count, throttles; an empty value deletes the field; a field given
 --                          twice takes its last value
 --
 -- Returns {1, new_version, final_status} saved, or one of

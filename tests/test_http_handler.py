@@ -5,6 +5,7 @@ a real Redis, config errors named by key and line, and credentials that never le
 from __future__ import annotations
 
 import email.utils
+import itertools
 import logging
 import re
 import socket
@@ -25,7 +26,14 @@ from asynctaskd.config import Config, HandlerConfig, parse_config
 from asynctaskd.embedded import ServerProcess, find_binary
 from asynctaskd.errors import ConfigError, NotSent, PermanentError, RetryableError
 from asynctaskd.handlers import HandlerContext, HandlerEntry, Running, load_handlers
-from asynctaskd.http_handler import HttpHandler, build, builders, parse_retry_after
+from asynctaskd.http_handler import (
+    HttpHandler,
+    build,
+    builders,
+    parse_reset,
+    parse_retry_after,
+    throttle_wait,
+)
 from asynctaskd.keys import new_task_id
 from asynctaskd.model import Status, Task
 from asynctaskd.store import Store
@@ -464,6 +472,72 @@ async def test_submit_429_retry_after_is_honoured_then_succeeds(
     assert task.status is Status.SUCCEEDED
     first, second = script.calls("POST", "/jobs")
     assert second.at - first.at >= 0.95
+
+
+@pytest.mark.parametrize("phase", ["submit", "query"])
+async def test_throttles_in_a_row_wait_longer_each_time_and_a_success_resets_them(
+    store: Store, vendor: tuple[Scripted, str], phase: str
+) -> None:
+    """No Retry-After: each 429 in a row waits twice as long as the one before (here 0.1,
+    0.2, 0.4 s, no jitter), instead of first_error_delay every time."""
+    script, url = vendor
+    throttled = [status(429), status(429), status(429)]
+    if phase == "submit":
+        script.submit = [*throttled, json({"id": "job-1"}, 201)]
+    else:
+        script.query = [*throttled, json({"status": "done", "output": {"ok": 1}})]
+    config = make_config(first_error_delay="100ms", max_error_delay="5s", poll_interval="20ms")
+    task = await run_one(store, handler_for(scripted_options(url)), config)
+    assert task.status is Status.SUCCEEDED and task.throttles == 0
+    calls = script.calls("POST", "/jobs") if phase == "submit" else script.calls("GET", "/jobs/")
+    gaps = [b.at - a.at for a, b in itertools.pairwise(calls[:4])]
+    assert gaps[0] >= 0.09 and gaps[1] >= 1.5 * gaps[0] and gaps[2] >= 1.5 * gaps[1], gaps
+
+
+async def test_a_rate_limit_reset_header_and_retry_after_ms_are_honoured(
+    store: Store, vendor: tuple[Scripted, str]
+) -> None:
+    script, url = vendor
+    script.submit = [
+        status(429, {"x-ratelimit-reset-requests": "1s", "retry-after-ms": "200"}),
+        json({"id": "job-1"}, 201),
+    ]
+    options = scripted_options(url, errors={"reset_headers": ["x-ratelimit-reset-requests"]})
+    task = await run_one(store, handler_for(options), make_config(max_error_delay="5s"))
+    assert task.status is Status.SUCCEEDED
+    first, second = script.calls("POST", "/jobs")
+    assert second.at - first.at >= 0.95  # the longest of the two
+
+
+def test_throttle_waits_read_every_header_style() -> None:
+    assert parse_reset("6m0s") == 360.0
+    assert parse_reset("1.5s") == 1.5
+    assert parse_reset("20ms") == pytest.approx(0.02)
+    assert parse_reset("1h2m") == 3720.0
+    assert parse_reset("12") == 12.0
+    for bad in ("soon", "5x", "1s2", "", "-1s", None):
+        assert parse_reset(bad) is None, bad
+    headers = {"retry-after-ms": "2500", "retry-after": "1", "x-reset": "3s"}
+    assert throttle_wait(headers.get) == 2.5
+    assert throttle_wait(headers.get, ("x-reset",)) == 3.0
+    assert throttle_wait({}.get) is None
+
+
+async def test_a_429_that_is_no_rate_limit_fails_the_task_at_once(
+    store: Store, vendor: tuple[Scripted, str]
+) -> None:
+    """OpenAI answers 429 insufficient_quota when the account is out of credit: waiting
+    does not help, and retrying until the deadline only delays the bad news."""
+    script, url = vendor
+    body = {"error": {"code": "insufficient_quota", "message": "check your plan"}}
+    script.submit = [json(body, 429), json({"id": "job-1"}, 201)]
+    options = scripted_options(url, errors={"permanent_codes": ["insufficient_quota"]})
+    task = await run_one(store, handler_for(options), make_config(max_error_delay="5s"))
+    assert task.status is Status.FAILED
+    assert task.error is not None and task.error.code == "INSUFFICIENT_QUOTA"
+    assert len(script.calls("POST", "/jobs")) == 1
+    with pytest.raises(ConfigError, match=r"errors\.code_pointer"):
+        handler_for(scripted_options(url, errors={"code_pointer": "error.code"}))
 
 
 @pytest.mark.parametrize("phase", ["submit", "query"])

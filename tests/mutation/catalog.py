@@ -368,6 +368,17 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_huge_retry_after_is_clamped_and_the_task_stays_readable",
         ),
     ),
+    Mutant(
+        "throttles-never-back-off",
+        "each vendor throttle in a row waits longer than the last",
+        "asynctaskd/worker.py",
+        "            # jitter, up to max_error_delay), or what the vendor asked for if longer.\n            throttles = task.throttles + 1",
+        "            # jitter, up to max_error_delay), or what the vendor asked for if longer.\n            throttles = 1",
+        t(
+            "tests/test_http_handler.py",
+            "test_throttles_in_a_row_wait_longer_each_time_and_a_success_resets_them",
+        ),
+    ),
     # --- vendor data ----------------------------------------------------------------------------
     Mutant(
         "pool-disconnect-claimed-never-sent",
