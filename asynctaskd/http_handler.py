@@ -141,6 +141,10 @@ class QueryOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     result: str | dict[str, str] = ""  # pointer, or name -> pointer; "" is the whole answer
     error_code: str | None = None  # pointers read when the status is a failed one
     error_message: str | None = None
+    # Pointer to the vendor's mark that it deleted the job's data (Replicate's
+    # /data_removed): a done job with it true fails (RESULT_REMOVED) instead of succeeding
+    # with nothing, as a poll more than an hour late would on Replicate.
+    gone: str | None = None
 
 
 class CancelOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -548,12 +552,17 @@ class _Plan:
     result: _Pointer | tuple[tuple[str, _Pointer], ...]
     error_code: _Pointer | None
     error_message: _Pointer | None
+    gone: _Pointer | None
     cancel: _Request | None
     finalize_files: tuple[_Pointer, ...]
     finalize_download: _Template | None
     finalize_hosts: tuple[str, ...]
     finalize_put: _Template | None
     finalize_headers: tuple[tuple[str, _Template], ...]
+
+
+_FINALIZE_DEPTH: Final = 8  # objects and lists below a finalize pointer, searched this deep
+_FINALIZE_FILES: Final = 100  # files one result may hold
 
 
 def _as_text(value: Any) -> str:
@@ -745,6 +754,12 @@ class HttpHandler:
             )
         outcome = plan.outcomes.get(status) or plan.options.query.unknown
         if outcome == "succeeded":
+            if plan.gone is not None and plan.gone.get(doc) is True:
+                return Failed(
+                    "RESULT_REMOVED",
+                    f"the vendor reports the job {status!r}, but deleted its output before "
+                    "it was read (a poll after the vendor's retention window)",
+                )
             return Succeeded(self._result(doc))
         if outcome == "failed":
             code = _text_at(plan.error_code, doc) or status
@@ -784,7 +799,9 @@ class HttpHandler:
 
         Each `files` pointer names a value or a list of values. Without `download`, only
         http(s) URLs are copied (other values, such as text output, are left alone); with
-        it, every value is turned into a URL first (e.g. a file id).
+        it, every value is turned into a URL first (e.g. a file id). In objects below the
+        pointer (a model's output may be {"image": url, "mask": url}) every http(s) URL is
+        copied, up to 8 levels deep and 100 files a result.
 
         The vendor chooses these URLs, so they are fetched only from `hosts` (and the host
         the `download` template names), never from a private, loopback or link-local
@@ -799,7 +816,6 @@ class HttpHandler:
         if options is None:
             return result
         result = msgspec.json.decode(msgspec.json.encode(result))  # a private copy
-        n = 0
         t = self.options.timeouts
         downloads = Downloads(
             self.plan.finalize_hosts,
@@ -807,26 +823,39 @@ class HttpHandler:
             connect=float(t.connect),
             read=float(t.read),
         )
+        count = [0]
+
+        async def copy(value: Any, depth: int, in_object: bool) -> Any:
+            """`value` with its files copied: a value or a list of values at the pointer
+            (ids too, with a download template), and URLs anywhere in objects below it
+            (a model's output may be {"image": url, "mask": url}), up to a bound."""
+            if isinstance(value, dict | list):
+                if depth >= _FINALIZE_DEPTH:
+                    return value
+                pairs = value.items() if isinstance(value, dict) else enumerate(value)
+                for key, item in list(pairs):
+                    inner = in_object or isinstance(value, dict)
+                    value[key] = await copy(item, depth + 1, inner)
+                return value
+            if isinstance(value, bool) or not isinstance(value, str | int):
+                return value
+            is_url = isinstance(value, str) and _origin(value)[0] in ("http", "https")
+            if not is_url and (in_object or self.plan.finalize_download is None):
+                return value
+            if count[0] >= _FINALIZE_FILES:
+                raise PermanentError(
+                    f"finalize: the result holds more than {_FINALIZE_FILES} files",
+                    code="FINALIZE_REFUSED",
+                )
+            count[0] += 1
+            return await self._copy_with_retries(str(value), count[0] - 1, options, ctx, downloads)
+
         async with downloads:
             for pointer in self.plan.finalize_files:
                 found = pointer.get(result)
                 if found is _MISSING or found is None:
                     continue
-                values = found if isinstance(found, list) else [found]
-                copies: list[Any] = []
-                for value in values:
-                    if isinstance(value, bool) or not isinstance(value, str | int):
-                        copies.append(value)
-                        continue
-                    is_url = isinstance(value, str) and _origin(value)[0] in ("http", "https")
-                    if self.plan.finalize_download is None and not is_url:
-                        copies.append(value)
-                        continue
-                    copies.append(
-                        await self._copy_with_retries(str(value), n, options, ctx, downloads)
-                    )
-                    n += 1
-                result = pointer.set(result, copies if isinstance(found, list) else copies[0])
+                result = pointer.set(result, await copy(found, 0, False))
         return result
 
     async def aclose(self) -> None:
@@ -1481,6 +1510,7 @@ class _Builder:
             result=result,
             error_code=optional(q.error_code, "query.error_code"),
             error_message=optional(q.error_message, "query.error_message"),
+            gone=optional(q.gone, "query.gone"),
             cancel=cancel,
             finalize_files=files,
             finalize_download=download,

@@ -342,6 +342,37 @@ async def test_replicate_example_succeeds_and_copies_outputs(
     assert len(fake.downloads) == 2
 
 
+async def test_finalize_copies_urls_anywhere_in_an_object_output(
+    store: Store, replicate: tuple[ReplicatePredictions, str], tmp_path: Path
+) -> None:
+    fake, url = replicate
+    handler = load_example("replicate-predictions.toml", url,
+                           finalize={"dir": str(tmp_path), **LOOPBACK_FAKE})  # fmt: skip
+    params = {"version": "5c7d5dc6dd8bf75c1acaa8565735e7986bc5b66206b55cca93cb72c9bf15ccaa",
+              "input": {"text": "Alice", "named_outputs": True}}  # fmt: skip
+    [task] = await run_tasks(store, handler, [params])
+    assert task.status is Status.SUCCEEDED, task.error
+    assert task.result == {
+        "image": str(tmp_path / f"{task.id}-0.png"),
+        "extra": {"mask": str(tmp_path / f"{task.id}-1.png")},
+        "seed": 42,  # not a URL: left as it was
+    }
+    assert len(fake.downloads) == 2
+
+
+async def test_a_replicate_prediction_polled_after_its_data_was_removed_fails(
+    store: Store, replicate: tuple[ReplicatePredictions, str], tmp_path: Path
+) -> None:
+    _, url = replicate
+    handler = load_example("replicate-predictions.toml", url,
+                           finalize={"dir": str(tmp_path), **LOOPBACK_FAKE})  # fmt: skip
+    params = {"version": "5c7d5dc6dd8bf75c1acaa8565735e7986bc5b66206b55cca93cb72c9bf15ccaa",
+              "input": {"text": "Alice", "removed": True}}  # fmt: skip
+    [task] = await run_tasks(store, handler, [params])
+    assert task.status is Status.FAILED and task.result is None
+    assert task.error is not None and task.error.code == "RESULT_REMOVED"
+
+
 async def test_replicate_example_reports_stage(
     replicate: tuple[ReplicatePredictions, str],
 ) -> None:

@@ -12,7 +12,10 @@ Endpoints (all need ``Authorization: Bearer <token>``; otherwise 401 with a prob
     The prediction. Each answered poll of a live one moves it on: ``processing`` (``logs``
     grow) until poll ``polls_to_done``, which ends it ``succeeded`` with ``output`` a list
     of file URLs under ``/delivery/`` and ``metrics.predict_time``; an input with
-    ``"fail": true`` ends ``failed`` with ``error`` a string.
+    ``"fail": true`` ends ``failed`` with ``error`` a string, and one with ``"removed":
+    true`` ends ``succeeded`` as a poll after Replicate's retention hour sees it
+    (``output`` null, ``data_removed`` true); ``"named_outputs": true`` makes the output an
+    object with the file URLs inside it.
 ``POST /v1/predictions/{id}/cancel``
     Moves a live prediction to ``canceled``; answers the prediction.
 ``GET /delivery/{id}/{name}``
@@ -123,14 +126,21 @@ class ReplicatePredictions:
             obj["started_at"] = obj["started_at"] or _now()
             if p < self.polls_to_done:
                 obj["status"] = "processing"
+            elif obj["input"].get("removed"):  # polled after Replicate's retention hour
+                obj.update(status="succeeded", output=None, data_removed=True,
+                           completed_at=_now())  # fmt: skip
             elif obj["input"].get("fail"):
                 obj.update(status="failed", error="CUDA out of memory", completed_at=_now(),
                            metrics={"predict_time": 0.5})  # fmt: skip
             else:
                 origin = request.url.origin()
+                files = [f"{origin}/delivery/{obj['id']}/out-{i}.png" for i in range(2)]
+                output: Any = files
+                if obj["input"].get("named_outputs"):  # models whose output is an object
+                    output = {"image": files[0], "extra": {"mask": files[1]}, "seed": 42}
                 obj.update(
                     status="succeeded",
-                    output=[f"{origin}/delivery/{obj['id']}/out-{i}.png" for i in range(2)],
+                    output=output,
                     completed_at=_now(),
                     metrics={"predict_time": 1.25},
                 )
