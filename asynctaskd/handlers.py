@@ -63,10 +63,13 @@ class Succeeded(msgspec.Struct, frozen=True):
 
 
 class Failed(msgspec.Struct, frozen=True):
-    """The vendor job failed for good."""
+    """The vendor job failed for good. `result`, if not None, is what the job produced
+    before it failed (a batch's partial output, billed all the same): stored as the task's
+    result beside the error."""
 
     code: str
     message: str = ""
+    result: Any = None
 
 
 class HandlerContext(msgspec.Struct, kw_only=True):

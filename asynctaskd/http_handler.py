@@ -141,6 +141,10 @@ class QueryOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     result: str | dict[str, str] = ""  # pointer, or name -> pointer; "" is the whole answer
     error_code: str | None = None  # pointers read when the status is a failed one
     error_message: str | None = None
+    # Read `result` on a failed status too, and keep what it finds as the task's result
+    # beside the error: a batch that expired or was cancelled keeps the part it completed
+    # (and billed).
+    failed_result: bool = False
     # Pointer to the vendor's mark that it deleted the job's data (Replicate's
     # /data_removed): a done job with it true fails (RESULT_REMOVED) instead of succeeding
     # with nothing, as a poll more than an hour late would on Replicate.
@@ -766,7 +770,10 @@ class HttpHandler:
             if status not in plan.outcomes:
                 code = "UNKNOWN_STATUS"
             message = _text_at(plan.error_message, doc) or f"vendor status {status!r}"
-            return Failed(code[:200], self._secrets.redact(message))
+            partial = self._result(doc) if plan.options.query.failed_result else None
+            if isinstance(partial, dict) and not any(v is not None for v in partial.values()):
+                partial = None  # nothing was made
+            return Failed(code[:200], self._secrets.redact(message), partial)
         if outcome == "error":
             raise RetryableError(
                 f"query: vendor status {status!r} is not in running, succeeded or failed",

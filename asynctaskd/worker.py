@@ -995,16 +995,23 @@ class Worker:
             await self._succeeded(entry, task, active, ctx, out.result)
         elif isinstance(out, Failed):
             code = out.code if isinstance(out.code, str) and out.code else "VENDOR_FAILED"
-            await self._save(
-                active,
-                Status.FAILED,
-                fields={
-                    "error_code": code[:200],
-                    "error_message": str(out.message)[:_MAX_TEXT],
-                    "poll_count": task.poll_count + 1,
-                    "throttles": "",
-                },
-            )
+            fields = {
+                "error_code": code[:200],
+                "error_message": str(out.message)[:_MAX_TEXT],
+                "poll_count": task.poll_count + 1,
+                "throttles": "",
+            }
+            if out.result is not None:  # what the job made before it failed
+                try:
+                    check_json_like(out.result, "Failed.result")
+                    fields["result"] = encode_json(out.result)
+                except InvalidTask as exc:
+                    logger.error(
+                        "Failed.result is not JSON data, dropped: %s",
+                        exc,
+                        extra={"task_id": task.id},
+                    )
+            await self._save(active, Status.FAILED, fields=fields)
         else:
             await self._query_failed(
                 task,

@@ -252,10 +252,20 @@ async def test_openai_example_failed_and_expired_batches(
     failed, expired = await run_tasks(store, load_example("openai-batch.toml", url), params)
     assert failed.status is Status.FAILED
     assert error_of(failed) == ("invalid_json_line", "Line 1 is not valid JSON.")
+    assert failed.result is not None and failed.result["output_file_id"] is None  # no output
+    assert failed.result["request_counts"]["completed"] == 0
     assert expired.status is Status.FAILED
     assert error_of(expired)[0] == "expired"
     assert expired.progress == 0.5
     assert expired.stage == "in_progress"
+    # the half it completed was billed: its files are kept with the failed task
+    assert expired.result is not None
+    assert expired.result["output_file_id"] == f"file-out-{expired.external_id}"
+    assert expired.result["error_file_id"] == f"file-err-{expired.external_id}"
+    assert (
+        expired.result["request_counts"]["completed"]
+        == expired.result["request_counts"]["total"] // 2
+    )
 
 
 async def test_openai_example_refusals_fail_for_good(

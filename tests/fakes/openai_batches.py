@@ -12,7 +12,8 @@ shape ``{"error": {"message", "type", "param", "code"}}``):
     ``request_counts.completed`` growing) until poll ``polls_to_done - 1`` (``finalizing``),
     then ``completed`` with ``output_file_id``. An ``input_file_id`` starting ``file-fail``
     ends ``failed`` at the first poll with ``errors.data[0]`` set; one starting
-    ``file-expire`` ends ``expired`` at poll ``polls_to_done`` with partial counts.
+    ``file-expire`` ends ``expired`` at poll ``polls_to_done`` with partial counts, an
+    output file of the completed requests and an error file of the rest.
 ``POST /v1/batches/{batch_id}/cancel``
     Moves a live batch to ``cancelling``; the next poll reads ``cancelled``. 400 when the
     batch has already ended.
@@ -131,8 +132,11 @@ class OpenAIBatches:
             return
         if obj["input_file_id"].startswith("file-expire"):
             counts["completed"] = batch.total * min(p, k - 1) // k
-            if p >= k:
-                obj.update(status="expired", expired_at=now)
+            if p >= k:  # the completed requests stay in the output file, billed; the rest
+                # are written to the error file (code batch_expired)
+                obj.update(status="expired", expired_at=now,
+                           output_file_id=f"file-out-{obj['id']}",
+                           error_file_id=f"file-err-{obj['id']}")  # fmt: skip
             else:
                 obj.update(status="in_progress", in_progress_at=obj["in_progress_at"] or now)
             return
