@@ -34,6 +34,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
+from hypothesis.internal.conjecture import engine as hypothesis_engine
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
@@ -945,7 +946,13 @@ def report() -> str:
     return "\n".join(lines)
 
 
-def test_every_transition_and_reply_code_is_predicted(sync_redis: SyncRedis) -> None:
+def test_every_transition_and_reply_code_is_predicted(
+    sync_redis: SyncRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A failing example replays a whole example per shrink step (some hundred script calls
+    # and reads): hypothesis's five minutes of shrinking would outlast the test's timeout
+    # and lose the report. A minute shrinks most failures to a few steps.
+    monkeypatch.setattr(hypothesis_engine, "MAX_SHRINKING_SECONDS", 60, raising=False)
     global SYNC_REDIS
     SYNC_REDIS = sync_redis
     TRANSITIONS.clear()
