@@ -239,7 +239,8 @@ class Lifecycle(RuleBasedStateMachine):
         assert (batch.dropped, batch.ready_left) == (dropped, len(order) - seen), batch
         assert (batch.next_due_ms is not None) == due_later, batch
         for c in batch.claimed:
-            assert c.task.status is (S.SUBMITTING if phase == "submit" else c.task.status)
+            t = self.tasks[c.lease.task_id]
+            assert c.task.status is (S.SUBMITTING if phase == "submit" else t.status)
             assert c.task.version == c.lease.version and c.task.fence == c.lease.fence
         for tid, new in outcome:
             self.tasks[tid].version += 1
