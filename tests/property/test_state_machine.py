@@ -93,6 +93,7 @@ class Task:
     late: bool = False  # its deadline has passed
     later: bool = False  # a save made it due later: it waits in due:<phase>, not ready
     reclaims: int = 0
+    attempts: int = 0  # submit_attempts: one per start
     # each worker's lease as that worker knows it (its fence, the version it last read)
     leases: dict[int, Lease] = field(default_factory=dict)
 
@@ -278,6 +279,7 @@ class Lifecycle(RuleBasedStateMachine):
         self._check("start", tid, got, want, before)
         if t is not None and got.code is Code.OK:
             t.version, t.started, t.idempotent = got.version, fence, idempotent
+            t.attempts += 1
             t.leases[fence] = Lease(tid, fence, got.version)
         return got
 
@@ -363,7 +365,8 @@ class Lifecycle(RuleBasedStateMachine):
             self._move(i, S.TRACKING_TIMED_OUT, "R")
         return swept
 
-    def do_cancel(self, tid: str) -> Result:
+    def do_cancel(self, tid: str, take_in: bool = True) -> Result:
+        """A producer's cancel; with `take_in`, a daemon takes the request in at once."""
         t = self.tasks.get(tid)
         if t is None:
             want = Result(Code.NOT_FOUND)
@@ -374,9 +377,16 @@ class Lifecycle(RuleBasedStateMachine):
         before = self._snap(tid)
         got = self.store.run(self.store.ops.cancel(tid))
         self._check("cancel", tid, got, want, before)
-        self._ingest()  # a daemon takes the request in
-        if t is None or got.code is not Code.ACCEPTED:
-            return got
+        if take_in and got.code is Code.ACCEPTED:
+            self._ingest()
+            self.cancel_taken_in(tid)
+        return got
+
+    def cancel_taken_in(self, tid: str) -> None:
+        """What a daemon does with a cancel request, as the task is when it takes it in."""
+        t = self.tasks[tid]
+        if t.status.is_terminal:
+            return  # finished meanwhile: it stays as it finished
         if t.status in (S.PENDING_SUBMIT, S.SUBMIT_UNKNOWN):
             # nobody holds it: canceled at once
             t.version += 1
@@ -388,7 +398,6 @@ class Lifecycle(RuleBasedStateMachine):
             t.cancel, t.cancel_version = True, t.version
             if t.holder is None and t.status in (S.SUBMITTED, S.RUNNING):
                 t.later = False  # an idle poll is due at once: the cancel does not wait
-        return got
 
     def do_resolve(self, tid: str, target: Status) -> Result:
         t = self.tasks.get(tid)
@@ -556,6 +565,15 @@ class Lifecycle(RuleBasedStateMachine):
         call = self.store.ops.create(tid, "other", b"{}", timeout_ms=TIMEOUT_MS)
         assert self.store.run(raw(call)) == [Code.EXISTS]
         self._code("create", Code.EXISTS)
+        t = self.tasks[tid]
+        if not t.dedup:
+            # the same create sent again (a lost reply): answered as the first one was
+            p = t.priority
+            call = self.store.ops.create(
+                tid, "h", encode_json({"p": p}), timeout_ms=TIMEOUT_MS, priority=p
+            )
+            assert self.store.run(raw(call))[:2] == [Code.OK, 1]
+            self._code("create", Code.OK)
 
     def do_lost_request(self) -> None:
         """A create request lost before a daemon took it in leaves its dedup key naming
@@ -669,6 +687,19 @@ class Lifecycle(RuleBasedStateMachine):
         if late:
             self.do_deadline(tid)
         self.do_save(self.holder_lease(tid), then)
+
+    @rule(data=st.data(), phase=st.sampled_from(["submit", "query"]))
+    def cancel_races_the_finish(self, data: st.DataObject, phase: str) -> None:
+        """A cancel is requested, and the holder finishes the task before a daemon takes
+        the request in: the task stays as it finished."""
+        tid = self.held_submit(data, fresh=True) if phase == "submit" else self.held_query(data)
+        if tid is None:
+            return
+        self.do_cancel(tid, take_in=False)
+        done = S.FAILED if phase == "submit" else S.SUCCEEDED
+        assert self.do_save(self.holder_lease(tid), done).ok
+        self._ingest()
+        self.cancel_taken_in(tid)
 
     @rule(data=st.data(), phase=st.sampled_from(["submit", "submit", "query"]), start=st.booleans())
     def merge_a_cancel(self, data: st.DataObject, phase: str, start: bool) -> None:
@@ -861,6 +892,16 @@ class Lifecycle(RuleBasedStateMachine):
         assert self.do_save(self.holder_lease(tid), S.RUNNING, LATER_MS).ok
         assert tid in self.do_claim("query", 1000)
         assert self.do_save(self.holder_lease(tid), S.CANCELED).ok
+        # a cancel that arrives after the finish
+        tid = self.fresh_query(S.RUNNING)
+        self.do_cancel(tid, take_in=False)
+        assert self.do_save(self.holder_lease(tid), S.SUCCEEDED).ok
+        self._ingest()
+        self.cancel_taken_in(tid)
+        # a dedup key names its live task
+        key = f"tour-{tid}"
+        assert self.do_create(0, key) is not None
+        assert self.do_create(0, key) is None  # ACCEPTED, with the live task's id
         # create's other codes, and NOT_FOUND from each single-task script
         self.do_create_again(tid)
         self.do_lost_request()
@@ -894,6 +935,7 @@ class Lifecycle(RuleBasedStateMachine):
                 "cancel": h.get(b"cancel_requested") == b"1",
                 "cancel_version": num(b"cancel_version"),
                 "reclaims": num(b"reclaims") or 0,
+                "attempts": num(b"submit_attempts") or 0,
                 "later": tid in later,
             }
             if b"idempotent" in h:
@@ -907,6 +949,7 @@ class Lifecycle(RuleBasedStateMachine):
                 "cancel": t.cancel,
                 "cancel_version": t.cancel_version,
                 "reclaims": t.reclaims,
+                "attempts": t.attempts,
                 "later": t.later,
             }
             if t.idempotent is not None:
