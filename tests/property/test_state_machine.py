@@ -171,7 +171,9 @@ class Lifecycle(RuleBasedStateMachine):
 
     def _held(self, phase: str) -> list[str]:
         want = (S.SUBMITTING,) if phase == "submit" else (S.SUBMITTED, S.RUNNING)
-        return sorted(tid for tid, t in self.tasks.items() if t.holder and t.status in want)
+        return sorted(
+            tid for tid, t in self.tasks.items() if t.holder is not None and t.status in want
+        )
 
     def room(self) -> bool:
         """Whether a rule may create a task."""
@@ -493,11 +495,13 @@ class Lifecycle(RuleBasedStateMachine):
         lease = data.draw(st.sampled_from(leases))
         self.do_start(Lease(lease.task_id, lease.fence, lease.version + skew), idempotent)
 
-    @precondition(lambda self: any(t.holder for t in self.tasks.values()))
+    @precondition(lambda self: any(t.holder is not None for t in self.tasks.values()))
     @rule(data=st.data(), skew=st.sampled_from([0, 0, 0, -1, 1]))
     def save(self, data: st.DataObject, skew: int) -> None:
         """The holder's save of any outcome, legal or not, the version it read maybe off."""
-        tid = data.draw(st.sampled_from(sorted(i for i, t in self.tasks.items() if t.holder)))
+        tid = data.draw(
+            st.sampled_from(sorted(i for i, t in self.tasks.items() if t.holder is not None))
+        )
         t = self.tasks[tid]
         options = SUBMIT_OUTCOMES if t.status is S.SUBMITTING else QUERY_OUTCOMES
         target = data.draw(st.sampled_from(options) | st.sampled_from(ALL_STATUSES))
@@ -528,11 +532,13 @@ class Lifecycle(RuleBasedStateMachine):
     def cancel(self, data: st.DataObject) -> None:
         self.do_cancel(data.draw(st.sampled_from(sorted(self.tasks))))
 
-    @precondition(lambda self: any(t.holder for t in self.tasks.values()))
+    @precondition(lambda self: any(t.holder is not None for t in self.tasks.values()))
     @rule(data=st.data())
     def lease_expires(self, data: st.DataObject) -> None:
         self.do_reap(
-            data.draw(st.sampled_from(sorted(i for i, t in self.tasks.items() if t.holder)))
+            data.draw(
+                st.sampled_from(sorted(i for i, t in self.tasks.items() if t.holder is not None))
+            )
         )
 
     @precondition(lambda self: any(not t.status.is_terminal for t in self.tasks.values()))
