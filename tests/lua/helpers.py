@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from typing import Any
 
 import redis.asyncio
+from redis import Redis as SyncRedis
 
 from asynctaskd.codec import encode_json
 from asynctaskd.keys import Keys, new_task_id
@@ -116,33 +118,60 @@ async def lease_expired(r: redis.asyncio.Redis, keys: Keys, task_id: str) -> boo
     return score is not None and score < sec * 1000 + usec // 1000
 
 
-async def check_invariants(r: redis.asyncio.Redis, keys: Keys) -> None:
-    """Counters equal real counts; each live task is in exactly one due set or leased;
-    every create request not yet taken in is queued for the daemons."""
+_Batch = list[tuple[str, tuple[Any, ...]]]
+
+
+def _invariants(keys: Keys) -> Generator[_Batch, list[Any], None]:
+    """The invariants, as a generator: it yields the reads it needs next, a list of (client
+    method name, arguments), and is sent their replies in order, so that one body of checks
+    serves the asyncio client of the script tests and the blocking one of the state machine
+    (tests/property), each sending a batch as one pipeline."""
     tag = keys.tag(0)
-    queued = {e.decode() for e in await r.lrange(keys.intake(0), 0, -1)}
-    async for k in r.scan_iter(match=f"{tag}:new:*", count=1000):
-        tid = k.decode().rsplit(":", 1)[1]
+    phases = ("due:submit", "due:query", "ready:submit", "ready:query")
+    first: _Batch = [
+        ("lrange", (keys.intake(0), 0, -1)),
+        ("keys", (f"{tag}:new:*",)),
+        ("keys", (f"{tag}:task:*",)),
+        ("keys", (f"{tag}:inflight:*",)),
+        ("hgetall", (keys.counts(0),)),
+        ("zrange", (keys.leases(0), 0, -1)),
+        ("zrange", (keys.deadlines(0), 0, -1)),
+        *[("zrange", (f"{tag}:{name}", 0, -1)) for name in phases],
+        *[("zrange", (keys.index(0, s), 0, -1)) for s in Status],
+    ]
+    intake, new_keys, task_keys, inflight_keys, raw_counts, *zsets = yield first
+    leased = {m.decode() for m in zsets[0]}
+    deadlines = {m.decode() for m in zsets[1]}
+    sets = {name: {m.decode() for m in zsets[2 + i]} for i, name in enumerate(phases)}
+    indexes = {s: {m.decode() for m in zsets[6 + i]} for i, s in enumerate(Status)}
+    queued = {e.decode() for e in intake}
+    requests = [k.decode().rsplit(":", 1)[1] for k in new_keys]
+    task_ids = [k.decode().rsplit(":", 1)[1] for k in task_keys]
+    scopes = [k.decode()[len(f"{tag}:inflight:") :] for k in inflight_keys]
+    second: _Batch = [
+        *[("exists", (keys.task(0, tid),)) for tid in requests],
+        *[("hgetall", (k,)) for k in task_keys],
+        *[("smembers", (k,)) for k in inflight_keys],
+    ]
+    replies = yield second
+    exists = replies[: len(requests)]
+    tasks: dict[str, dict[bytes, bytes]] = dict(
+        zip(task_ids, replies[len(requests) : len(requests) + len(task_ids)], strict=True)
+    )
+    members_of = replies[len(requests) + len(task_ids) :]
+    for tid, there in zip(requests, exists, strict=True):
         assert f"c:{tid}" in queued, f"create request {tid} is not in the intake"
-        assert not await r.exists(keys.task(0, tid)), f"{tid} is both a request and a task"
-    tasks: dict[str, dict[bytes, bytes]] = {}
-    async for k in r.scan_iter(match=f"{tag}:task:*", count=1000):
-        tid = k.decode().rsplit(":", 1)[1]
-        tasks[tid] = await r.hgetall(k)
+        assert not there, f"{tid} is both a request and a task"
     real: dict[str, int] = {}
     for h in tasks.values():
         s = h[b"status"].decode()
         real[s] = real.get(s, 0) + 1
-    counts = {k.decode(): int(v) for k, v in (await r.hgetall(keys.counts(0))).items()}
+    counts = {k.decode(): int(v) for k, v in raw_counts.items()}
     for s in Status:
         assert counts.get(s.value, 0) == real.get(s.value, 0), f"counter {s}: {counts} vs {real}"
-        members = {m.decode() for m in await r.zrange(keys.index(0, s), 0, -1)}
         expected = {tid for tid, h in tasks.items() if h[b"status"].decode() == s.value}
-        assert members == expected, f"index {s} disagrees"
-    leased = {m.decode() for m in await r.zrange(keys.leases(0), 0, -1)}
-    sets = {}
-    for name in ("due:submit", "due:query", "ready:submit", "ready:query"):
-        sets[name] = {m.decode() for m in await r.zrange(f"{tag}:{name}", 0, -1)}
+        assert indexes[s] == expected, f"index {s} disagrees"
+    held_in: list[tuple[str, bytes]] = []
     for tid, h in tasks.items():
         s = Status(h[b"status"].decode())
         places = [n for n, members in sets.items() if tid in members]
@@ -152,7 +181,7 @@ async def check_invariants(r: redis.asyncio.Redis, keys: Keys) -> None:
         if held is not None:
             phase_ok = s is Status.PENDING_SUBMIT or held.startswith(b"rate:query|")
             assert phase_ok and tid not in leased, f"{tid} {s} is held in {held!r}"
-            assert await r.zscore(f"{tag}:held:{held.decode()}", tid) is not None
+            held_in.append((tid, held))
             places.append("held")
         if s.is_terminal or s is Status.SUBMIT_UNKNOWN:
             assert places == [], f"{tid} {s} still in {places}"
@@ -162,6 +191,20 @@ async def check_invariants(r: redis.asyncio.Redis, keys: Keys) -> None:
                 assert places == ["leases"]
             elif "leases" not in places and "held" not in places:
                 assert places[0].endswith(s.phase or "?"), f"{tid} {s} in {places}"
+            # a worker holds a task only between a claim and its save: never a pending one
+            assert not (s is Status.PENDING_SUBMIT and "leases" in places), f"{tid} {s} leased"
+        # an owner is the holder of a lease: written by the claim, removed with the lease
+        assert (b"owner" in h) == (tid in leased), f"{tid} {s} owner {h.get(b'owner')!r}"
+        # the deadline index follows the tasks a sweep may still time out: those of a phase
+        assert (tid in deadlines) == (s.phase is not None), f"{tid} {s} deadline index"
+        # a start mark lives from the start to the end of that submit attempt (a parked
+        # task keeps it, so that its submitter's late save can land)
+        if b"started_fence" in h:
+            assert s in (Status.SUBMITTING, Status.SUBMIT_UNKNOWN), f"{tid} {s} started"
+    if held_in:
+        scores = yield [("zscore", (f"{tag}:held:{held.decode()}", tid)) for tid, held in held_in]
+        for (tid, held), score in zip(held_in, scores, strict=True):
+            assert score is not None, f"{tid} is not in held:{held.decode()}"
     # In-flight caps: a task holds a slot exactly when its `slots` field names the cap,
     # and only while it is in flight (SUBMITTING..RUNNING or SUBMIT_UNKNOWN).
     in_flight = {"SUBMITTING", "SUBMITTED", "RUNNING", "SUBMIT_UNKNOWN"}
@@ -172,11 +215,43 @@ async def check_invariants(r: redis.asyncio.Redis, keys: Keys) -> None:
             assert h[b"status"].decode() in in_flight, f"{tid} holds slots while {h[b'status']!r}"
             for scope in slots.decode().split():
                 expected_sets.setdefault(scope, set()).add(tid)
-    actual_sets: dict[str, set[str]] = {}
-    async for k in r.scan_iter(match=f"{tag}:inflight:*", count=1000):
-        scope = k.decode()[len(f"{tag}:inflight:") :]
-        actual_sets[scope] = {m.decode() for m in await r.smembers(k)}
+    actual_sets = {
+        scope: {m.decode() for m in members}
+        for scope, members in zip(scopes, members_of, strict=True)
+    }
     assert actual_sets == expected_sets, f"in-flight sets {actual_sets} vs {expected_sets}"
+
+
+async def check_invariants(r: redis.asyncio.Redis, keys: Keys) -> None:
+    """Counters equal real counts; each live task is in exactly one due set or leased;
+    every create request not yet taken in is queued for the daemons; the lease, owner,
+    deadline index and start mark agree with the status (see _invariants)."""
+    checks = _invariants(keys)
+    replies: Any = None
+    try:
+        while True:
+            reads = checks.send(replies)
+            async with r.pipeline(transaction=False) as pipe:
+                for name, args in reads:
+                    getattr(pipe, name)(*args)
+                replies = await pipe.execute()
+    except StopIteration:
+        return
+
+
+def check_invariants_sync(r: SyncRedis, keys: Keys) -> None:
+    """check_invariants through a blocking client (the state machine's)."""
+    checks = _invariants(keys)
+    replies: Any = None
+    try:
+        while True:
+            reads = checks.send(replies)
+            with r.pipeline(transaction=False) as pipe:
+                for name, args in reads:
+                    getattr(pipe, name)(*args)
+                replies = pipe.execute()
+    except StopIteration:
+        return
 
 
 async def evalsha_calls(r: redis.asyncio.Redis) -> int:

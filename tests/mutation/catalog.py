@@ -67,7 +67,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "lua/_prelude.lua",
         "  return cancel_version ~= false and cancel_version ~= nil and current == cancel_version",
         "  return false and cancel_version ~= nil and current == cancel_version",
-        t(SCRIPTS, "test_cancel_during_query_lease_is_merged_at_next_save"),
+        (
+            *t(SCRIPTS, "test_cancel_during_query_lease_is_merged_at_next_save"),
+            "tests/property/test_state_machine.py::test_every_transition_and_reply_code_is_predicted",
+        ),
     ),
     Mutant(
         "save-drops-the-cancel-request",
@@ -120,7 +123,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "lua/_start.lua",
         "  if t[7] == fence then return {-8} end",
         "  if false then return {-8} end",
-        t(SCRIPTS, "test_one_fence_starts_the_vendor_submit_once"),
+        (
+            *t(SCRIPTS, "test_one_fence_starts_the_vendor_submit_once"),
+            "tests/property/test_state_machine.py::test_every_transition_and_reply_code_is_predicted",
+        ),
     ),
     Mutant(
         "start-after-a-cancel",
@@ -153,7 +159,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "lua/reap.lua",
         "    local started = status == 'SUBMITTING' and t[3] and t[3] == t[2]",
         "    local started = false",
-        t(SCRIPTS, "test_reap_started_submit_parks_in_submit_unknown"),
+        (
+            *t(SCRIPTS, "test_reap_started_submit_parks_in_submit_unknown"),
+            "tests/property/test_state_machine.py::test_every_transition_and_reply_code_is_predicted",
+        ),
     ),
     Mutant(
         "reap-treats-every-handler-as-idempotent",
@@ -178,7 +187,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "lua/_intake.lua",
         "  local unheld = status == 'PENDING_SUBMIT' or status == 'SUBMIT_UNKNOWN'",
         "  local unheld = status == 'SUBMIT_UNKNOWN'",
-        t(SCRIPTS, "test_cancel_of_a_pending_task_is_carried_out_when_a_daemon_takes_it_in"),
+        (
+            *t(SCRIPTS, "test_cancel_of_a_pending_task_is_carried_out_when_a_daemon_takes_it_in"),
+            "tests/property/test_state_machine.py::test_every_transition_and_reply_code_is_predicted",
+        ),
     ),
     Mutant(
         "cancel-of-an-idle-poll-waits-for-the-poll",
