@@ -78,15 +78,13 @@ async def redis_url(config: Config) -> AsyncIterator[str]:
 
 
 async def _check_server(store: Store) -> None:
-    try:
-        policy: dict[Any, Any] = dict(await store.redis.config_get("maxmemory-policy"))
-        value = policy.get("maxmemory-policy") or policy.get(b"maxmemory-policy")
-        if value not in (None, "noeviction", b"noeviction"):
-            logger.warning(
-                "Redis maxmemory-policy is %r: it may evict tasks. Set it to noeviction.", value
-            )
-    except Exception as exc:  # CONFIG may be forbidden by ACL: only a warning
-        logger.info("could not read maxmemory-policy (%s); make sure it is noeviction", exc)
+    value = await store.server_setting("maxmemory-policy")
+    if value is None:  # CONFIG may be forbidden by ACL: only a note
+        logger.info("could not read maxmemory-policy; make sure it is noeviction")
+    elif value != "noeviction":
+        logger.warning(
+            "Redis maxmemory-policy is %r: it may evict tasks. Set it to noeviction.", value
+        )
 
 
 def shared_http_client(config: Config) -> httpx.AsyncClient:

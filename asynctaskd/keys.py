@@ -15,6 +15,7 @@ from .model import Phase, Status
 __all__ = [
     "HANDLER_KEY_RE",
     "PROTOCOL_VERSION",
+    "READY_BAND",
     "SETTINGS",
     "Keys",
     "deployment_problem",
@@ -24,6 +25,9 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION: Final = 1  # docs/protocol.md, section 1
+# ready:<phase> scores are (100 - priority) * READY_BAND + due_ms: a band per priority,
+# FIFO by due time within it (lua/_prelude.lua's PRIO_SPAN, checked equal by a test).
+READY_BAND: Final = 1 << 42
 
 # Handler keys, tenants and accounts end up inside key names and counter fields.
 HANDLER_KEY_RE: Final = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")

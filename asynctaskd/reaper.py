@@ -12,6 +12,7 @@ import anyio
 from .config import Config
 from .connection import master_address
 from .errors import ScriptError, StoreUnavailable
+from .keys import READY_BAND
 from .metrics import Metrics
 from .model import Phase, Status
 from .store import PAUSE_KINDS, Store, read_many
@@ -48,8 +49,7 @@ async def purge_once(store: Store, config: Config) -> int:
 
 PHASES: Final[tuple[Phase, Phase]] = ("submit", "query")
 LIVE_WINDOW = 30.0  # a daemon whose heartbeat is older than this is not counted as live
-# ready:<phase> scores are (100 - priority) * 2^42 + due_ms (docs/protocol.md).
-_BAND: Final = 1 << 42
+_BAND: Final = READY_BAND  # one band per priority in the ready sets (asynctaskd.keys)
 # Priority bands looked at per ready set. The head of a band is its oldest entry (FIFO by
 # due time within a band), so the age is exact for up to this many distinct priorities.
 _MAX_BANDS: Final = 16

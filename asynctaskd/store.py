@@ -1128,6 +1128,21 @@ class Store(_Base):
 
     # Durability, wake-ups and the daemon registry.
 
+    async def server_setting(self, name: str) -> str | None:
+        """A server setting by CONFIG GET (on a cluster, shard 0's node), or None when the
+        server will not say (an ACL without CONFIG, a managed service that renamed it)."""
+        node: Any = self.redis
+        if self.cluster:
+            _, node = self._node_client(self.keys.tag(0))
+        try:
+            raw: dict[Any, Any] = dict(await node.config_get(name))
+        except (rex.ResponseError, rex.RedisError):
+            return None
+        value = raw.get(name, raw.get(name.encode()))
+        if value is None:
+            return None
+        return _s(value) if isinstance(value, bytes) else str(value)
+
     async def read_persistence(self) -> Persistence:
         """How the server keeps writes: AOF, its fsync policy, replicas, version.
 

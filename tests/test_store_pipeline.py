@@ -340,3 +340,8 @@ async def test_a_gated_call_is_durable_only_when_the_gate_is_met(
             runner.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await runner
+
+
+async def test_a_server_setting_is_read_or_none(store: Store) -> None:
+    assert await store.server_setting("maxmemory-policy") == "noeviction"  # as started
+    assert await store.server_setting("no-such-setting") is None

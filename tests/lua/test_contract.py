@@ -88,3 +88,11 @@ def test_legal_table_has_no_duplicates_and_terminal_sources_only_requeue() -> No
 
 def _code(body: str) -> str:
     return "\n".join(line for line in body.splitlines() if not line.lstrip().startswith("--"))
+
+
+def test_the_ready_score_band_is_the_same_in_python_and_lua() -> None:
+    from asynctaskd.keys import READY_BAND
+
+    prelude = (ROOT / "lua" / "_prelude.lua").read_text()
+    (span,) = re.findall(r"^local PRIO_SPAN = (\d+)", prelude, re.M)
+    assert int(span) == READY_BAND == 2**42
