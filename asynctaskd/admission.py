@@ -344,7 +344,7 @@ def sync(ops: Ops, *, force: bool = False) -> SimplePlan[SyncReport]:
     shards = range(keys.shards)
     replies = yield Reads(
         read("get", keys.admission() + "version"),
-        *(read("get", keys.tag(shard) + ":admission_version") for shard in shards),
+        *(read("get", keys.admission_version(shard)) for shard in shards),
     )
     version = int(replies[0] or 0)
     behind = {s for s in shards if int(replies[1 + s] or -1) < version}
@@ -492,13 +492,12 @@ async def observe(store: Store, metrics: Metrics) -> None:
         if isinstance(entry.limit.get("max_in_flight"), int)
     }
     for shard in range(store.keys.shards):
-        tag = store.keys.tag(shard) + ":"
         lanes, capholds, paused = await read_many(
             store,
             [
-                read("smembers", tag + "lanes"),
-                read("srandmember", tag + "capholds", 1000),
-                read("hkeys", tag + "paused"),
+                read("smembers", store.keys.lanes(shard)),
+                read("srandmember", store.keys.capholds(shard), 1000),
+                read("hkeys", store.keys.paused(shard)),
             ],
         )
         dims = [("rate", "rate:" + _text(x)) for x in lanes]
@@ -507,8 +506,8 @@ async def observe(store: Store, metrics: Metrics) -> None:
         explicit = [s for s in caps if not s.endswith(":*")]
         counts = await read_many(
             store,
-            [read("zcard", tag + "held:" + dim) for _, dim in dims]
-            + [read("scard", tag + "inflight:" + scope) for scope in explicit],
+            [read("zcard", store.keys.held(shard, dim)) for _, dim in dims]
+            + [read("scard", store.keys.inflight(shard, scope)) for scope in explicit],
         )
         for (kind, dim), n in zip(dims, counts, strict=False):
             scope = dim.split(":", 1)[1] if kind != "pause" else dim

@@ -910,7 +910,7 @@ def _resume(ctx: _Context, dimension: str) -> Plan[int]:
 
 
 def _paused(ctx: _Context) -> Plan[dict[str, dict[str, Any]]]:
-    (raw,) = yield Reads(_read("hgetall", ctx.keys.tag(0) + ":paused"))
+    (raw,) = yield Reads(_read("hgetall", ctx.keys.paused(0)))
     out: dict[str, dict[str, Any]] = {}
     for k, v in raw.items():
         try:

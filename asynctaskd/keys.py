@@ -178,6 +178,34 @@ class Keys:
     def dedup(self, shard: int, tenant: str, dedup_key: str) -> str:
         return f"{self.tag(shard)}:dedup:{len(tenant)}:{tenant}:{dedup_key}"
 
+    def settings(self, shard: int) -> str:
+        """HASH of the settings the scripts read (SETTINGS says which, and their ranges)."""
+        return f"{self.tag(shard)}:settings"
+
+    def paused(self, shard: int) -> str:
+        """HASH of paused dimensions (handler:<k>, tenant:<t>, ...) -> JSON note."""
+        return f"{self.tag(shard)}:paused"
+
+    def admission_version(self, shard: int) -> str:
+        """STRING: the version of the limits this shard's admission table was built from."""
+        return f"{self.tag(shard)}:admission_version"
+
+    def lanes(self, shard: int) -> str:
+        """SET of rate lanes that hold tasks back on this shard."""
+        return f"{self.tag(shard)}:lanes"
+
+    def capholds(self, shard: int) -> str:
+        """SET of cap:<scope> dimensions that hold tasks back on this shard."""
+        return f"{self.tag(shard)}:capholds"
+
+    def held(self, shard: int, dim: str) -> str:
+        """ZSET of tasks one dimension holds back (the ready score kept)."""
+        return f"{self.tag(shard)}:held:{dim}"
+
+    def inflight(self, shard: int, scope: str) -> str:
+        """SET of task ids holding a slot of an in-flight cap."""
+        return f"{self.tag(shard)}:inflight:{scope}"
+
     def no_dedup(self, shard: int) -> str:
         """Placeholder passed where a script takes a dedup key but none applies."""
         return f"{self.tag(shard)}:dedup:-"

@@ -695,9 +695,7 @@ class Store(_Base):
                 await self._load_all()
                 for shard in range(self.keys.shards):
                     if self.settings:
-                        await self.redis.hset(
-                            self.keys.tag(shard) + ":settings", mapping=self.settings
-                        )
+                        await self.redis.hset(self.keys.settings(shard), mapping=self.settings)
             return
         with _mapped("loading scripts"):
             async with self.redis.pipeline(transaction=False) as pipe:
@@ -705,7 +703,7 @@ class Store(_Base):
                     pipe.script_load(script.source)
                 for shard in range(self.keys.shards):
                     if self.settings:
-                        pipe.hset(self.keys.tag(shard) + ":settings", mapping=self.settings)
+                        pipe.hset(self.keys.settings(shard), mapping=self.settings)
                 await pipe.execute()
 
     async def run(self, call: Call[T]) -> T:
@@ -1123,7 +1121,7 @@ class Store(_Base):
     async def paused(self) -> dict[str, dict[str, Any]]:
         """Paused dimensions (as written on shard 0) with when and why."""
         with _mapped("paused"):
-            raw = await self.redis.hgetall(self.keys.tag(0) + ":paused")
+            raw = await self.redis.hgetall(self.keys.paused(0))
         return {_s(k): msgspec.json.decode(v) for k, v in raw.items()}
 
     # Durability, wake-ups and the daemon registry.
