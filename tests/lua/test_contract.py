@@ -96,3 +96,34 @@ def test_the_ready_score_band_is_the_same_in_python_and_lua() -> None:
     prelude = (ROOT / "lua" / "_prelude.lua").read_text()
     (span,) = re.findall(r"^local PRIO_SPAN = (\d+)", prelude, re.M)
     assert int(span) == READY_BAND == 2**42
+
+
+def test_the_transition_table_in_protocol_md_is_the_model() -> None:
+    doc = (ROOT / "docs" / "protocol.md").read_text()
+    start = doc.index("| source | target | actors | why | script(s) |")
+    rows = doc[start : doc.index("\n\n", start)].splitlines()[2:]
+    documented = set()
+    for row in rows:
+        source, target, actors, why, _ = (c.strip() for c in row.strip("|").split("|"))
+        documented.add((None if source == "(none)" else source, target, actors, why))
+    model = {
+        (t.source.value if t.source else None, t.target.value, t.actors, t.why)
+        for t in LEGAL_TRANSITIONS
+    }
+    assert documented == model, (documented - model, model - documented)
+    assert len(rows) == len(LEGAL_TRANSITIONS)
+
+
+def test_every_task_field_the_code_reads_or_writes_is_in_protocol_md() -> None:
+    doc = (ROOT / "docs" / "protocol.md").read_text()
+    section = doc[doc.index("## 4. Task hash fields") : doc.index("## 5. Statuses")]
+    documented = set(re.findall(r"^\| `([a-z_]+)` \|", section, re.M))
+    codec = (ROOT / "asynctaskd" / "codec.py").read_text()
+    read_by_codec = set(re.findall(r'get\(b"([a-z_]+)"\)', codec))
+    save = (ROOT / "lua" / "_save.lua").read_text()
+    writable = re.search(r"local WRITABLE = \{(.*?)\}", save, re.S)
+    assert writable is not None
+    written_by_save = set(re.findall(r"([a-z_]+) = true", writable.group(1)))
+    assert read_by_codec and written_by_save
+    assert read_by_codec - documented == set()
+    assert written_by_save - documented == set()
