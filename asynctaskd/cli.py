@@ -269,12 +269,18 @@ def _parser() -> argparse.ArgumentParser:
     js(lp)
     lp.add_argument("scope", help="provider:<p>, account:<p>/<a>, tenant:<t> or tenant:*")
 
-    sp = sub.add_parser("scripts", help="load this version's Lua scripts into Redis (operators)")
+    sp = sub.add_parser("scripts", help="load or export this version's Lua scripts")
     ssub = sp.add_subparsers(dest="scripts_command", metavar="ACTION", required=True)
     lp = ssub.add_parser(
         "load", help="load every script: producers may use but not load them (docs/security.md)"
     )
     conn(lp)
+    lp = ssub.add_parser(
+        "export",
+        help="write each script as Redis runs it, and manifest.json with every SHA, to DIR "
+        "(for producers in other languages: docs/protocol.md, section 7)",
+    )
+    lp.add_argument("dir", type=Path, help="the directory to write (created if missing)")
 
     sp = sub.add_parser("purge", help="delete terminal tasks older than a duration")
     conn(sp)
@@ -714,6 +720,31 @@ def _watch(client: Any, args: argparse.Namespace) -> int:
     return 0 if last.status is Status.SUCCEEDED else EXIT_FAILED
 
 
+def _export_scripts(directory: Path) -> int:
+    """Each script's full source (what EVALSHA runs) as <name>.lua, and manifest.json:
+    {"protocol": 1, "scripts": {name: {"sha1", "keys", "argv"}}}, for loading with SCRIPT
+    LOAD from any language (the SHA is the SHA-1 of the file's bytes)."""
+    from .keys import PROTOCOL_VERSION
+    from .scripts import load_scripts
+
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        manifest: dict[str, Any] = {"protocol": PROTOCOL_VERSION, "scripts": {}}
+        for name, script in sorted(load_scripts().items()):
+            (directory / f"{name}.lua").write_bytes(script.source.encode())
+            manifest["scripts"][name] = {
+                "sha1": script.sha,
+                "keys": list(script.keys),
+                "argv": script.argv_count,
+                "variadic": script.variadic,
+            }
+        (directory / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    except OSError as exc:
+        raise InvalidTask(f"cannot write the scripts to {directory}: {exc}") from None
+    _out(f"wrote {len(manifest['scripts'])} scripts and manifest.json to {directory}")
+    return 0
+
+
 def _exit_during_startup(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
@@ -759,6 +790,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 _out(json.dumps(effective, indent=2))
             return 0
+        if args.command == "scripts" and args.scripts_command == "export":
+            return _export_scripts(args.dir)
         code = _client_command(args)
         sys.stdout.flush()  # here, where a reader that went away is handled below
         return code

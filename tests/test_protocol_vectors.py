@@ -72,3 +72,32 @@ def test_a_daemon_with_another_shard_count_refuses_to_start(
     assert run.returncode == 2, run.stderr
     assert "namespace 'atd' has 4 shard(s)" in run.stderr and "configured with 2" in run.stderr
     assert sync_redis.hlen(Keys().daemons()) == 0  # it never registered as a daemon
+
+
+@pytest.mark.slow
+def test_exported_scripts_load_under_the_sha_the_manifest_names(
+    sync_redis: Any, tmp_path: Path
+) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "asynctaskd", "scripts", "export", str(tmp_path / "lua")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert "scripts and manifest.json" in out.stdout
+    manifest = json.loads((tmp_path / "lua" / "manifest.json").read_text())
+    assert manifest["protocol"] == PROTOCOL_VERSION and manifest["scripts"]
+    for name, entry in manifest["scripts"].items():
+        source = (tmp_path / "lua" / f"{name}.lua").read_text()
+        assert sync_redis.script_load(source) == entry["sha1"], name  # what EVALSHA names
+    # a producer in another language, with only these files: create a task by EVALSHA
+    create = manifest["scripts"]["create"]
+    assert create["keys"] == ["prefix", "task", "dedup"]
+    keys = Keys()
+    tid = "01J0000000000000000000000A"
+    args = [tid, "h", "", "", "", 0, 0, 0, 60_000, "{}", "", ""]
+    prefix = keys.tag(0) + ":"  # KEYS[1] of every script: the shard prefix
+    reply = sync_redis.evalsha(create["sha1"], 3, prefix, keys.task(0, tid),
+                               keys.no_dedup(0), *args)  # fmt: skip
+    assert reply[0] == 1
