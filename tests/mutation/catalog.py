@@ -391,6 +391,14 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_throttles_in_a_row_wait_longer_each_time_and_a_success_resets_them",
         ),
     ),
+    Mutant(
+        "full-claim-rounds-linger",
+        "a claim round that filled its batch claims again at once",
+        "asynctaskd/worker.py",
+        "            if got and not more and self.claim_linger:",
+        "            if got and self.claim_linger:",
+        t("tests/test_worker.py", "test_full_claim_rounds_claim_again_at_once"),
+    ),
     # --- vendor data ----------------------------------------------------------------------------
     Mutant(
         "pool-disconnect-claimed-never-sent",
