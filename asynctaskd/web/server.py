@@ -17,7 +17,7 @@ from typing import Any, Final
 
 from aiohttp import web
 
-from asynctaskd import __version__
+from asynctaskd import __version__, systemd
 from asynctaskd.client import AsyncClient
 from asynctaskd.config import Config, parse_listen
 from asynctaskd.store import open_redis
@@ -69,7 +69,9 @@ async def serve_web(config: Config, *, started: asyncio.Future[int] | None = Non
                     config.redis.namespace)  # fmt: skip
         if started is not None:
             started.set_result(bound)
+        systemd.notify(f"READY=1\nSTATUS=HTTP API on {host}:{bound}")
         await stop.wait()
+        systemd.notify("STOPPING=1")
         logger.info("stopping the HTTP API")
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT):
