@@ -455,14 +455,36 @@ async def test_reconnect_with_last_event_id_misses_nothing(api: Api, store: Stor
             await _worker(store, handler, http).run_until_idle()
     rest = [e async for e in _events(api, task_id, auth, last=last)]
     assert rest and all(int(e["id"]) > last for e in rest)
-    assert rest[-1]["data"]["status"] == "SUCCEEDED"
+    # Every state it went through while no one watched, in order: replayed from the
+    # events stream, not folded into the current one.
+    shown = [(e["data"]["status"], e["data"]["progress"]) for e in rest]
+    assert shown == [("SUBMITTING", None), ("SUBMITTED", None), ("RUNNING", 0.5),
+                     ("SUCCEEDED", None)]  # fmt: skip
     final = await api.client.get(task_id)
     assert final is not None and int(rest[-1]["id"]) == final.version
+    # Where the stream was trimmed past what the client had, the current state stands in
+    # for what cannot be replayed.
+    await api.redis.xtrim("atd:{s0}:events", maxlen=0)
+    folded = [e async for e in _events(api, task_id, auth, last=last)]
+    assert [(e["id"], e["data"]["status"]) for e in folded] == [(rest[-1]["id"], "SUCCEEDED")]
     # Reconnecting after the last event: 204 tells an EventSource to stop.
     r = await api.http.get(
         f"{API}/tasks/{task_id}/events", headers={**auth, "Last-Event-ID": rest[-1]["id"]}
     )
     assert r.status_code == 204
+
+
+async def test_an_idle_stream_gets_keepalive_comments(api: Api) -> None:
+    auth = await api.token("producer", "t1")
+    task_id = (await api.submit(auth)).json()["id"]  # nobody runs it: the stream stays idle
+    url = f"{API}/tasks/{task_id}/events"
+    with anyio.fail_after(10):
+        async with api.http.stream("GET", url, headers=auth) as r:
+            assert r.headers["Cache-Control"] == "no-store"
+            assert r.headers["X-Accel-Buffering"] == "no"
+            async for line in r.aiter_lines():
+                if line.startswith(": keep-alive"):
+                    break
 
 
 async def test_reconnect_mid_run_resumes_after_the_last_event(api: Api, store: Store) -> None:
@@ -482,6 +504,8 @@ async def test_reconnect_mid_run_resumes_after_the_last_event(api: Api, store: S
                     break
         resumed = [e async for e in _events(api, task_id, auth, last=int(seen[-1]["id"]))]
     assert resumed[0]["id"] != seen[-1]["id"]
+    progress = [e["data"]["progress"] for e in seen + resumed if e["data"]["progress"]]
+    assert progress == [0.3, 0.6]  # each step once, none lost at the reconnect
     assert [e["data"]["status"] for e in resumed][-1] == "SUCCEEDED"
     ids = [int(e["id"]) for e in seen + resumed]
     assert ids == sorted(set(ids))  # no duplicate, nothing out of order

@@ -36,7 +36,9 @@ from asynctaskd.errors import (
     TaskNotFound,
     UnknownHandler,
 )
+from asynctaskd.keys import Keys
 
+from .replay import missed_events
 from .schemas import ResolveBody, SubmitBody, openapi, public_task
 from .tokens import Role, TokenCache, TokenRecord
 
@@ -55,6 +57,7 @@ class WebSettings(msgspec.Struct, frozen=True, kw_only=True):
     """What the routes need from `[web]` (asynctaskd.config.WebConfig) and `[redis]`."""
 
     namespace: str = "atd"
+    shards: int = 1
     max_body: int = 1024 * 1024
     token_cache: float = 5.0
     keepalive: float = 15.0
@@ -131,6 +134,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 _CLIENT: Final = web.AppKey("client", AsyncClient)
 _TOKENS: Final = web.AppKey("tokens", TokenCache)
 _SETTINGS: Final = web.AppKey("settings", WebSettings)
+_KEYS: Final = web.AppKey("keys", Keys)
 
 
 async def _auth(request: web.Request, roles: tuple[Role, ...]) -> TokenRecord:
@@ -275,6 +279,10 @@ def _last_event_id(request: web.Request) -> int:
     return int(text)
 
 
+def _shows(event: TaskEvent) -> tuple[Any, ...]:
+    return event.status, event.progress, event.stage, event.message
+
+
 def _frame(event: TaskEvent) -> bytes:
     data = msgspec.json.encode(event)
     return b"event: task\nid: %d\ndata: %s\n\n" % (event.version, data)
@@ -300,7 +308,14 @@ async def _events(request: web.Request) -> web.StreamResponse:
         first = await anext(watch)  # raises TaskNotFound or InvalidTask before any byte
     except StopAsyncIteration:  # pragma: no cover - watch always yields the current state
         raise ApiError(404, "not_found", f"no task {task_id}") from None
-    if first.status.is_settled and first.version <= seen:
+    backlog = [first]
+    if seen and first.version > seen:  # a reconnect that missed changes: replay them
+        missed = await missed_events(client.redis, request.app[_KEYS], task_id, seen)
+        if missed:
+            # The current state closes the replay unless the last missed event shows it.
+            same = _shows(missed[-1]) == _shows(first) or missed[-1].version >= first.version
+            backlog = missed if same else [*missed, first]
+    if backlog[-1].status.is_settled and backlog[-1].version <= seen:
         await watch.aclose()
         return web.Response(status=204)  # tells an EventSource to stop reconnecting
     response = web.StreamResponse(
@@ -312,7 +327,8 @@ async def _events(request: web.Request) -> web.StreamResponse:
     )
     await response.prepare(request)
     queue: asyncio.Queue[TaskEvent | None] = asyncio.Queue()
-    await queue.put(first)
+    for missed_or_current in backlog:
+        queue.put_nowait(missed_or_current)
     pump = asyncio.create_task(_pump(watch, queue))
     keepalive = request.app[_SETTINGS].keepalive
     try:
@@ -363,6 +379,7 @@ def make_app(client: AsyncClient, settings: WebSettings) -> web.Application:
     app = web.Application(middlewares=[_errors], client_max_size=settings.max_body)
     app[_CLIENT] = client
     app[_SETTINGS] = settings
+    app[_KEYS] = Keys(settings.namespace, settings.shards)
     app[_TOKENS] = TokenCache(client.redis, settings.namespace, settings.token_cache)
     p = PREFIX
     app.router.add_post(f"{p}/tasks", _submit)

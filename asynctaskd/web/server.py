@@ -41,6 +41,7 @@ def redis_url_of(config: Config) -> str:
 def settings_of(config: Config) -> WebSettings:
     return WebSettings(
         namespace=config.redis.namespace,
+        shards=config.redis.shards,
         max_body=config.web.max_body,
         token_cache=float(config.web.token_cache),
         keepalive=float(config.web.keepalive),
