@@ -576,7 +576,11 @@ def _token(client: Any, args: argparse.Namespace, namespace: str) -> int:
         return 0
     if args.token_command == "list":
         records = sorted(
-            (msgspec.json.decode(raw, type=TokenRecord) for raw in client.redis.hvals(key)),
+            # HGETALL, not HVALS: the operator's ACL user (docs/security.md) allows it.
+            (
+                msgspec.json.decode(raw, type=TokenRecord)
+                for raw in client.redis.hgetall(key).values()
+            ),
             key=lambda r: r.created_at,
         )
         if args.json:

@@ -14,6 +14,7 @@ import httpx
 import msgspec
 import pytest
 import redis.asyncio
+import redis.exceptions
 from aiohttp import web
 
 from asynctaskd.client import AsyncClient
@@ -522,3 +523,45 @@ def test_nothing_but_the_web_command_loads_the_web_package(module: str) -> None:
     code = f"import sys, {module}; print({loaded})"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
+# The Redis user docs/api.md gives the web process: the producer's, plus the tokens hash.
+
+
+async def test_the_producer_acl_user_plus_the_tokens_hash_serves_the_api(
+    redis_client: redis.asyncio.Redis, redis_url: str, store: Store
+) -> None:
+    from tests.acl import acl_rules, user_url
+
+    rules = [*acl_rules("asynctaskd-producer", "pw-web"), "%R~atd:web:tokens"]
+    try:
+        await redis_client.execute_command("ACL", "SETUSER", "asynctaskd-web", *rules)
+    except redis.exceptions.ResponseError:  # Redis 7.0 does not know it (tests/acl.py)
+        rules.remove("+client|setinfo")
+        await redis_client.execute_command("ACL", "SETUSER", "asynctaskd-web", *rules)
+    conn = redis.asyncio.Redis.from_url(user_url(redis_url, "asynctaskd-web", "pw-web"))
+    runner = web.AppRunner(make_app(AsyncClient(conn, "atd"), WebSettings()), access_log=None)
+    try:
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+            api = Api(url, http, redis_client, AsyncClient(redis_client, "atd"))
+            auth = await api.token("producer", "t1")
+            r = await api.submit({**auth, "Idempotency-Key": "k1"})
+            assert r.status_code == 201, r.text
+            task_id = r.json()["id"]
+            assert (await api.submit({**auth, "Idempotency-Key": "k1"})).status_code == 200
+            await ingest(store)
+            assert (await http.get(f"{API}/tasks/{task_id}", headers=auth)).status_code == 200
+            listed = (await http.get(f"{API}/tasks", headers=auth)).json()["tasks"]
+            assert [t["id"] for t in listed] == [task_id]
+            events = [e async for e in _events(api, task_id, auth, last=0, upto=1)]
+            assert events[0]["data"]["status"] == "PENDING_SUBMIT"
+            r = await http.post(f"{API}/tasks/{task_id}/cancel", headers=auth)
+            assert r.status_code == 202
+            assert (await http.get("/readyz")).status_code == 200
+    finally:
+        await runner.cleanup()
+        await conn.aclose()
+        await redis_client.execute_command("ACL", "DELUSER", "asynctaskd-web")
