@@ -184,6 +184,18 @@ async def test_cancel_and_operator_requeue(api: Api, store: Store) -> None:
     op = await api.token("operator")
     r = await api.http.post(f"{API}/tasks/{task_id}/requeue", headers=op)
     assert r.status_code == 409 and error_code(r) == "illegal_transition"
+    assert "CANCELED" in r.json()["error"]["message"]
+
+
+async def test_operator_resolve(api: Api, store: Store) -> None:
+    producer, op = await api.token("producer", "t1"), await api.token("operator")
+    task_id = (await api.submit(producer)).json()["id"]
+    await ingest(store)
+    url = f"{API}/tasks/{task_id}/resolve"
+    r = await api.http.post(url, headers=op, json={"status": "SUBMITTED", "external_id": "j"})
+    assert r.status_code == 409 and error_code(r) == "illegal_transition"
+    r = await api.http.post(url, headers=op, json={"status": "CANCELED", "message": "dup"})
+    assert r.status_code == 200 and r.json()["status"] == "CANCELED"
 
 
 # Roles and tenants.
@@ -300,7 +312,21 @@ async def test_bad_input_gets_a_4xx_and_writes_nothing(
         ("long idempotency key", 422, "invalid",
          {"json": good, "headers": {"Idempotency-Key": "k" * 201}}),
     ]  # fmt: skip
+    viewer = await api.token("viewer", "t1")
+    stranger = await api.token("producer", "t2")
     before = await _snapshot(redis_client)
+    task_id = "01ARZ3NDEKTSV4RRFFQ69G5FAV"
+    refused = [
+        (f"{API}/tasks", {}, good, 401),
+        (f"{API}/tasks", viewer, good, 403),
+        (f"{API}/tasks", auth, {**good, "tenant": "t2"}, 403),
+        (f"{API}/tasks/{task_id}/cancel", viewer, None, 403),
+        (f"{API}/tasks/{task_id}/cancel", stranger, None, 404),
+        (f"{API}/tasks/{task_id}/requeue", auth, None, 403),
+    ]
+    for path, who, body, status in refused:
+        r = await api.http.post(path, headers=who, json=body)
+        assert r.status_code == status, (path, r.text)
     for what, status, code, kwargs in cases:
         headers = {**auth, **kwargs.pop("headers", {})}
         r = await api.http.post(url, headers=headers, **kwargs)
