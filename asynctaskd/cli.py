@@ -119,7 +119,10 @@ def _parser() -> argparse.ArgumentParser:
     tp = tsub.add_parser("create", help="make a token; its secret is shown once")
     conn(tp)
     js(tp)
-    tp.add_argument("--role", required=True, choices=("producer", "viewer", "operator"))
+    tp.add_argument(
+        "--role", required=True, choices=("producer", "viewer", "operator"),
+        help="producer: submit, read, watch, cancel; viewer: read, watch; operator: all",
+    )  # fmt: skip
     tp.add_argument("--tenant", help="the tenant a producer or viewer token is bound to")
     tp.add_argument("--note", default="", help="who or what the token is for")
     tp = tsub.add_parser("list", help="every token (ids, roles, tenants; never secrets)")
