@@ -4,6 +4,7 @@ Redis behind it, httpx in front; a real Worker for the lifecycle the event strea
 from __future__ import annotations
 
 import contextlib
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -591,3 +592,25 @@ async def test_the_producer_acl_user_plus_the_tokens_hash_serves_the_api(
         await runner.cleanup()
         await conn.aclose()
         await redis_client.execute_command("ACL", "DELUSER", "asynctaskd-web")
+
+
+async def test_without_redis_answers_are_503_and_not_ready() -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    conn = redis.asyncio.Redis(host="127.0.0.1", port=port, socket_connect_timeout=1)
+    runner = web.AppRunner(make_app(AsyncClient(conn, "atd"), WebSettings()), access_log=None)
+    try:
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        token, _ = mint("producer", "t1")
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            r = await http.get(f"{API}/tasks", headers={"Authorization": f"Bearer {token}"})
+            assert r.status_code == 503 and error_code(r) == "store_unavailable"
+            ready = await http.get("/readyz")
+            assert ready.status_code == 503 and "Redis unreachable" in ready.text
+            assert (await http.get("/healthz")).status_code == 200
+    finally:
+        await runner.cleanup()
+        await conn.aclose()

@@ -23,6 +23,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, Final, cast
 
 import msgspec
+import redis.exceptions
 from aiohttp import web
 
 from asynctaskd.client import AsyncClient, TaskEvent
@@ -119,6 +120,9 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except AsyncTaskdError as exc:
         err = _translate(exc)
         return _error(err.status, err.code, err.message, **err.headers)
+    except redis.exceptions.RedisError as exc:  # outside the client's calls: tokens, TIME
+        logger.warning("Redis failed during %s %s: %s", request.method, request.path, exc)
+        return _error(503, "store_unavailable", "Redis is unreachable; try again later")
     except web.HTTPRequestEntityTooLarge:
         limit = request.app[_SETTINGS].max_body
         return _error(413, "body_too_large", f"the request body is over {limit} bytes")
@@ -308,24 +312,29 @@ async def _events(request: web.Request) -> web.StreamResponse:
         first = await anext(watch)  # raises TaskNotFound or InvalidTask before any byte
     except StopAsyncIteration:  # pragma: no cover - watch always yields the current state
         raise ApiError(404, "not_found", f"no task {task_id}") from None
-    backlog = [first]
-    if seen and first.version > seen:  # a reconnect that missed changes: replay them
-        missed = await missed_events(client.redis, request.app[_KEYS], task_id, seen)
-        if missed:
-            # The current state closes the replay unless the last missed event shows it.
-            same = _shows(missed[-1]) == _shows(first) or missed[-1].version >= first.version
-            backlog = missed if same else [*missed, first]
-    if backlog[-1].status.is_settled and backlog[-1].version <= seen:
-        await watch.aclose()
-        return web.Response(status=204)  # tells an EventSource to stop reconnecting
-    response = web.StreamResponse(
-        headers={
-            "Content-Type": "text/event-stream",
-            "Cache-Control": "no-store",
-            "X-Accel-Buffering": "no",  # nginx: pass each event on at once
-        }
-    )
-    await response.prepare(request)
+    try:
+        backlog = [first]
+        if seen and first.version > seen:  # a reconnect that missed changes: replay them
+            missed = await missed_events(client.redis, request.app[_KEYS], task_id, seen)
+            if missed:
+                # The current state closes the replay unless the last missed event shows it.
+                last = missed[-1]
+                same = _shows(last) == _shows(first) or last.version >= first.version
+                backlog = missed if same else [*missed, first]
+        if backlog[-1].status.is_settled and backlog[-1].version <= seen:
+            await watch.aclose()
+            return web.Response(status=204)  # tells an EventSource to stop reconnecting
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-store",
+                "X-Accel-Buffering": "no",  # nginx: pass each event on at once
+            }
+        )
+        await response.prepare(request)
+    except BaseException:
+        await watch.aclose()  # its Redis read must not outlive the request
+        raise
     queue: asyncio.Queue[TaskEvent | None] = asyncio.Queue()
     for missed_or_current in backlog:
         queue.put_nowait(missed_or_current)
