@@ -139,3 +139,27 @@ def test_the_unit_runs_asynctaskd_web(tmp_path: Path) -> None:
     problems = [line for line in (proc.stdout + proc.stderr).splitlines()
                 if "asynctaskd" in line or str(tmp_path) in line]  # fmt: skip
     assert proc.returncode == 0 and not problems, proc.stdout + proc.stderr
+
+
+def test_sigterm_ends_open_event_streams_and_exits(
+    config: Path, web_process: tuple[subprocess.Popen[str], str]
+) -> None:
+    proc, base = web_process
+    made = json.loads(
+        cli("token", "create", "--config", str(config), "--role", "producer", "--tenant", "t1",
+            "--json").stdout
+    )  # fmt: skip
+    auth = {"Authorization": f"Bearer {made['token']}"}
+    body = {"handler": "demo", "params": {}, "tracking_timeout": 60, "strict": False}
+    task_id = httpx.post(f"{base}/api/v1/tasks", json=body, headers=auth).json()["id"]
+    url = f"{base}/api/v1/tasks/{task_id}/events"
+    with httpx.stream("GET", url, headers=auth, timeout=30) as stream:
+        lines = stream.iter_lines()
+        while not next(lines).startswith("data:"):  # the stream is open and has shown a state
+            pass
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        assert time.monotonic() - started < 10
+        rest = list(lines)  # the server ended the stream: no error, nothing more
+        assert all(not line.startswith("data:") for line in rest), rest

@@ -139,6 +139,8 @@ _CLIENT: Final = web.AppKey("client", AsyncClient)
 _TOKENS: Final = web.AppKey("tokens", TokenCache)
 _SETTINGS: Final = web.AppKey("settings", WebSettings)
 _KEYS: Final = web.AppKey("keys", Keys)
+# The queues of the open event streams: a shutdown ends each one (a None) at once.
+_STREAMS: Final = web.AppKey("streams", set[asyncio.Queue[TaskEvent | None]])
 
 
 async def _auth(request: web.Request, roles: tuple[Role, ...]) -> TokenRecord:
@@ -340,6 +342,8 @@ async def _events(request: web.Request) -> web.StreamResponse:
         queue.put_nowait(missed_or_current)
     pump = asyncio.create_task(_pump(watch, queue))
     keepalive = request.app[_SETTINGS].keepalive
+    streams = request.app[_STREAMS]
+    streams.add(queue)
     try:
         await response.write(b"retry: 1000\n\n")
         while True:
@@ -356,6 +360,7 @@ async def _events(request: web.Request) -> web.StreamResponse:
             if event.status.is_settled:
                 break
     finally:
+        streams.discard(queue)
         pump.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await pump
@@ -383,12 +388,21 @@ async def _readyz(request: web.Request) -> web.Response:
     return web.Response(text="ready\n", headers={"Cache-Control": "no-store"})
 
 
+async def _end_streams(app: web.Application) -> None:
+    """On shutdown, end open event streams cleanly rather than wait for them: the clients
+    reconnect (to another instance) with Last-Event-ID and miss nothing."""
+    for queue in app[_STREAMS]:
+        queue.put_nowait(None)
+
+
 def make_app(client: AsyncClient, settings: WebSettings) -> web.Application:
     """The API as an aiohttp Application on `client` (left open: the caller owns it)."""
     app = web.Application(middlewares=[_errors], client_max_size=settings.max_body)
     app[_CLIENT] = client
     app[_SETTINGS] = settings
     app[_KEYS] = Keys(settings.namespace, settings.shards)
+    app[_STREAMS] = set()
+    app.on_shutdown.append(_end_streams)
     app[_TOKENS] = TokenCache(client.redis, settings.namespace, settings.token_cache)
     p = PREFIX
     app.router.add_post(f"{p}/tasks", _submit)
