@@ -20,7 +20,7 @@ from aiohttp import web
 
 from asynctaskd.client import AsyncClient
 from asynctaskd.config import parse_config
-from asynctaskd.errors import InvalidTask, PayloadTooLarge
+from asynctaskd.errors import ConfigError, InvalidTask, PayloadTooLarge
 from asynctaskd.handlers import HandlerContext, HandlerEntry, Running, Submitted, Succeeded
 from asynctaskd.model import Status
 from asynctaskd.store import Store
@@ -614,3 +614,26 @@ async def test_without_redis_answers_are_503_and_not_ready() -> None:
     finally:
         await runner.cleanup()
         await conn.aclose()
+
+
+# Configuration.
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ('[web]\nlisten = "8080"', "web.listen"),
+        ("[web]\nmax_body = 10", "web.max_body"),
+        ('[web]\ntoken_cache = "1h"', "web.token_cache"),
+        ('[web]\nkeepalive = "0s"', "web.keepalive"),
+        ("[web]\nport = 8080", "port"),
+    ],
+)
+def test_a_bad_web_section_is_refused_naming_the_key(text: str, key: str) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        parse_config(text)
+
+
+def test_the_web_section_defaults_to_loopback() -> None:
+    web_config = parse_config("").web
+    assert web_config.listen == "127.0.0.1:8080" and web_config.max_body == 1024 * 1024
