@@ -60,6 +60,8 @@ examples:
   asynctaskd limits set --provider openai --submit-rate 50 --max-in-flight 500
   asynctaskd limits set --tenant '*' --quota 10000 --quota-period 1d
   asynctaskd group set ocr --policy weighted --member ocr:a=3 --member ocr:b
+  asynctaskd web --config config.toml            the HTTP API of [web] (docs/api.md)
+  asynctaskd token create --role producer --tenant t1 --note "billing app"
   asynctaskd submit ocr '{"text": "hi"}'          a group: one member is picked, once
 
 Reads use --url/--namespace, or [redis] from --config, or $ASYNCTASKD_URL.
@@ -108,6 +110,27 @@ def _parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--polls", type=int, default=3, help="fake vendor: polls until a job is done")
     sp.add_argument("--keep-running", action="store_true", help="stay up after the demo finishes")
+
+    sp = sub.add_parser("web", help="serve the HTTP API of [web] (docs/api.md)")
+    sp.add_argument("--config", type=Path, required=True, help="path to config.toml")
+
+    sp = sub.add_parser("token", help="create, list or revoke HTTP API tokens (runtime)")
+    tsub = sp.add_subparsers(dest="token_command", metavar="ACTION", required=True)
+    tp = tsub.add_parser("create", help="make a token; its secret is shown once")
+    conn(tp)
+    js(tp)
+    tp.add_argument(
+        "--role", required=True, choices=("producer", "viewer", "operator"),
+        help="producer: submit, read, watch, cancel; viewer: read, watch; operator: all",
+    )  # fmt: skip
+    tp.add_argument("--tenant", help="the tenant a producer or viewer token is bound to")
+    tp.add_argument("--note", default="", help="who or what the token is for")
+    tp = tsub.add_parser("list", help="every token (ids, roles, tenants; never secrets)")
+    conn(tp)
+    js(tp)
+    tp = tsub.add_parser("revoke", help="revoke a token by id (within [web] token_cache)")
+    conn(tp)
+    tp.add_argument("token_id", help="the id `token list` shows")
 
     sp = sub.add_parser("check-config", help="validate a config file and print it, secrets masked")
     sp.add_argument("--config", type=Path, required=True, help="path to config.toml")
@@ -528,6 +551,8 @@ def _client_command(args: argparse.Namespace) -> int:
             return 0
         if cmd == "group":
             return _group(client, args)
+        if cmd == "token":
+            return _token(client, args, namespace)
         if cmd == "limits":
             return _limits(client, args)
         if cmd == "purge":
@@ -537,6 +562,49 @@ def _client_command(args: argparse.Namespace) -> int:
             _out(f"purged {n} task(s)")
             return 0
     raise AssertionError(f"unhandled command {args.command}")
+
+
+def _token(client: Any, args: argparse.Namespace, namespace: str) -> int:
+    """`asynctaskd token ...`: records in `<ns>:web:tokens` (asynctaskd.web.tokens)."""
+    from .web.tokens import TokenRecord, mint, tokens_key
+
+    key = tokens_key(namespace)
+    if args.token_command == "create":
+        try:
+            token, record = mint(args.role, args.tenant, args.note)
+        except ValueError as exc:
+            raise InvalidTask(str(exc)) from None
+        client.redis.hset(key, record.id, msgspec.json.encode(record))
+        if args.json:
+            _out(json.dumps({"id": record.id, "token": token, "role": record.role,
+                             "tenant": record.tenant or None}))  # fmt: skip
+        else:
+            _out(token)
+            bound = f", tenant {record.tenant}" if record.tenant else ""
+            _say(f"asynctaskd: token {record.id} ({record.role}{bound}): shown only now")
+        return 0
+    if args.token_command == "list":
+        records = sorted(
+            # HGETALL, not HVALS: the operator's ACL user (docs/security.md) allows it.
+            (
+                msgspec.json.decode(raw, type=TokenRecord)
+                for raw in client.redis.hgetall(key).values()
+            ),
+            key=lambda r: r.created_at,
+        )
+        if args.json:
+            _out(json.dumps([{k: v for k, v in msgspec.to_builtins(r).items() if k != "sha256"}
+                             for r in records]))  # fmt: skip
+        else:
+            _out(f"{'id':<18}{'role':<10}{'tenant':<20}{'created':<22}note")
+            for r in records:
+                made = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(r.created_at))
+                _out(f"{r.id:<18}{r.role:<10}{r.tenant or '-':<20}{made:<22}{r.note}")
+        return 0
+    if not client.redis.hdel(key, args.token_id):
+        raise TaskNotFound(f"no token {args.token_id} in namespace {namespace!r}")
+    _out(f"revoked {args.token_id}")
+    return 0
 
 
 def _member(text: str) -> MemberSpec:
@@ -768,6 +836,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .devtools.dev import run_dev
 
             return run_dev(args)
+        if args.command == "web":
+            from .logs import setup_logging
+            from .web import run_web
+
+            config = load_config(args.config)
+            setup_logging(config.log.level, config.log.format)
+            run_web(config)
+            return 0
         if args.command == "check-config":
             config = load_config(args.config)
             if config.redis.url == "embedded":

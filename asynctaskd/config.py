@@ -28,6 +28,7 @@ __all__ = [
     "ReaperConfig",
     "RedisConfig",
     "RetryConfig",
+    "WebConfig",
     "WorkerConfig",
     "decode_hook",
     "line_of",
@@ -184,6 +185,22 @@ class MetricsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     listen: str = "127.0.0.1:9464"  # host:port; IPv6 as [::1]:9464
 
 
+class WebConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The `[web]` table: `asynctaskd web`, the HTTP API for producers in any language
+    (docs/api.md). TLS is left to a reverse proxy in front of it."""
+
+    listen: str = "127.0.0.1:8080"  # host:port; IPv6 as [::1]:8080
+    # Largest request body accepted, in bytes; bigger ones are refused (413) unread.
+    max_body: Annotated[int, msgspec.Meta(ge=1024, le=64 * 1024 * 1024)] = 1024 * 1024
+    # How long a token read from Redis is trusted: a revoke takes effect within this.
+    token_cache: Duration = Duration(5)
+    # Comment lines sent on an idle event stream, so that proxies do not cut it.
+    keepalive: Duration = Duration(15)
+    # Redis connections of the web process. Each open event stream holds one while it
+    # waits for changes (up to 5 s at a time); other requests queue for a free one.
+    redis_connections: Annotated[int, msgspec.Meta(ge=4, le=10000)] = 256
+
+
 class LogConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The `[log]` table."""
 
@@ -286,6 +303,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     reaper: ReaperConfig = ReaperConfig()
     metrics: MetricsConfig = MetricsConfig()
     log: LogConfig = LogConfig()
+    web: WebConfig = WebConfig()
     handlers: list[HandlerConfig] = []
     limits: list[LimitConfig] = []
 
@@ -379,6 +397,14 @@ def _check(config: Config, text: str) -> Iterator[tuple[list[str], str]]:
         parse_listen(config.metrics.listen)
     except ValueError as exc:
         yield ["$.metrics.listen"], str(exc)
+    try:
+        parse_listen(config.web.listen)
+    except ValueError as exc:
+        yield ["$.web.listen"], str(exc)
+    if not 0 < config.web.token_cache <= 300:
+        yield ["$.web.token_cache"], "must be more than 0s and at most 5m"
+    if not 1 <= config.web.keepalive <= 300:
+        yield ["$.web.keepalive"], "must be from 1s to 5m"
     first_seen: dict[str, int] = {}
     for i, handler in enumerate(config.handlers):
         at = f"$.handlers[{i}]"

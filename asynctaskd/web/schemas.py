@@ -1,0 +1,246 @@
+"""Request and response bodies of the HTTP API, and the OpenAPI document made from them.
+
+The bodies are msgspec Structs, so one definition decodes requests (unknown fields are
+refused), encodes responses, and yields the JSON Schema in /api/v1/openapi.json: the
+document cannot drift from what the server accepts. Types are checked here; ranges and
+formats (names, priority, durations, payload size) are checked by AsyncClient, whose
+messages the API returns as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import msgspec
+
+from asynctaskd.client import Stats, TaskEvent, TaskPage
+from asynctaskd.model import Status, Task
+
+__all__ = [
+    "INTERNALS",
+    "ErrorBody",
+    "ErrorDetail",
+    "ResolveBody",
+    "SubmitBody",
+    "openapi",
+    "public_task",
+]
+
+# Task fields only a worker's or operator's read fills in: never shown by the API.
+INTERNALS: Final = ("fence", "owner", "started_fence", "reclaims", "idempotent")
+
+
+class SubmitBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """POST /tasks. The dedup key is the `Idempotency-Key` header, not a field.
+
+    `tenant` is for operator tokens only: a producer's tasks are its token's tenant's.
+    `tracking_timeout`, `delay` are seconds; `not_before` is epoch seconds."""
+
+    handler: str
+    params: Any
+    tracking_timeout: int | float
+    priority: int = 0
+    not_before: int | float | None = None
+    delay: int | float | None = None
+    metadata: Any = None
+    account: str | None = None
+    provider: str | None = None
+    route_key: str | None = None
+    tenant: str | None = None
+    strict: bool = True
+
+
+class ResolveBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """POST /tasks/{id}/resolve (operators): settle a SUBMIT_UNKNOWN task."""
+
+    status: Status
+    external_id: str | None = None
+    query: dict[str, Any] | None = None
+    message: str = ""
+
+
+class ErrorDetail(msgspec.Struct, frozen=True):
+    code: str
+    message: str
+
+
+class ErrorBody(msgspec.Struct, frozen=True):
+    """Every 4xx and 5xx answer: a stable machine `code` and a message a person can act on."""
+
+    error: ErrorDetail
+
+
+def public_task(task: Task) -> dict[str, Any]:
+    """A task as the API shows it: without the worker's internals."""
+    data: dict[str, Any] = msgspec.to_builtins(task)
+    for name in INTERNALS:
+        data.pop(name, None)
+    return data
+
+
+def _err(description: str) -> dict[str, Any]:
+    return {
+        "description": description,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}},
+    }
+
+
+def _ok(description: str, schema: str | None) -> dict[str, Any]:
+    if schema is None:
+        return {"description": description}
+    return {
+        "description": description,
+        "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}},
+    }
+
+
+_ID = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
+_AUTH = {"401": _err("no valid bearer token"), "403": _err("the token's role may not do this")}
+_TASK_ERRORS = {
+    **_AUTH,
+    "404": _err("no such task (or another tenant's)"),
+    "422": _err("not a task id"),
+}
+
+
+def openapi(version: str) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of /api/v1, its schemas generated from the Structs."""
+    _, components = msgspec.json.schema_components(
+        [SubmitBody, ResolveBody, ErrorBody, Task, TaskPage, TaskEvent, Stats],
+        ref_template="#/components/schemas/{name}",
+    )
+    task_schema = components["Task"]
+    for name in INTERNALS:
+        task_schema["properties"].pop(name, None)
+    submit_body = {
+        "required": True,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/SubmitBody"}}},
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "asynctaskd HTTP API", "version": version},
+        "servers": [{"url": "/api/v1"}],
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{"bearer": []}],
+        "paths": {
+            "/tasks": {
+                "post": {
+                    "summary": "Submit a task (producer, operator)",
+                    "parameters": [
+                        {
+                            "name": "Idempotency-Key",
+                            "in": "header",
+                            "required": False,
+                            "schema": {"type": "string", "maxLength": 200},
+                            "description": "dedup key: a live task of the tenant with this "
+                            "key is returned (200) instead of a new one",
+                        },
+                    ],
+                    "requestBody": submit_body,
+                    "responses": {
+                        "201": _ok("created", "Task"),
+                        "200": _ok("a live task with this Idempotency-Key exists", "Task"),
+                        "400": _err("malformed JSON"),
+                        "413": _err("body over the configured limit"),
+                        "415": _err("not application/json"),
+                        "422": _err("invalid input; the message is the Python client's"),
+                        "429": _err("the tenant's quota is used; see Retry-After"),
+                        **_AUTH,
+                    },
+                },
+                "get": {
+                    "summary": "List tasks, newest first per status (every role)",
+                    "parameters": [
+                        {"name": n, "in": "query", "required": False, "schema": {"type": t}}
+                        for n, t in (
+                            ("status", "string"),
+                            ("handler", "string"),
+                            ("cursor", "string"),
+                            ("limit", "integer"),
+                            ("tenant", "string"),
+                        )
+                    ],
+                    "responses": {
+                        "200": _ok("a page; continue with its cursor", "TaskPage"),
+                        "422": _err("bad filter or cursor"),
+                        **_AUTH,
+                    },
+                },
+            },
+            "/tasks/{id}": {
+                "get": {
+                    "summary": "One task (every role)",
+                    "parameters": [_ID],
+                    "responses": {"200": _ok("the task", "Task"), **_TASK_ERRORS},
+                }
+            },
+            "/tasks/{id}/cancel": {
+                "post": {
+                    "summary": "Cancel a task (producer, operator)",
+                    "parameters": [_ID],
+                    "responses": {
+                        "202": _ok("canceled, or its worker was asked to", None),
+                        "409": _err("the task had already finished"),
+                        **_TASK_ERRORS,
+                    },
+                }
+            },
+            "/tasks/{id}/events": {
+                "get": {
+                    "summary": "Server-Sent Events of the task's changes until it settles",
+                    "description": "Each event is `event: task`, `id: <version>`, `data: "
+                    "<TaskEvent JSON>`; the first is the current state. Reconnect with "
+                    "`Last-Event-ID` to receive only what is newer. 204 when the task is "
+                    "settled and the client has seen its last state.",
+                    "parameters": [_ID],
+                    "responses": {
+                        "200": {
+                            "description": "an event stream",
+                            "content": {"text/event-stream": {}},
+                        },
+                        "204": _ok("settled, nothing newer than Last-Event-ID", None),
+                        **_TASK_ERRORS,
+                    },
+                }
+            },
+            "/tasks/{id}/resolve": {
+                "post": {
+                    "summary": "Operators: settle a SUBMIT_UNKNOWN task",
+                    "parameters": [_ID],
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "application/json": {
+                                "schema": {"$ref": "#/components/schemas/ResolveBody"}
+                            }
+                        },
+                    },
+                    "responses": {
+                        "200": _ok("the task", "Task"),
+                        "409": _err("the lifecycle forbids it"),
+                        **_TASK_ERRORS,
+                    },
+                }
+            },
+            "/tasks/{id}/requeue": {
+                "post": {
+                    "summary": "Operators: run a FAILED or TRACKING_TIMED_OUT task again",
+                    "parameters": [_ID],
+                    "responses": {
+                        "200": _ok("the task", "Task"),
+                        "409": _err("the lifecycle forbids it"),
+                        **_TASK_ERRORS,
+                    },
+                }
+            },
+            "/stats": {
+                "get": {
+                    "summary": "Counts by status and handler, live daemons (operators)",
+                    "responses": {"200": _ok("the counts", "Stats"), **_AUTH},
+                }
+            },
+        },
+    }

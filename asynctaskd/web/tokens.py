@@ -1,0 +1,112 @@
+"""Bearer tokens of the HTTP API: made, listed and revoked at runtime, stored hashed.
+
+A token reads `atd_<id>_<secret>`. Redis keeps, in the hash `<ns>:web:tokens`, one field
+per id whose value is a JSON record: the role, the tenant, a note, and the SHA-256 of the
+secret, never the secret itself. So a copy of Redis lets nobody call the API, and the id
+finds the record in one HGET without scanning. The secret is 32 random bytes: a fast hash
+is enough, nothing can be guessed.
+
+Any process may create or revoke a token (`asynctaskd token ...`); the web process reads
+records through a cache trusted for `[web] token_cache` seconds, so a new token works at
+once (a miss is read from Redis) and a revoked one stops within that time, no restart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+import time
+from typing import Any, Final, Literal
+
+import msgspec
+
+from asynctaskd.keys import HANDLER_KEY_RE
+
+__all__ = ["ROLES", "Role", "TokenCache", "TokenRecord", "mint", "tokens_key"]
+
+Role = Literal["producer", "viewer", "operator"]
+ROLES: Final[tuple[Role, ...]] = ("producer", "viewer", "operator")
+_TOKEN_RE: Final = re.compile(r"atd_([0-9a-f]{16})_([A-Za-z0-9_-]{43})")
+
+
+class TokenRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """What Redis keeps of a token. `tenant` is "" for operators (they see every tenant)."""
+
+    id: str
+    role: Role
+    tenant: str = ""
+    note: str = ""
+    sha256: str
+    created_at: float
+
+
+def tokens_key(namespace: str) -> str:
+    """The hash of every token record of a namespace."""
+    return f"{namespace}:web:tokens"
+
+
+def _digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def mint(role: Role, tenant: str | None, note: str = "") -> tuple[str, TokenRecord]:
+    """A new token and the record to store for it. Producers and viewers must be bound to
+    a tenant (they may only see its tasks); operators must not be (they see all)."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    if role == "operator" and tenant:
+        raise ValueError("an operator token sees every tenant: give no --tenant")
+    if role != "operator" and not tenant:
+        raise ValueError(f"a {role} token must be bound to a tenant: give --tenant")
+    if tenant and not HANDLER_KEY_RE.fullmatch(tenant):
+        raise ValueError(
+            f"tenant must be 1-64 characters from letters, digits, '_', '.', ':' and '-', "
+            f"got {tenant!r}"
+        )
+    token_id, secret = secrets.token_hex(8), secrets.token_urlsafe(32)
+    record = TokenRecord(
+        id=token_id,
+        role=role,
+        tenant=tenant or "",
+        note=note,
+        sha256=_digest(secret),
+        created_at=time.time(),
+    )
+    return f"atd_{token_id}_{secret}", record
+
+
+class TokenCache:
+    """Resolves a presented token to its record, reading Redis at most once per id per
+    `ttl` seconds (a missing id too, so garbage tokens cannot hammer Redis)."""
+
+    def __init__(self, redis: Any, namespace: str, ttl: float) -> None:
+        self._redis = redis
+        self._key = tokens_key(namespace)
+        self._ttl = ttl
+        self._cache: dict[str, tuple[float, TokenRecord | None]] = {}
+
+    async def check(self, token: str) -> TokenRecord | None:
+        """The token's record if the token is valid and not revoked, else None."""
+        m = _TOKEN_RE.fullmatch(token)
+        if m is None:
+            return None
+        token_id, secret = m[1], m[2]
+        now = time.monotonic()
+        cached = self._cache.get(token_id)
+        if cached is None or now - cached[0] >= self._ttl:
+            raw = await self._redis.hget(self._key, token_id)
+            record = None
+            if raw is not None:
+                try:
+                    record = msgspec.json.decode(raw, type=TokenRecord)
+                except msgspec.DecodeError:
+                    record = None  # written by something else: no valid token
+            if len(self._cache) > 10_000:
+                self._cache.clear()  # bounded: garbage ids cannot grow it forever
+            self._cache[token_id] = cached = (now, record)
+        record = cached[1]
+        if record is None or not hmac.compare_digest(record.sha256, _digest(secret)):
+            return None
+        return record
