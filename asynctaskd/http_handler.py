@@ -65,6 +65,7 @@ body (ambiguous in submit: the job may exist; an error-budget error in query).
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import email.utils
 import logging
@@ -73,7 +74,7 @@ import mimetypes
 import os
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Final, Literal, NoReturn, get_args, get_origin
@@ -257,6 +258,7 @@ def _is_index(token: str) -> bool:
 # ---- templates ----------------------------------------------------------------------------------
 
 _SECRET: Final = frozenset({"env", "file", "credential"})
+_SECRET_REF: Final = re.compile(r"\{(env|file|credential):([^{}?]+)\??\}")
 _TASK: Final = frozenset({"task_id", "idempotency_key"})
 _NAMES: Final = frozenset(
     {"params", "handle", "external_id", "base_url", "idempotency_key", "task_id", "value", "name"}
@@ -456,6 +458,16 @@ class _Secrets:
                 self._known = tuple(sorted({*self._known, value}, key=len, reverse=True))
             _URL_LOG_FILTER.protect(value)
         return value
+
+    def preload(self, refs: Iterable[tuple[str, str]]) -> None:
+        """Read every credential the handler's templates name, so that `redact` masks them
+        even in text from a call that never sent them (a vendor's file host echoing one a
+        query sent earlier in another process). A credential that cannot be read now is
+        skipped: the call that needs it says so."""
+        for kind, arg in refs:
+            if (kind, arg) not in self._values:
+                with contextlib.suppress(Exception):
+                    self.get(kind, arg)
 
     def redact(self, text: str) -> str:
         for secret in self._known:
@@ -684,6 +696,14 @@ class HttpHandler:
         self._max_response_bytes = max_response_bytes or DEFAULT_MAX_RESPONSE_BYTES
         self._http: httpx.AsyncClient | None = None
         self._secrets = _Secrets()
+        # every {env:..}, {file:..} and {credential:..} the options name, for redaction
+        self._secret_refs = tuple(
+            dict.fromkeys(
+                _SECRET_REF.findall(
+                    msgspec.json.encode(plan.options, enc_hook=float).decode()  # Duration
+                )
+            )
+        )
         self._base_url: str | None = None
         self._base_origin: tuple[str, str, int | None] | None = None
         self._download_home: tuple[str, str, int | None] | _Missing | None = _MISSING
@@ -1051,10 +1071,12 @@ class HttpHandler:
         )
 
     def _explain(self, exc: BaseException) -> str:
+        self._secrets.preload(self._secret_refs)
         return self._secrets.redact(f"{type(exc).__name__}: {exc}".rstrip(": "))
 
     def _excerpt(self, content: bytes) -> str:
         # Redact before cutting, so no secret is left half-visible at the edge.
+        self._secrets.preload(self._secret_refs)
         text = self._secrets.redact(content[:4096].decode("utf-8", "replace"))
         cut = text[:_EXCERPT_CHARS]
         return repr(cut + ("..." if len(text) > _EXCERPT_CHARS or len(content) > 4096 else ""))

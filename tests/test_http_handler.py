@@ -4,6 +4,7 @@ a real Redis, config errors named by key and line, and credentials that never le
 
 from __future__ import annotations
 
+import asyncio
 import email.utils
 import itertools
 import logging
@@ -953,6 +954,37 @@ async def test_finalize_downloads_only_from_declared_public_hosts(
     assert why in message and "nothing was sent" in message
     assert files.seen == []
     assert [p async for p in anyio.Path(tmp_path).iterdir()] == []
+
+
+async def test_a_file_host_echoing_a_credential_never_puts_it_in_the_task(
+    vendor: tuple[Scripted, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the fuzz suite: the credential is read only when a request sends it, so a
+    finalize in a process that had not sent one yet could not mask it in the text of a
+    download error (aiohttp quotes a garbled status line): the vendor's file host answering
+    the token verbatim put it into the task's error message."""
+    secret = "echoed-secret-4f9Qz2Lm8Xw1"
+    monkeypatch.setenv("ECHO_VENDOR_TOKEN", secret)
+    _, url = vendor
+
+    async def garbled(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(secret.encode() + b"\r\n\r\n")  # no status line: just the token
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(garbled, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    options = scripted_options(
+        url,
+        headers={"Authorization": "Bearer {env:ECHO_VENDOR_TOKEN}"},
+        finalize={"files": ["/pdf"], "dir": str(tmp_path), **LOOPBACK_FAKE},
+    )
+    handler = handler_for(options)  # a fresh handler: nothing sent, nothing read yet
+    async with server, httpx.AsyncClient() as http:
+        with pytest.raises(RetryableError) as info:
+            await handler.finalize({"pdf": f"http://127.0.0.1:{port}/x.pdf"}, ctx_for(http))
+    assert secret not in str(info.value) and "***" in str(info.value)
 
 
 @pytest.mark.parametrize(
