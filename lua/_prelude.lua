@@ -137,9 +137,9 @@ local function wake()
   if redis.call('LLEN', P .. 'wake') == 0 then redis.call('LPUSH', P .. 'wake', '1') end
 end
 
--- Admission (docs/architecture.md, Admission). A due task waits in the ready set of its phase, or, when
--- something holds it back, in the held set of that one thing: held:<dim> (a ZSET with the
--- ready score, so it keeps its place), with the task's `held` field naming <dim>:
+-- Admission (docs/architecture.md, Admission). A due task waits in the ready set of its
+-- phase, or, when something holds it back, in the held set of that one thing: held:<dim>
+-- (a ZSET with the ready score, so it keeps its place), with its `held` field naming <dim>:
 --   handler:<k> provider:<p> tenant:<t> account:<a>   a pause (submit phase only)
 --   cap:<scope>                                         an in-flight cap that is full
 --   rate:<phase>|<provider>|<account>                   a token-bucket lane
