@@ -375,7 +375,9 @@ async def test_a_query_hanging_past_the_deadline_is_cut_and_times_out(store: Sto
         raise AssertionError("unreachable")
 
     h.on_query = hang
-    [tid] = await submit_many(store, 1, timeout_ms=400)
+    # 1.5 s: the submit must land and the first query start before the deadline, which a
+    # loaded machine did not always manage within 400 ms (the query never ran).
+    [tid] = await submit_many(store, 1, timeout_ms=1500)
     worker = await run(store, h)
     task = await store.get(tid)
     assert task is not None and task.status is Status.TRACKING_TIMED_OUT
