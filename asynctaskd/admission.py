@@ -37,11 +37,10 @@ import msgspec
 from .config import HandlerConfig, LimitConfig, decode_hook
 from .errors import InvalidTask, NotPermitted, ScriptError, StoreUnavailable
 from .keys import HANDLER_KEY_RE, Keys
-from .plans import Pause, Reads, SimplePlan, read
+from .plans import Pause, Reads, SimplePlan, read, run_on_store
 from .store import Call, Ops, Store, read_many
 
 if TYPE_CHECKING:
-    from .client import AsyncClient
     from .metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -451,14 +450,25 @@ async def expire_quota_windows(store: Store, cursor: int = 0) -> tuple[int, int]
     return int(cursor), len(ended)
 
 
-async def run_sync(client: AsyncClient, store: Store, metrics: Metrics) -> None:
+async def apply_config(
+    store: Store, limits: Sequence[LimitConfig], handlers: Sequence[HandlerConfig]
+) -> tuple[str, ...]:
+    """Write a config file's [[limits]] (a daemon, at start and on SIGHUP); returns the
+    scopes whose runtime entry was kept."""
+    _, _, kept = await run_on_store(
+        store, write(store.ops, "config", config_entries(limits, handlers))
+    )
+    return tuple(kept)
+
+
+async def run_sync(store: Store, metrics: Metrics) -> None:
     """Daemon loop: follow limit changes within a second; every 5 s also lift holds that
     no longer apply, refresh the admission gauges and delete ended quota windows."""
     passes = 0
     quota_cursor = 0
     while True:
         try:
-            report = await client.sync_limits(force=passes % 5 == 0)
+            report = await run_on_store(store, sync(store.ops, force=passes % 5 == 0))
             metrics.admission_stale_shards.set(report.stale)
             for kind in report.failed.values():
                 metrics.admission_sync_failures.labels(kind).inc()

@@ -29,7 +29,6 @@ import httpx
 import msgspec
 
 from . import __version__, admission, http_handler, systemd
-from .client import AsyncClient
 from .config import Config, load_config, parse_listen
 from .connection import follow_master, open_async
 from .durability import DurabilityWatch
@@ -214,9 +213,8 @@ class Daemon:
         self._loaded.extend(handlers.values())
         if not handlers:
             logger.warning("no handlers configured: this daemon will claim nothing useful")
-        # Admission limits are plans run through a client on the daemon's own connections.
-        client = AsyncClient(store.redis, config.redis.namespace, shards=config.redis.shards)
-        await self._apply_limits(client, config)
+        # Admission limits: plans run on the daemon's own store (admission.run_on_store).
+        await self._apply_limits(store, config)
         worker = Worker(
             store,
             handlers,
@@ -244,8 +242,8 @@ class Daemon:
             tg.start_soon(run_reaper, store, config, self.metrics)
             tg.start_soon(self._heartbeat, store, worker, handlers)
             tg.start_soon(durability.run)
-            tg.start_soon(self._signals, worker, client)
-            tg.start_soon(admission.run_sync, client, store, self.metrics)
+            tg.start_soon(self._signals, worker, store)
+            tg.start_soon(admission.run_sync, store, self.metrics)
             tg.start_soon(self._watchdog, worker)
             stopped = anyio.Event()
 
@@ -337,13 +335,13 @@ class Daemon:
                 logger.error("watchdog: not pinging systemd: %s", why)
             await anyio.sleep(interval or healthy)
 
-    async def _signals(self, worker: Worker, client: AsyncClient) -> None:
+    async def _signals(self, worker: Worker, store: Store) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async for signum in signals:
                 if signum == signal.SIGHUP:
                     config = self._reload(worker)
                     if config is not None:
-                        await self._apply_limits(client, config)
+                        await self._apply_limits(store, config)
                     continue
                 logger.info("signal %s: %s", signal.Signals(signum).name,
                             "stopping now" if worker.draining else "draining")  # fmt: skip
@@ -351,10 +349,10 @@ class Daemon:
                     systemd.notify("STOPPING=1")  # step 1 of the drain order
                 worker.stop(now=worker.draining)
 
-    async def _apply_limits(self, client: AsyncClient, config: Config) -> None:
+    async def _apply_limits(self, store: Store, config: Config) -> None:
         """Write the config's [[limits]] to Redis (shared by every daemon) and sync shards."""
         try:
-            kept = await client.apply_config_limits(config.limits, config.handlers)
+            kept = await admission.apply_config(store, config.limits, config.handlers)
         except (StoreUnavailable, ScriptError) as exc:
             logger.error("could not write [[limits]] to Redis (SIGHUP retries): %s", exc)
             return

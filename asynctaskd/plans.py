@@ -11,9 +11,11 @@ from __future__ import annotations
 from collections.abc import Generator
 from typing import Any, TypeAlias, TypeVar
 
-from .store import Call, Read
+import anyio
 
-__all__ = ["Pause", "Reads", "SimplePlan", "advance", "read"]
+from .store import Call, Read, Store, read_many
+
+__all__ = ["Pause", "Reads", "SimplePlan", "advance", "read", "run_on_store"]
 
 T = TypeVar("T")
 
@@ -62,3 +64,26 @@ def advance(
         return True, (plan.throw(error) if error is not None else plan.send(reply))
     except StopIteration as stop:
         return False, stop.value
+
+
+async def run_on_store(store: Store, plan: Generator[Call[Any] | Reads | Pause, Any, T]) -> T:
+    """Run a plan on a daemon's own store: calls one by one, each `Reads` in one pipeline,
+    each `Pause` slept. The daemon's admission work needs nothing more (no producer
+    client, no caches shared between callers)."""
+    reply: Any = None
+    error: Exception | None = None
+    while True:
+        more, step = advance(plan, reply, error)
+        if not more:
+            result: T = step
+            return result
+        try:
+            if isinstance(step, Call):
+                reply, error = await store.run(step), None
+            elif isinstance(step, Pause):
+                await anyio.sleep(step.seconds)
+                reply, error = None, None
+            else:
+                reply, error = (await read_many(store, step.cmds) if step.cmds else []), None
+        except Exception as exc:  # handed to the plan, which re-raises it
+            reply, error = None, exc

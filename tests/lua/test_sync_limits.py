@@ -15,6 +15,7 @@ import redis.exceptions
 from asynctaskd import AsyncClient, ScriptError, admission
 from asynctaskd.admission import SyncReport
 from asynctaskd.config import LimitConfig
+from asynctaskd.keys import Keys
 from asynctaskd.metrics import Metrics
 from asynctaskd.store import Store
 from tests.conftest import wait_until
@@ -279,7 +280,7 @@ async def test_a_refused_sync_keeps_the_old_limits_and_says_so(
         return (sample("asynctaskd_admission_sync_failures_total", kind="refused") or 0) >= 1
 
     async with anyio.create_task_group() as tg:
-        tg.start_soon(admission.run_sync, AsyncClient(no_rename), store, metrics)
+        tg.start_soon(admission.run_sync, Store(no_rename, Keys()), metrics)
         await wait_until(counted, "a refused sync to be counted")
         tg.cancel_scope.cancel()
     assert sample("asynctaskd_admission_stale_shards") == 1
