@@ -177,7 +177,7 @@ async def _show(client: Any, n: int, keep_running: bool) -> list[str]:
             "purpose,\nand answers some calls with errors and 429s, which the daemon retries."
         )
         if not keep_running:
-            _say("To look at them: asynctaskd dev --demo N --keep-running, then its commands.")
+            _say(f"To look at them: {_cli()} dev --demo {n} --keep-running, then its commands.")
     return ids
 
 
