@@ -379,7 +379,9 @@ def _entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
     return out
 
 
-def _event(task_id: str, entry_id: bytes, fields: dict[bytes, bytes]) -> TaskEvent | None:
+def event_from_entry(task_id: str, entry_id: bytes, fields: dict[bytes, bytes]) -> TaskEvent | None:
+    """One events-stream entry of `task_id` as a TaskEvent; None if our scripts did not
+    write it."""
     try:
         progress = fields.get(b"progress")
         return TaskEvent(
@@ -668,7 +670,7 @@ def _wait(ctx: _Context, task_id: str, timeout: float, tenant: str | None) -> Pl
             last = entry_id
             if fields.get(b"task") == tid:
                 changed = True
-                event = _event(task_id, entry_id, fields)
+                event = event_from_entry(task_id, entry_id, fields)
                 settled = settled or (event is not None and event.status.is_settled)
         if settled or not _continuous(at_last):
             task, changed = (yield from _reread(ctx, task)), False
@@ -726,7 +728,9 @@ def _watch(ctx: _Context, task_id: str, tenant: str | None) -> Plan[None]:
         failing, reconnected = None, False
         for entry_id, fields in _entries(reply):
             last = entry_id
-            event = _event(task_id, entry_id, fields) if fields.get(b"task") == tid else None
+            event = (
+                event_from_entry(task_id, entry_id, fields) if fields.get(b"task") == tid else None
+            )
             if event is not None and event.version > version:
                 version, shown = event.version, event
                 yield event

@@ -13,36 +13,14 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from asynctaskd.client import TaskEvent
+from asynctaskd.client import TaskEvent, event_from_entry
 from asynctaskd.keys import Keys
-from asynctaskd.model import Status
+from asynctaskd.model import shard_of
 
 __all__ = ["missed_events"]
 
 PAGE: Final = 1000
 MAX_SCAN: Final = 20_000  # stream entries looked at per reconnect, at most
-
-
-def _event(task_id: str, entry_id: bytes, fields: dict[bytes, bytes]) -> TaskEvent | None:
-    try:
-        progress = fields.get(b"progress")
-        return TaskEvent(
-            task_id=task_id,
-            status=Status(fields[b"status"].decode()),
-            version=int(fields[b"version"]),
-            progress=None if progress is None else float(progress),
-            stage=(fields.get(b"stage") or b"").decode() or None,
-            message=(fields.get(b"message") or b"").decode() or None,
-            at=int(entry_id.split(b"-")[0]) / 1000,
-        )
-    except (KeyError, ValueError):
-        return None  # not written by our scripts: not an event of ours
-
-
-def shard_of(task_id: str) -> int:
-    """The shard in a task id that the client has already accepted."""
-    _, dash, shard = task_id.partition("-")
-    return int(shard) if dash else 0
 
 
 async def missed_events(redis: Any, keys: Keys, task_id: str, after: int) -> list[TaskEvent] | None:
@@ -58,7 +36,7 @@ async def missed_events(redis: Any, keys: Keys, task_id: str, after: int) -> lis
         for entry_id, fields in entries:
             if fields.get(b"task") != tid:
                 continue
-            event = _event(task_id, entry_id, fields)
+            event = event_from_entry(task_id, entry_id, fields)
             if event is None:
                 continue
             if event.version > after:
