@@ -58,6 +58,18 @@ def start_daemon(config: Path, log: Path) -> subprocess.Popen[bytes]:
         )
 
 
+@contextlib.contextmanager
+def serving(config: Path, data_dir: Path, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A daemon on the embedded server of `data_dir`, registered there; SIGTERM at the end."""
+    daemon = start_daemon(config, log)
+    try:
+        wait_until_sync(lambda: reachable(f"embedded://{data_dir}"), "the daemon", 30)
+        yield daemon
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(timeout=30)
+
+
 def embedded_config(tmp_path: Path, vendor_url: str) -> tuple[Path, Path]:
     data_dir = tmp_path / "data"
     config = write_daemon_config(
@@ -119,9 +131,7 @@ def test_a_second_daemon_on_the_same_data_dir_is_refused(
     tmp_path: Path, vendor: FakeVendorProcess
 ) -> None:
     config, data_dir = embedded_config(tmp_path, vendor.url)
-    first = start_daemon(config, tmp_path / "first.log")
-    try:
-        wait_until_sync(lambda: reachable(f"embedded://{data_dir}"), "the first daemon", 30)
+    with serving(config, data_dir, tmp_path / "first.log") as first:
         second = subprocess.run(
             [sys.executable, "-m", "asynctaskd", "run", "--config", str(config)],
             capture_output=True,
@@ -131,9 +141,6 @@ def test_a_second_daemon_on_the_same_data_dir_is_refused(
         assert second.returncode == 2, second.stderr
         assert f"in use by another asynctaskd daemon (pid {first.pid})" in second.stderr
         assert len(servers_of(data_dir)) == 1
-    finally:
-        first.send_signal(signal.SIGTERM)
-        first.wait(timeout=30)
 
 
 def test_a_server_left_by_an_older_crash_is_stopped_before_a_new_one_starts(
@@ -169,9 +176,7 @@ def test_the_cli_reads_the_daemons_config_to_find_its_server(
     tmp_path: Path, vendor: FakeVendorProcess
 ) -> None:
     config, data_dir = embedded_config(tmp_path, vendor.url)
-    daemon = start_daemon(config, tmp_path / "daemon.log")
-    try:
-        wait_until_sync(lambda: reachable(f"embedded://{data_dir}"), "the daemon", 30)
+    with serving(config, data_dir, tmp_path / "daemon.log"):
         argv = [sys.executable, "-m", "asynctaskd"]
         made = subprocess.run(
             [*argv, "submit", "demo", "{}", "--config", str(config)],
@@ -182,7 +187,4 @@ def test_the_cli_reads_the_daemons_config_to_find_its_server(
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert waited.returncode == 0, waited.stderr
-    finally:
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(timeout=30)
     assert servers_of(data_dir) == []  # the daemon's exit took its server along

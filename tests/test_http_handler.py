@@ -336,15 +336,21 @@ async def test_openai_example_finalize_downloads_output_files(
     assert task.result["error_file_id"] is None
 
 
+async def run_replicate(store: Store, url: str, results: Path, model_input: Any) -> Task:
+    """One prediction through the Replicate example, its outputs finalized to `results`."""
+    handler = load_example("replicate-predictions.toml", url,
+                           finalize={"dir": str(results), **LOOPBACK_FAKE})  # fmt: skip
+    params = {"version": "5c7d5dc6dd8bf75c1acaa8565735e7986bc5b66206b55cca93cb72c9bf15ccaa",
+              "input": model_input}  # fmt: skip
+    [task] = await run_tasks(store, handler, [params])
+    return task
+
+
 async def test_replicate_example_succeeds_and_copies_outputs(
     store: Store, replicate: tuple[ReplicatePredictions, str], tmp_path: Path
 ) -> None:
     fake, url = replicate
-    handler = load_example("replicate-predictions.toml", url,
-                           finalize={"dir": str(tmp_path), **LOOPBACK_FAKE})  # fmt: skip
-    params = {"version": "5c7d5dc6dd8bf75c1acaa8565735e7986bc5b66206b55cca93cb72c9bf15ccaa",
-              "input": {"text": "Alice", "steps": 4}}  # fmt: skip
-    [task] = await run_tasks(store, handler, [params])
+    task = await run_replicate(store, url, tmp_path, {"text": "Alice", "steps": 4})
     assert task.status is Status.SUCCEEDED, task.error
     assert task.result == [str(tmp_path / f"{task.id}-0.png"), str(tmp_path / f"{task.id}-1.png")]
     assert [await anyio.Path(p).read_bytes() for p in task.result] == [PNG, PNG]
@@ -357,11 +363,7 @@ async def test_finalize_copies_urls_anywhere_in_an_object_output(
     store: Store, replicate: tuple[ReplicatePredictions, str], tmp_path: Path
 ) -> None:
     fake, url = replicate
-    handler = load_example("replicate-predictions.toml", url,
-                           finalize={"dir": str(tmp_path), **LOOPBACK_FAKE})  # fmt: skip
-    params = {"version": "5c7d5dc6dd8bf75c1acaa8565735e7986bc5b66206b55cca93cb72c9bf15ccaa",
-              "input": {"text": "Alice", "named_outputs": True}}  # fmt: skip
-    [task] = await run_tasks(store, handler, [params])
+    task = await run_replicate(store, url, tmp_path, {"text": "Alice", "named_outputs": True})
     assert task.status is Status.SUCCEEDED, task.error
     assert task.result == {
         "image": str(tmp_path / f"{task.id}-0.png"),
@@ -375,11 +377,7 @@ async def test_a_replicate_prediction_polled_after_its_data_was_removed_fails(
     store: Store, replicate: tuple[ReplicatePredictions, str], tmp_path: Path
 ) -> None:
     _, url = replicate
-    handler = load_example("replicate-predictions.toml", url,
-                           finalize={"dir": str(tmp_path), **LOOPBACK_FAKE})  # fmt: skip
-    params = {"version": "5c7d5dc6dd8bf75c1acaa8565735e7986bc5b66206b55cca93cb72c9bf15ccaa",
-              "input": {"text": "Alice", "removed": True}}  # fmt: skip
-    [task] = await run_tasks(store, handler, [params])
+    task = await run_replicate(store, url, tmp_path, {"text": "Alice", "removed": True})
     assert task.status is Status.FAILED and task.result is None
     assert task.error is not None and task.error.code == "RESULT_REMOVED"
 
