@@ -1,6 +1,6 @@
 """Admission limits in Redis: how `[[limits]]` entries are stored, copied to the shards,
 and how the worker takes tokens (docs/architecture.md, Admission; the scripts are limits,
-sync_limits, take, and the admission part of the prelude).
+sync_limits, take, and the admission part of lua/_schedule.lua).
 
 Where things live:
 

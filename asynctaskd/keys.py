@@ -26,14 +26,14 @@ __all__ = [
 
 PROTOCOL_VERSION: Final = 1  # docs/protocol.md, section 1
 # ready:<phase> scores are (100 - priority) * READY_BAND + due_ms: a band per priority,
-# FIFO by due time within it (lua/_prelude.lua's PRIO_SPAN, checked equal by a test).
+# FIFO by due time within it (lua/_schedule.lua's PRIO_SPAN, checked equal by a test).
 READY_BAND: Final = 1 << 42
 
 # Handler keys, tenants and accounts end up inside key names and counter fields.
 HANDLER_KEY_RE: Final = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")
 
 # The fields of <ns>:{s<N>}:settings and the integers each may hold: what settings() in
-# lua/_prelude.lua accepts (a script raises on anything else, before writing).
+# lua/_settings.lua accepts (a script raises on anything else, before writing).
 SETTINGS: Final = {
     "retention_ms": (1, 316_224_000_000),  # 10 years, as the longest delay
     "expiry_grace_ms": (0, 316_224_000_000),

@@ -2,7 +2,7 @@
 
 The transition table below is the single written source of the lifecycle (docs/protocol.md,
 section 5).
-The Lua prelude is generated from it, the store checks against it, and the tests walk it.
+The Lua `LEGAL` string is generated from it, the store checks against it, and the tests walk it.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import msgspec
 
 from .model import LEGAL_TRANSITIONS
 
-__all__ = ["LIBRARIES", "SCRIPT_NAMES", "Script", "legal_table_lua", "load_scripts"]
+__all__ = ["CORE", "SCRIPT_NAMES", "Script", "includes", "legal_table_lua", "load_scripts"]
 
 SCRIPT_NAMES: Final = (
     "create",
@@ -41,21 +41,9 @@ SCRIPT_NAMES: Final = (
     "sync_limits",
 )
 
-# Shared Lua that some scripts need after the prelude: script name -> lua/<library>.lua
-# files, in order.
-LIBRARIES: Final = {
-    "claim": ("_intake",),
-    "time_out": ("_intake",),
-    "purge": ("_purge",),
-    "expire": ("_purge",),
-    "create": ("_create",),
-    "start": ("_start",),
-    "save": ("_save",),
-    "create_many": ("_many", "_create"),
-    "start_many": ("_many", "_start"),
-    "save_many": ("_many", "_save"),
-    "withdraw": ("_save",),
-}
+# The include every script starts with, before the ones it declares.
+CORE: Final = "_core"
+_INCLUDE_LINE: Final = re.compile(r"^--- @include (_[a-z_]+)$", re.M)
 
 _KEY_LINE: Final = re.compile(r"^-- KEYS\[(\d+)\] (\w+)")
 _ARGV_LINE: Final = re.compile(r"^-- ARGV\[(\d+)(\.\.)?\]")
@@ -70,7 +58,8 @@ class Script(msgspec.Struct, frozen=True):
     argv_count: int  # fixed ARGV slots named in the header
     variadic: bool  # the header names a trailing ARGV[n..] run
     body: str  # the file as written
-    source: str  # legal table + prelude + its libraries, if any + body: what Redis runs
+    includes: tuple[str, ...]  # after _core, in the order they are put in the source
+    source: str  # legal table + _core + its includes + body: what Redis runs
     sha: str
 
 
@@ -78,7 +67,7 @@ def legal_table_lua() -> str:
     """The transition table of model.py as one Lua string constant.
 
     Each legal (source, target, actor) is a token " SOURCE>TARGET#A "; `legal()` in the
-    prelude does a plain string.find. A constant string costs nothing per script call,
+    _guards does a plain string.find. A constant string costs nothing per script call,
     unlike a nested table that Lua would build on every EVALSHA.
     """
     tokens = [
@@ -120,17 +109,42 @@ def parse_header(name: str, body: str) -> tuple[str, tuple[str, ...], int, bool]
     return first[len(f"-- {name}: ") :], tuple(keys), argv, variadic
 
 
+def declared_includes(text: str) -> list[str]:
+    """The `--- @include <name>` lines of a script or an include, in order."""
+    return _INCLUDE_LINE.findall(text)
+
+
+def includes(name: str) -> tuple[str, ...]:
+    """What lua/<name>.lua needs after _core: its includes and theirs, each once, every
+    include after the ones it declares itself (Lua binds a helper's upvalues to the locals
+    defined before it)."""
+    order: list[str] = []
+
+    def visit(inc: str, path: tuple[str, ...]) -> None:
+        if inc in path:
+            raise ValueError(f"lua/{inc}.lua: include cycle {' -> '.join((*path, inc))}")
+        if inc in order:
+            return
+        for dep in declared_includes(_read(inc)):
+            visit(dep, (*path, inc))
+        order.append(inc)
+
+    for dep in declared_includes(_read(name)):
+        visit(dep, (name,))
+    return tuple(order)
+
+
 @cache
 def load_scripts() -> dict[str, Script]:
     """Every script, parsed once per process."""
-    prelude = _read("_prelude")
-    legal = legal_table_lua()
+    head = legal_table_lua() + _read(CORE)
     out = {}
     for name in SCRIPT_NAMES:
         body = _read(name)
         summary, keys, argv, variadic = parse_header(name, body)
-        libs = "".join(f"\n-- library: {lib}\n{_read(lib)}" for lib in LIBRARIES.get(name, ()))
-        source = f"{legal}{prelude}{libs}\n-- script: {name}\n{body}"
+        needs = includes(name)
+        parts = "".join(f"\n-- include: {inc}\n{_read(inc)}" for inc in needs)
+        source = f"{head}{parts}\n-- script: {name}\n{body}"
         sha = hashlib.sha1(source.encode()).hexdigest()
-        out[name] = Script(name, summary, keys, argv, variadic, body, source, sha)
+        out[name] = Script(name, summary, keys, argv, variadic, body, needs, source, sha)
     return out

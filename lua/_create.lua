@@ -6,6 +6,10 @@
 -- written. It writes only with commands that add (SETNX, RPUSH, LPUSH): a producer's ACL
 -- user has no others (docs/security.md); a daemon takes the request in (lua/_intake.lua).
 
+--- @include _int_arg
+--- @include _statuses
+--- @include _wake
+
 -- The fields of a request or a task that a resend must match: what the producer chose.
 local CONTENT = {'handler', 'provider', 'tenant', 'account', 'priority', 'timeout_ms',
                  'params', 'metadata', 'dedup'}

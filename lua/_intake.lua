@@ -12,7 +12,26 @@
 -- request was written by a producer, so it is checked first; a request that is not
 -- exactly what the create script writes is dropped, with its dedup key if it holds one.
 -- Never raises: one bad entry must not stop the daemon's claims.
--- Returns the number of entries taken and a list {id, reason, ...} of dropped creates.
+-- Returns the number of entries taken, a list {id, reason, ...} of dropped creates, and
+-- (ingest(limit, false, true): a submit claim without limits or pauses) the ids of the
+-- fresh tasks, left for the claim to take in directly or to settle.
+--
+-- Fresh tasks. A create that is due now, within its deadline, can go straight from the
+-- request to SUBMITTING when the claim that takes it in still wants tasks and nothing
+-- waits in the ready set before it: writing it as PENDING_SUBMIT in the ready set, then
+-- popping it, reading it back and moving it on would cost Redis twice the commands for
+-- the same end state. Until the claim decides, such a task is only FRESH[id] (its checked
+-- fields) and its deadline entry; anything else in the same call that touches it (a cancel,
+-- its dedup key) settles it first. settle_fresh writes it as every other new task:
+-- PENDING_SUBMIT, counted, indexed, scheduled, with its event.
+
+--- @include _emit
+--- @include _int_field
+--- @include _move
+--- @include _schedule
+--- @include _statuses
+--- @include _unschedule
+--- @include _wake
 
 local REQUEST_FIELDS = {id = true, handler = true, status = true, priority = true,
   created_ms = true, updated_ms = true, deadline_ms = true, timeout_ms = true, due_ms = true,
@@ -75,7 +94,30 @@ local function check_request(id, packed)
   return f, nil
 end
 
-local function ingest_create(id, wake_others)
+local FRESH = nil  -- id -> the fields of a fresh task (see above), when a claim asked
+
+local function write_new(id, f, wake_others)
+  local tk = task_key(id)
+  local fields = {}
+  for name, value in pairs(f) do
+    fields[#fields + 1] = name
+    fields[#fields + 1] = value
+  end
+  redis.call('HSET', tk, unpack(fields))
+  move_status(tk, id, nil, 'PENDING_SUBMIT', f.handler)
+  local due_ms = tonumber(f.due_ms)
+  schedule(id, 'submit', due_ms, tonumber(f.priority))
+  if wake_others and due_ms <= NOW then wake() end
+  emit(id, 'PENDING_SUBMIT', 1)
+end
+
+local function settle_fresh(id)
+  local f = FRESH[id]
+  FRESH[id] = nil
+  write_new(id, f, false)
+end
+
+local function ingest_create(id, wake_others, fresh)
   local nk = P .. 'new:' .. id
   local packed = redis.call('GET', nk)
   if not packed then return nil end  -- taken in already, or never stored
@@ -96,24 +138,20 @@ local function ingest_create(id, wake_others)
     end
     return why
   end
-  local fields = {}
-  for name, value in pairs(f) do
-    fields[#fields + 1] = name
-    fields[#fields + 1] = value
-  end
-  redis.call('HSET', tk, unpack(fields))
-  move_status(tk, id, nil, 'PENDING_SUBMIT', f.handler)
   redis.call('ZADD', P .. 'deadlines', f.deadline_ms, id)
-  local due_ms = tonumber(f.due_ms)
-  schedule(id, 'submit', due_ms, tonumber(f.priority))
-  if wake_others and due_ms <= NOW then wake() end
-  emit(id, 'PENDING_SUBMIT', 1)
+  if FRESH and tonumber(f.due_ms) <= NOW and tonumber(f.deadline_ms) > NOW then
+    FRESH[id] = f
+    fresh[#fresh + 1] = id
+    return nil
+  end
+  write_new(id, f, wake_others)
   return nil
 end
 
 -- A cancel as the producer asked for it (its script checked the tenant): now if nobody
 -- holds the task, else a flag the holder merges at its next write.
 local function ingest_cancel(id)
+  if FRESH and FRESH[id] then settle_fresh(id) end
   local tk = task_key(id)
   local t = redis.pcall('HMGET', tk, 'status', 'cancel_requested', 'handler', 'priority',
                         'version', 'owner')
@@ -146,20 +184,23 @@ local function ingest_dedup(suffix)
   local dk = P .. 'dedup:' .. suffix
   local id = redis.call('GET', dk)
   if not id then return end
+  if FRESH and FRESH[id] then return end  -- a new task, PENDING_SUBMIT: its key holds
   local st = redis.pcall('HGET', task_key(id), 'status')
   if type(st) == 'string' and not TERMINAL[st] then return end
   if redis.call('EXISTS', P .. 'new:' .. id) == 1 then return end
   redis.call('DEL', dk)
 end
 
-local function ingest(limit, wake_others)
+local function ingest(limit, wake_others, direct)
+  local fresh = {}
+  if direct then FRESH = {} end
   local entries = redis.call('LPOP', P .. 'intake', limit)
-  if not entries then return 0, {} end
+  if not entries then return 0, {}, fresh end
   local dropped = {}
   for _, entry in ipairs(entries) do
     local kind, rest = string.sub(entry, 1, 2), string.sub(entry, 3)
     if kind == 'c:' then
-      local why = ingest_create(rest, wake_others)
+      local why = ingest_create(rest, wake_others, fresh)
       if why then
         dropped[#dropped + 1] = rest
         dropped[#dropped + 1] = why
@@ -170,5 +211,57 @@ local function ingest(limit, wake_others)
       ingest_dedup(rest)
     end
   end
-  return #entries, dropped
+  -- a fresh task settled by a later entry is no longer fresh
+  local still = {}
+  for _, id in ipairs(fresh) do
+    if FRESH[id] then still[#still + 1] = id end
+  end
+  return #entries, dropped, still
+end
+
+-- After a submit claim's promotions, with `fresh` from ingest: when nothing waits in the
+-- ready set, take up to n fresh tasks straight to SUBMITTING, in the order the ready set
+-- would have given them (by ready score, ties by id), and settle the others; else settle
+-- them all, behind what waits. A task taken so ends as the claim leaves any task it takes:
+-- fence 1, version 2, leased by `owner` until `lease_until`, counted and indexed as
+-- SUBMITTING, with the events of both versions. Returns the claim replies
+-- {id, fence, version, fields} of the tasks taken.
+local function take_fresh(fresh, n, owner, lease_until)
+  local out = {}
+  if #fresh == 0 then return out end
+  if n > 0 and redis.call('ZCARD', P .. 'ready:submit') == 0 then
+    local score = {}
+    for _, id in ipairs(fresh) do
+      local f = FRESH[id]
+      score[id] = (100 - tonumber(f.priority)) * PRIO_SPAN + tonumber(f.due_ms)
+    end
+    table.sort(fresh, function(a, b)
+      if score[a] ~= score[b] then return score[a] < score[b] end
+      return a < b
+    end)
+  else
+    n = 0
+  end
+  for _, id in ipairs(fresh) do
+    if #out < n then
+      local f = FRESH[id]
+      FRESH[id] = nil
+      local tk = task_key(id)
+      f.status, f.version, f.fence, f.owner, f.updated_ms = 'SUBMITTING', '2', '1', owner, NOW_S
+      local fields = {}
+      for name, value in pairs(f) do
+        fields[#fields + 1] = name
+        fields[#fields + 1] = value
+      end
+      redis.call('HSET', tk, unpack(fields))
+      move_status(tk, id, nil, 'SUBMITTING', f.handler)
+      emit(id, 'PENDING_SUBMIT', 1)
+      emit(id, 'SUBMITTING', 2)
+      redis.call('ZADD', P .. 'leases', lease_until, id)
+      out[#out + 1] = {id, 1, 2, fields}
+    else
+      settle_fresh(id)
+    end
+  end
+  return out
 end

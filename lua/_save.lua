@@ -1,9 +1,19 @@
 -- _save: one task's save, shared by save and save_many (not a script itself).
 --
--- The loader puts this after the prelude for the scripts that need it. save_one(k, A, o, n)
+-- The scripts that need it include it (--- @include _save). save_one(k, A, o, n)
 -- is the save of the task whose key is KEYS[k], given A[o + 1] .. A[o + n] as save's ARGV
 -- (save.lua states the contract). It returns save's reply, and raises on bad arguments or
 -- a corrupt hash or a bad setting it uses, before anything is written.
+
+--- @include _emit
+--- @include _guards
+--- @include _int_arg
+--- @include _int_field
+--- @include _move
+--- @include _schedule
+--- @include _settings
+--- @include _statuses
+--- @include _wake
 
 -- The longest delay a save accepts: 10 years, as the client's longest delay. NOW + delay_ms
 -- then stays an integer that a double holds exactly and int_s writes as digits; a larger
@@ -55,7 +65,7 @@ local function save_one(k, A, o, n)
     final = 'TRACKING_TIMED_OUT'
   end
 
-  -- The version bump (as the prelude's bump), the fields, updated_ms, due_ms, and the
+  -- The version bump (as _move's bump), the fields, updated_ms, due_ms, and the
   -- removal of owner, started_fence, started_by and emptied fields: one HSET and one HDEL.
   -- Each call a script makes costs Redis far more than the command itself; saves run for
   -- every task several times, so they are batched here.

@@ -4,6 +4,9 @@
 -- A[o + n] as start's ARGV (start.lua states the contract). It returns start's reply, and
 -- raises on bad arguments or a corrupt hash, before anything is written.
 
+--- @include _guards
+--- @include _int_field
+
 local function start_one(k, A, o, n)
   local tk = KEYS[k]
   if n < 4 or n > 5 then error('asynctaskd: start takes 4 or 5 arguments, got ' .. n) end
@@ -23,7 +26,7 @@ local function start_one(k, A, o, n)
   if t[1] ~= 'SUBMITTING' or (tonumber(t[4]) or 0) <= NOW then return {-7} end
   if t[7] == fence then return {-8} end
   if t[5] == '1' then return {-6, tonumber(t[3])} end
-  -- the marks, submit_attempts + 1 and the version bump (as the prelude's bump): one HSET
+  -- the marks, submit_attempts + 1 and the version bump (as _move's bump): one HSET
   if not int_field(t[3]) then
     error('asynctaskd: task ' .. id .. ' field version is corrupt: ' .. tostring(t[3]))
   end

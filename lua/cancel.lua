@@ -19,6 +19,9 @@
 -- Invariants: writes only with commands that add (RPUSH intake, LPUSH wake); a cancel
 -- that was already requested, or of a finished task, adds nothing.
 
+--- @include _statuses
+--- @include _wake
+
 local tk = KEYS[2]
 local id = ARGV[1]
 if KEYS[2] ~= P .. 'task:' .. id then

@@ -25,7 +25,7 @@
 -- be claimed, dropped how many entries were not claimable
 -- (gone, timed out, canceled, set aside by admission, or quarantined because unreadable:
 -- not a hash, unknown status, missing deadline or handler, a counter HINCRBY refuses).
--- Admission (prelude): a task held back by a pause or a full cap moves to that held set;
+-- Admission (_schedule): a task held back by a pause or a full cap moves to that held set;
 -- a task in a rate lane is claimed only against a grant, else it waits in its lane. Grants
 -- are served first, from the lanes' held sets in ready order. At most 1000 tasks are set
 -- aside per call, so the work is bounded and a blocked group never stalls the others.
@@ -37,6 +37,16 @@
 -- CANCELED here; every claim increments the fence, so older holders become stale; a
 -- submit claim adds the task to the in-flight set of every cap it falls under (listed in
 -- its `slots` field), and a rate-lane claim spends exactly one granted token.
+
+--- @include _emit
+--- @include _int_arg
+--- @include _int_field
+--- @include _intake
+--- @include _move
+--- @include _roles
+--- @include _schedule
+--- @include _settings
+--- @include _statuses
 
 daemon_only()
 admission_helpers()
@@ -68,8 +78,11 @@ local quarantine = P .. 'quarantine'
 
 -- Producers' requests first, so that a task created just now can be claimed by this call.
 local reply = {0, 0, 0, {}, {0}}
+local fresh = nil
 if phase == 'submit' then
-  local taken, rejected = ingest(256, false)
+  -- without limits or pauses, a new task due now may be taken in directly (_intake, fresh)
+  local taken, rejected
+  taken, rejected, fresh = ingest(256, false, not admission_on() and not paused_on())
   reply[5] = {taken, unpack(rejected)}
 end
 
@@ -195,6 +208,14 @@ local function consider(id, score, from)
     reply[#reply + 1] = {id, fence, v, hash}
   end
   return true
+end
+
+-- Fresh tasks, when nothing waits before them (no limits: no grants or holds either).
+if fresh then
+  for _, c in ipairs(take_fresh(fresh, n, owner, int_s(NOW + lease_ms))) do
+    reply[#reply + 1] = c
+    got = got + 1
+  end
 end
 
 -- Grants first: they were taken for tasks already waiting in their lanes.

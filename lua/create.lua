@@ -31,4 +31,6 @@
 -- Until a daemon takes the request in, the task is read from new:<id> (docs/protocol.md);
 -- the status index, counters, deadline index and due set get it at that moment.
 
+--- @include _create
+
 return create_one(2, ARGV, 0, #ARGV)

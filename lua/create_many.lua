@@ -14,4 +14,7 @@
 -- written; each create runs in order exactly as the create script would (a later create
 -- with the same tenant and dedup key sees the earlier one: ACCEPTED), under one NOW.
 
+--- @include _create
+--- @include _many
+
 return run_many(create_one, 'create_many', 2)

@@ -9,6 +9,10 @@
 -- What purge does for an operator (lua/_purge.lua), for the daemons' reaper: a daemon
 -- may not run purge, an operator's script.
 
+--- @include _int_arg
+--- @include _purge
+--- @include _roles
+
 daemon_only()
 local older_than_ms = int_arg(ARGV[1], 'older_than_ms', 0)
 local limit = int_arg(ARGV[2], 'limit', 1, 10000)

@@ -26,6 +26,9 @@
 -- stored limits; version moves only when something changed; a call's work is bounded by
 -- its own pairs, whatever the number of stored limits.
 
+--- @include _int_field
+--- @include _roles
+
 local mode = ARGV[1]
 if mode ~= 'set' and mode ~= 'config' and mode ~= 'prune' then
   error("asynctaskd: ARGV mode must be 'set', 'config' or 'prune', got " .. tostring(mode))

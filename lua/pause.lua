@@ -9,6 +9,8 @@
 -- queried, and held tasks still time out and can be canceled (the sweep and cancel
 -- act on them as on any task nobody holds).
 
+--- @include _roles
+
 operator_only()
 local dim = ARGV[1]
 if not string.find(dim, '^[a-z]+:') then

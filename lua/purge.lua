@@ -8,6 +8,10 @@
 -- Operators only (the daemons' retention is expire); lua/_purge.lua does the work, with
 -- exact counters.
 
+--- @include _int_arg
+--- @include _purge
+--- @include _roles
+
 operator_only()
 local older_than_ms = int_arg(ARGV[1], 'older_than_ms', 0)
 local limit = int_arg(ARGV[2], 'limit', 1, 10000)

@@ -11,6 +11,9 @@
 -- of the hash is touched, so what was corrupt can still be inspected. KEYS[2] must be the
 -- key of task_id (else an error, nothing written).
 
+--- @include _roles
+--- @include _unschedule
+
 daemon_only()
 local tk = KEYS[2]
 local id = ARGV[1]

@@ -20,6 +20,16 @@
 -- Invariant: after the script, no task in the lease index has an expired lease among
 -- those it looked at.
 
+--- @include _emit
+--- @include _int_arg
+--- @include _int_field
+--- @include _move
+--- @include _roles
+--- @include _schedule
+--- @include _settings
+--- @include _statuses
+--- @include _wake
+
 daemon_only()
 local limit = int_arg(ARGV[1], 'limit', 1, 10000)
 local max_reclaims = int_arg(ARGV[2], 'max_reclaims', 0)

@@ -15,6 +15,15 @@
 -- on a malformed triple (an empty task_id, fence or version) or a task it would release
 -- whose version is not an integer or that has no handler.
 
+--- @include _emit
+--- @include _int_field
+--- @include _move
+--- @include _roles
+--- @include _schedule
+--- @include _settings
+--- @include _statuses
+--- @include _wake
+
 daemon_only()
 if #ARGV % 3 ~= 0 then error('asynctaskd: release takes task_id, fence, version triples') end
 local leases = P .. 'leases'

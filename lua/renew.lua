@@ -11,6 +11,9 @@
 -- A lease that expired but was not reaped yet is still the holder's: nobody else can
 -- have claimed the task without changing its fence.
 
+--- @include _int_arg
+--- @include _roles
+
 daemon_only()
 local lease_ms = int_arg(ARGV[1], 'lease_ms', 1)
 if #ARGV % 2 ~= 1 then error('asynctaskd: renew takes task_id, fence pairs after ARGV[1]') end

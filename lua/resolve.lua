@@ -21,6 +21,16 @@
 -- Raises before writing on bad ARGV (KEYS[2] must be the key of task_id), bad settings,
 -- or a task whose version is not an integer or that has no handler.
 
+--- @include _emit
+--- @include _guards
+--- @include _int_field
+--- @include _move
+--- @include _roles
+--- @include _schedule
+--- @include _settings
+--- @include _statuses
+--- @include _wake
+
 operator_only()
 local tk = KEYS[2]
 local id = ARGV[1]

@@ -9,6 +9,10 @@
 -- it; a moved task keeps its ready score (priority, then FIFO) and goes where it waits
 -- now: the ready set, or the held set of another pause, a full cap or its rate lane.
 
+--- @include _int_arg
+--- @include _roles
+--- @include _schedule
+
 operator_only()
 local dim = ARGV[1]
 if not string.find(dim, '^[a-z]+:') then

@@ -31,5 +31,8 @@
 -- no handler.
 -- Invariant: a rejected save writes nothing; a saved one releases the lease.
 
+--- @include _roles
+--- @include _save
+
 daemon_only()
 return save_one(2, ARGV, 0, #ARGV)

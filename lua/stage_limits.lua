@@ -20,6 +20,9 @@
 -- empties it, so a build never mixes with another's; both keys expire lease_ms after the
 -- owner's last call, so the half-built table of a daemon that died goes away by itself.
 
+--- @include _int_arg
+--- @include _roles
+
 daemon_only()
 local version = int_arg(ARGV[1], 'version', 0)
 local token = ARGV[2]

@@ -23,5 +23,8 @@
 -- A fence is no identity after a failover (a claim the old master acknowledged and lost
 -- is handed out again with the same fence and version); the token is.
 
+--- @include _roles
+--- @include _start
+
 daemon_only()
 return start_one(2, ARGV, 0, #ARGV)

@@ -13,5 +13,9 @@
 -- task under the same fence sees the earlier one: STARTED), under one NOW; a rejected
 -- start writes nothing.
 
+--- @include _many
+--- @include _roles
+--- @include _start
+
 daemon_only()
 return run_many(start_one, 'start_many', 1)

@@ -26,6 +26,10 @@
 -- for an empty one), or not at all, so a claim never finds a shard without its limits; the
 -- caller's build is gone after the call, whatever it answers; another build is left alone.
 
+--- @include _int_arg
+--- @include _roles
+--- @include _schedule
+
 daemon_only()
 local version = int_arg(ARGV[1], 'version', 0)
 local limit = int_arg(ARGV[2], 'limit', 1, 10000)

@@ -23,6 +23,9 @@
 -- leave no keys behind. Several daemons share the buckets; a worker takes for a batch,
 -- claims, and refunds what the claim did not use (the claim lives in another slot).
 
+--- @include _int_arg
+--- @include _roles
+
 daemon_only()
 local mode = ARGV[1]
 if mode ~= 'take' and mode ~= 'refund' then

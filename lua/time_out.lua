@@ -14,6 +14,15 @@
 -- whose version is not an integer is quarantined instead of breaking the sweep. Bad ARGV
 -- or settings raise before anything is written (the intake too).
 
+--- @include _emit
+--- @include _int_arg
+--- @include _int_field
+--- @include _intake
+--- @include _move
+--- @include _roles
+--- @include _settings
+--- @include _statuses
+
 daemon_only()
 local limit = int_arg(ARGV[1], 'limit', 1, 10000)
 settings()

@@ -24,6 +24,10 @@
 -- mark of a submit that may have reached the vendor. A rejected withdraw writes nothing;
 -- it raises before writing as save does.
 
+--- @include _int_arg
+--- @include _roles
+--- @include _save
+
 daemon_only()
 local fence, token = ARGV[2], ARGV[3]
 if KEYS[2] ~= P .. 'task:' .. ARGV[1] then

@@ -64,7 +64,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "cancel-not-merged-at-save",
         "a cancel bumps a leased task's version once, and the holder's save still lands",
-        "lua/_prelude.lua",
+        "lua/_guards.lua",
         "  return cancel_version ~= false and cancel_version ~= nil and current == cancel_version",
         "  return false and cancel_version ~= nil and current == cancel_version",
         (
@@ -81,9 +81,27 @@ MUTANTS: tuple[Mutant, ...] = (
         t(SCRIPTS, "test_cancel_during_query_lease_is_merged_at_next_save"),
     ),
     Mutant(
+        "fresh-tasks-jump-the-queue",
+        "a claim takes new requests straight in only when nothing waits in the ready set",
+        "lua/_intake.lua",
+        "  if n > 0 and redis.call('ZCARD', P .. 'ready:submit') == 0 then",
+        "  if n > 0 then",
+        (
+            "tests/lua/test_fresh_claim.py::test_tasks_already_ready_go_before_new_ones_of_their_priority",
+        ),
+    ),
+    Mutant(
+        "fresh-cancel-lost",
+        "a cancel taken in with its create cancels the task before any claim",
+        "lua/_intake.lua",
+        "  if FRESH and FRESH[id] then settle_fresh(id) end",
+        "  if false then settle_fresh(id) end",
+        ("tests/lua/test_fresh_claim.py::test_a_cancel_taken_in_with_its_create_wins",),
+    ),
+    Mutant(
         "illegal-transitions-allowed",
         "a worker write must be a legal transition of the model",
-        "lua/_prelude.lua",
+        "lua/_guards.lua",
         "  return string.find(LEGAL, ' ' .. old .. '>' .. new .. '#' .. actor .. ' ', 1, true) ~= nil",
         "  return true",
         t(SCRIPTS, "test_illegal_worker_transitions_are_refused"),
@@ -257,7 +275,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "daemon-scripts-open-to-producers",
         "daemon scripts ask Redis for the daemon role before writing",
-        "lua/_prelude.lua",
+        "lua/_roles.lua",
         "local function daemon_only() redis.call('HDEL', P .. 'role:daemon', '') end",
         "local function daemon_only() end",
         t(
@@ -268,7 +286,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "operator-scripts-open-to-daemons",
         "operator scripts ask Redis for the operator role before writing",
-        "lua/_prelude.lua",
+        "lua/_roles.lua",
         "local function operator_only() redis.call('HDEL', P .. 'role:operator', '') end",
         "local function operator_only() end",
         t(
@@ -314,7 +332,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "caps-never-full",
         "an in-flight cap holds tasks back once it is full",
-        "lua/_prelude.lua",
+        "lua/_schedule.lua",
         "    if n < cap then return false end",
         "    if true then return false end",
         t(LUA_ADMISSION, "test_a_full_cap_holds_tasks_and_a_finish_lets_the_next_one_in"),

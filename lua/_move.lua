@@ -1,0 +1,61 @@
+-- _move: status moves with exact counters and indexes; finishing; versions (an include).
+
+--- @include _schedule
+--- @include _settings
+--- @include _statuses
+--- @include _unschedule
+
+local function release_slots(tk, id)
+  local slots = redis.call('HGET', tk, 'slots')
+  if not slots then return end
+  redis.call('HDEL', tk, 'slots')
+  for scope in string.gmatch(slots, '%S+') do
+    redis.call('SREM', P .. 'inflight:' .. scope, id)
+    unhold('cap:' .. scope, 'submit', 1)
+  end
+end
+
+-- Move a task's status, keeping the per-status index and counters exact.
+local function move_status(tk, id, old, new, handler)
+  redis.call('HSET', tk, 'status', new)
+  if old == new then return end
+  if old and INFLIGHT[old] and not INFLIGHT[new] then release_slots(tk, id) end
+  local counts = P .. 'counts'
+  if old then
+    redis.call('HINCRBY', counts, old, '-1')
+    redis.call('HINCRBY', counts, old .. '@' .. handler, '-1')
+    redis.call('ZREM', P .. 'idx:' .. old, id)
+  end
+  redis.call('HINCRBY', counts, new, '1')
+  redis.call('HINCRBY', counts, new .. '@' .. handler, '1')
+  redis.call('ZADD', P .. 'idx:' .. new, NOW_S, id)
+end
+
+-- Everything that happens when a task becomes terminal, in one place. `written`: the
+-- caller (a save, in its own HSET and HDEL) already removed the lease, wrote finished_ms
+-- and deleted owner, due_ms and started_fence.
+local function finish(tk, id, old, new, handler, written)
+  move_status(tk, id, old, new, handler)
+  unschedule(id)
+  if not written then
+    -- only a leased task has an owner: a producer's cancel never touches the lease index
+    if redis.call('HEXISTS', tk, 'owner') == 1 then redis.call('ZREM', P .. 'leases', id) end
+    redis.call('HSET', tk, 'finished_ms', NOW_S)
+    redis.call('HDEL', tk, 'owner', 'due_ms', 'started_fence')
+  end
+  redis.call('ZREM', P .. 'deadlines', id)
+  local dedup = redis.call('HGET', tk, 'dedup')
+  if dedup then
+    local dk = P .. 'dedup:' .. dedup
+    if redis.call('GET', dk) == id then redis.call('DEL', dk) end
+  end
+  -- purge deletes the hash at retention with exact counters; the expiry is the safety net
+  if not EXPIRY_MS then settings() end
+  redis.call('PEXPIRE', tk, EXPIRY_MS)
+end
+
+local function bump(tk)
+  local v = redis.call('HINCRBY', tk, 'version', '1')
+  redis.call('HSET', tk, 'updated_ms', NOW_S)
+  return v
+end
