@@ -26,11 +26,11 @@ import redis
 import redis.asyncio
 import redis.exceptions
 
-from . import admission
-from .admission import Entry
-from .codec import DEFAULT_MAX_PAYLOAD, check_json_like, decode_task, encode_payload
-from .config import HandlerConfig, LimitConfig
-from .cursors import (
+from asynctaskd import admission
+from asynctaskd.admission import Entry
+from asynctaskd.codec import DEFAULT_MAX_PAYLOAD, check_json_like, decode_task, encode_payload
+from asynctaskd.config import HandlerConfig, LimitConfig
+from asynctaskd.cursors import (
     KEY_BYTES,
     Position,
     derive_key,
@@ -39,7 +39,7 @@ from .cursors import (
     seal,
     sealed_with,
 )
-from .errors import (
+from asynctaskd.errors import (
     ConfigError,
     CorruptTask,
     IllegalTransition,
@@ -50,12 +50,12 @@ from .errors import (
     TaskNotFound,
     UnknownHandler,
 )
-from .keys import HANDLER_KEY_RE, Keys, deployment_problem, new_task_id, shard_for_dedup
-from .model import Status, Task
-from .plans import Pause, Reads
-from .plans import advance as _advance
-from .plans import read as _read
-from .routing import (
+from asynctaskd.keys import HANDLER_KEY_RE, Keys, deployment_problem, new_task_id, shard_for_dedup
+from asynctaskd.model import Status, Task
+from asynctaskd.plans import Pause, Reads
+from asynctaskd.plans import advance as _advance
+from asynctaskd.plans import read as _read
+from asynctaskd.routing import (
     MAX_ROUTE_KEY,
     Group,
     MemberSpec,
@@ -66,7 +66,7 @@ from .routing import (
     loads,
     make_group,
 )
-from .store import (
+from asynctaskd.store import (
     Batcher,
     Call,
     Code,
@@ -1396,7 +1396,7 @@ class Client:
         max_payload: int = DEFAULT_MAX_PAYLOAD,
     ) -> Client:
         """Connect to `url`, as `AsyncClient.from_url`."""
-        from .connection import open_sync
+        from asynctaskd.connection import open_sync
 
         conn = open_sync(
             url, credentials=redis_credentials(), socket_timeout=BLOCK_S + REPLY_MARGIN_S
