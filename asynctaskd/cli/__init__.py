@@ -20,8 +20,8 @@ from typing import Any, Final
 
 import msgspec
 
-from .config import LimitConfig, load_config
-from .errors import (
+from asynctaskd.config import LimitConfig, load_config
+from asynctaskd.errors import (
     AsyncTaskdError,
     ConfigError,
     IllegalTransition,
@@ -31,8 +31,8 @@ from .errors import (
     TaskNotFound,
     UnknownHandler,
 )
-from .model import Status, Task
-from .routing import POLICIES, Group, MemberSpec
+from asynctaskd.model import Status, Task
+from asynctaskd.routing import POLICIES, Group, MemberSpec
 
 __all__ = ["EXIT_FAILED", "EXIT_NOT_FOUND", "EXIT_REFUSED", "EXIT_TIMED_OUT", "main"]
 
@@ -316,7 +316,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _duration(text: str, what: str) -> float:
-    from .config import Duration
+    from asynctaskd.config import Duration
 
     try:
         try:
@@ -441,7 +441,7 @@ def _cancel_outcome(client: Any, task_id: str, tenant: str | None, wait_s: float
 
 
 def _client_command(args: argparse.Namespace) -> int:
-    from .client import Client
+    from asynctaskd.client import Client
 
     url, namespace, shards = _connection(args)
     where = (url, namespace)
@@ -566,7 +566,7 @@ def _client_command(args: argparse.Namespace) -> int:
 
 def _token(client: Any, args: argparse.Namespace, namespace: str) -> int:
     """`asynctaskd token ...`: records in `<ns>:web:tokens` (asynctaskd.web.tokens)."""
-    from .web.tokens import TokenRecord, mint, tokens_key
+    from asynctaskd.web.tokens import TokenRecord, mint, tokens_key
 
     key = tokens_key(namespace)
     if args.token_command == "create":
@@ -792,8 +792,8 @@ def _export_scripts(directory: Path) -> int:
     """Each script's full source (what EVALSHA runs) as <name>.lua, and manifest.json:
     {"protocol": 1, "scripts": {name: {"sha1", "keys", "argv"}}}, for loading with SCRIPT
     LOAD from any language (the SHA is the SHA-1 of the file's bytes)."""
-    from .keys import PROTOCOL_VERSION
-    from .scripts import load_scripts
+    from asynctaskd.keys import PROTOCOL_VERSION
+    from asynctaskd.scripts import load_scripts
 
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -825,20 +825,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             # Until the daemon's own handlers are installed, SIGTERM means "exit cleanly":
             # nothing has been claimed yet, so there is nothing to drain.
             signal.signal(signal.SIGTERM, _exit_during_startup)
-            from .daemon import serve
-            from .logs import setup_logging
+            from asynctaskd.daemon import serve
+            from asynctaskd.logs import setup_logging
 
             config = load_config(args.config)
             setup_logging(config.log.level, config.log.format)
             serve(config, args.config)
             return 0
         if args.command == "dev":
-            from .devtools.dev import run_dev
+            from asynctaskd.devtools.dev import run_dev
 
             return run_dev(args)
         if args.command == "web":
-            from .logs import setup_logging
-            from .web import run_web
+            from asynctaskd.logs import setup_logging
+            from asynctaskd.web import run_web
 
             config = load_config(args.config)
             setup_logging(config.log.level, config.log.format)
@@ -847,11 +847,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "check-config":
             config = load_config(args.config)
             if config.redis.url == "embedded":
-                from .embedded import require_valkey_binary
+                from asynctaskd.embedded import require_valkey_binary
 
                 require_valkey_binary("redis.url = 'embedded'")
-            from . import http_handler
-            from .handlers import load_handlers
+            from asynctaskd import http_handler
+            from asynctaskd.handlers import load_handlers
 
             handlers = load_handlers(
                 list(config.handlers),
