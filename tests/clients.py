@@ -10,8 +10,9 @@ import anyio
 import pytest
 import redis.asyncio
 
-from asynctaskd.client import AsyncClient, Client, Reads, TaskEvent
+from asynctaskd.client import AsyncClient, Client, TaskEvent
 from asynctaskd.errors import StoreUnavailable
+from asynctaskd.plans import Reads
 
 
 class Api:

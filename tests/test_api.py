@@ -35,12 +35,49 @@ def test_spec_names_are_importable_from_the_root() -> None:
     )
 
 
+def _files(name: str) -> list[Path]:
+    """The source files of module `name`: itself, or every module of the package."""
+    package = PACKAGE / name
+    if (package / "__init__.py").exists():
+        return sorted(package.rglob("*.py"))
+    path = PACKAGE / f"{name}.py"
+    return [path] if path.exists() else []
+
+
+def _runtime_files() -> list[Path]:
+    """Every module outside the dev and web subpackages (each checked on its own)."""
+    return sorted(
+        p
+        for p in PACKAGE.rglob("*.py")
+        if p.relative_to(PACKAGE).parts[0] not in ("devtools", "web")
+    )
+
+
+def _top(module: Path, node: ast.ImportFrom) -> str | None:
+    """The asynctaskd module (top level: "store", "client", ...) an import names: relative,
+    or absolute (a subpackage's modules import their parents' as asynctaskd.<name>)."""
+    if node.level == 0:
+        parts = (node.module or "").split(".")
+        return parts[1] if parts[0] == "asynctaskd" and len(parts) > 1 else None
+    here = module.relative_to(PACKAGE).parts[:-1]  # () for asynctaskd/<name>.py
+    if node.level > len(here) + 1:
+        return None
+    inside = here[: len(here) - node.level + 1]  # the package the import starts from
+    parts = [*inside, *(node.module.split(".") if node.module else [])]
+    return parts[0] if parts else None
+
+
 def _imports(module: Path) -> set[str]:
     tree = ast.parse(module.read_text())
     out = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
-            out.add(node.module.split(".")[0])
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        top = _top(module, node)
+        if top is not None:
+            out.add(top)
+        elif node.module in (None, "asynctaskd"):  # from asynctaskd import x, at the top
+            out.update(alias.name for alias in node.names)
     return out
 
 
@@ -68,14 +105,14 @@ def test_import_direction() -> None:
         "http1": {"store", "client", "worker", "daemon", "handlers", "transport", "connection"},
         "downloads": {"store", "client", "worker", "daemon", "handlers", "http_handler"},
         # the redis-py internals stay behind the batch exchange: it knows nothing of ours
-        "wire": {p.stem for p in PACKAGE.glob("*.py")} | {"devtools"},
+        "wire": {p.stem for p in PACKAGE.glob("*.py")}
+        | {p.parent.name for p in PACKAGE.glob("*/__init__.py")},
     }
     for name, banned in forbidden.items():
-        path = PACKAGE / f"{name}.py"
-        if not path.exists():
-            continue
-        bad = _imports(path) & banned
-        assert not bad, f"asynctaskd.{name} imports {bad}"
+        for path in _files(name):
+            bad = _imports(path) & banned
+            assert not bad, f"asynctaskd.{name} ({path.relative_to(PACKAGE)}) imports {bad}"
+    assert _files("client") and _files("cli"), "the checks must find the modules they check"
 
 
 def test_client_import_stays_light() -> None:
@@ -99,17 +136,15 @@ _SERVERS = ("aiohttp.web", "http.server", "wsgiref", "prometheus_client")
 def test_no_runtime_module_imports_a_dev_tool() -> None:
     # Only the CLI reaches asynctaskd.devtools, inside `asynctaskd dev` itself.
     dev_names = {"devtools", "fakevendor", "fakehttp", "demo", "dev"}
-    for path in sorted(PACKAGE.glob("*.py")):
+    for path in _runtime_files():
+        module = path.relative_to(PACKAGE)
         tree = ast.parse(path.read_text())
         for node in tree.body:  # module level: what importing the module loads
             if isinstance(node, ast.ImportFrom) and node.module:
-                parts = node.module.split(".")
-                name = parts[0] if node.level == 1 else ".".join(parts[1:2])
-                relative = node.level == 1 or parts[0] == "asynctaskd"
-                bad = relative and name in dev_names
-                assert not bad, f"asynctaskd.{path.stem} imports {node.module}"
-        if path.stem != "cli":
-            assert not _imports(path) & dev_names, f"asynctaskd.{path.stem} imports a dev tool"
+                bad = _top(path, node) in dev_names
+                assert not bad, f"asynctaskd/{module} imports {node.module}"
+        if module.parts[0] not in ("cli", "cli.py"):
+            assert not _imports(path) & dev_names, f"asynctaskd/{module} imports a dev tool"
     assert (PACKAGE / "devtools" / "fakevendor.py").exists()
 
 

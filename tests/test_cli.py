@@ -331,7 +331,7 @@ def test_top_piped_prints_json_lines_without_terminal_codes(redis_url: str) -> N
 
 
 def test_every_option_says_what_it_does() -> None:
-    from asynctaskd.cli import _parser
+    from asynctaskd.cli.parser import _parser
 
     def walk(parser: argparse.ArgumentParser, path: str) -> list[str]:
         missing = []
@@ -349,7 +349,7 @@ def test_every_option_says_what_it_does() -> None:
 def test_without_a_server_named_the_default_one_is_said_on_stderr(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from asynctaskd.cli import DEFAULT_URL, _connection
+    from asynctaskd.cli.common import DEFAULT_URL, _connection
 
     monkeypatch.delenv("ASYNCTASKD_URL", raising=False)
     bare = argparse.Namespace(url=None, config=None, namespace=None, shards=None)

@@ -24,8 +24,8 @@ import pytest
 import redis.asyncio
 from redis import Redis as SyncRedis
 
-import asynctaskd.client as client_mod
-from asynctaskd.client import AsyncClient, Client, Reads, TaskEvent, content_dedup_key
+import asynctaskd.client.watch as client_watch
+from asynctaskd.client import AsyncClient, Client, TaskEvent, TaskPage, content_dedup_key
 from asynctaskd.errors import (
     CorruptTask,
     IllegalTransition,
@@ -37,6 +37,7 @@ from asynctaskd.errors import (
 )
 from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.model import Status, Task, TaskError
+from asynctaskd.plans import Reads, read
 from asynctaskd.store import Call, Code, Lease, Store, SyncStore, _Pending
 
 from .clients import Api
@@ -283,7 +284,7 @@ async def test_a_caller_that_stops_waiting_for_a_shared_refresh_stops_no_other(
 ) -> None:
     await redis_client.hset("atd:handlers", "ocr:demo", str(int(time.time() * 1000) + 60_000))
     async with AsyncClient.from_url(redis_url) as client:
-        reads = Reads(client_mod._read("hgetall", "atd:handlers"), share="handlers")
+        reads = Reads(read("hgetall", "atd:handlers"), share="handlers")
         first = asyncio.ensure_future(client._execute(reads))
         second = asyncio.ensure_future(client._execute(reads))
         await asyncio.sleep(0)  # both wait on the one read now (the first sent it)
@@ -556,7 +557,7 @@ async def test_watch_rides_out_store_errors_and_gives_up_after_its_budget(
     ]  # fmt: skip
 
     other = await api.submit("h", {}, **BASE)
-    monkeypatch.setattr(client_mod, "RECONNECT_BUDGET_S", 0.3)
+    monkeypatch.setattr(client_watch, "RECONNECT_BUDGET_S", 0.3)  # read where watch runs
     api.fail_reads(monkeypatch, lambda reads: reads.cmds[0][0] == "xread")
     started = time.monotonic()
     with pytest.raises(StoreUnavailable, match="watch gave up after"):
@@ -728,7 +729,7 @@ async def test_list_pages_through_every_task_and_filters(make_api: Callable[...,
     }
     assert len(await walk(handler="a", tenant="t1", status="PENDING_SUBMIT")) == 12
     assert await walk(handler="a", tenant="t2") == []
-    assert await api.list(status=S.CANCELED) == client_mod.TaskPage([], None)
+    assert await api.list(status=S.CANCELED) == TaskPage([], None)
     page = await api.list(limit=5)
     with pytest.raises(InvalidTask, match="cursor"):
         await api.list(status=S.CANCELED, cursor=page.cursor)

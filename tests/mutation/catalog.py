@@ -341,7 +341,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "client-shows-other-tenants-tasks",
         "a client bound to a tenant sees none of another tenant's tasks",
-        "asynctaskd/client.py",
+        "asynctaskd/client/tasks.py",
         "    return None if tenant is not None and task.tenant != tenant else task",
         "    return task",
         t("tests/test_client.py", "test_tenants_cannot_see_each_others_tasks"),
