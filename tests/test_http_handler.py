@@ -531,7 +531,9 @@ async def test_throttles_in_a_row_wait_longer_each_time_and_a_success_resets_the
     assert task.status is Status.SUCCEEDED and task.throttles == 0
     calls = script.calls("POST", "/jobs") if phase == "submit" else script.calls("GET", "/jobs/")
     gaps = [b.at - a.at for a, b in itertools.pairwise(calls[:4])]
-    assert gaps[0] >= 0.09 and gaps[1] >= 1.5 * gaps[0] and gaps[2] >= 1.5 * gaps[1], gaps
+    # each wait is at least its doubled delay (a loaded host only adds lateness, which a
+    # ratio of measured gaps would not survive); without doubling the third is ~0.1 s
+    assert gaps[0] >= 0.09 and gaps[1] >= 0.19 and gaps[2] >= 0.38, gaps
 
 
 async def test_a_rate_limit_reset_header_and_retry_after_ms_are_honoured(
