@@ -390,8 +390,9 @@ def tune_gc() -> None:
 
     A handler call allocates a few dozen objects, and CPython collects its youngest
     generation every 700: at thousands of calls a second the collections, and the full
-    ones that walk every module, class and function loaded, took ~8 us of ~46 us of the
-    daemon's CPU per call (instant handler, no HTTP). What is loaded by now lives as long
+    ones that walk every module, class and function loaded, took a sixth of the daemon's
+    CPU per call when measured (instant handler, no HTTP; docs/performance-history.md,
+    sixth pass). What is loaded by now lives as long
     as the process, so it is frozen out of collections; the young generation is collected
     every 10,000 allocations, the older ones seldom. Cyclic garbage still goes, later.
     """

@@ -2,7 +2,8 @@
 
 The fake vendor runs beside the daemon and Redis on the benchmark host, so what it spends
 on a request is taken from the processes it serves, where a real vendor would be
-elsewhere. aiohttp's low-level server spent ~30 us of CPU on a poll here; this one ~19.
+elsewhere: aiohttp's low-level server spent about half as much again on a poll as this
+one when measured (docs/performance-history.md, tenth pass).
 It takes what the fake vendor's clients send: HTTP/1.0 and 1.1, a body framed by
 Content-Length or chunked (at most 16 MiB), `Expect: 100-continue`, and
 pipelined requests, answered in order. A handler returns its `Answer` at once, or an
