@@ -23,11 +23,11 @@ import anyio
 import httpx
 import pytest
 
-from asynctaskd import transport as transport_module
 from asynctaskd.http1 import Http1Pool
 from asynctaskd.http1 import pool as http1_pool
 from asynctaskd.http1.protocol import _Connection
 from asynctaskd.transport import Fetcher, PoolTransport, fetcher_for, make_http_client
+from asynctaskd.transport import fetcher as transport_fetcher
 from tests.test_transport import (
     NEVER_SENT,
     Handler,
@@ -183,7 +183,7 @@ def pool_of(http: httpx.AsyncClient) -> Http1Pool:
 def _client(transport: PoolTransport) -> httpx.AsyncClient:
     """A stock client over `transport`, whose `fetcher_for` knows the transport."""
     client = httpx.AsyncClient(transport=transport)
-    transport_module._FETCHERS[client] = Fetcher(client, transport)
+    transport_fetcher._FETCHERS[client] = Fetcher(client, transport)
     return client
 
 

@@ -414,7 +414,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "refused-tunnel-is-ambiguous",
         "a proxy that refuses the CONNECT tunnel means the vendor saw nothing (never sent)",
-        "asynctaskd/transport.py",
+        "asynctaskd/transport/pool.py",
         "        except httpx.ProxyError as exc:",
         "        except ZeroDivisionError as exc:",
         t("tests/test_proxy.py", "test_a_refused_tunnel_is_never_sent"),
