@@ -602,7 +602,7 @@ def _child_env() -> dict[str, str]:
     # Let the child import this very package even when the parent found it through
     # sys.path tweaks (pytest rootdir, PYTHONPATH) rather than an install.
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])  # the directory that holds asynctaskd/
     if Path(root).name != "site-packages":
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     return env
