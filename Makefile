@@ -46,9 +46,11 @@ MUTANT_ARGS ?=
 mutants: $(STAMP)
 	$(BIN)/python -m tests.mutation -j $(TEST_JOBS) $(MUTANT_ARGS)
 
+## ruff, and the import contracts in pyproject.toml ([tool.importlinter]).
 lint: $(STAMP)
 	$(BIN)/ruff check asynctaskd tests bench
 	$(BIN)/ruff format --check asynctaskd tests bench
+	$(BIN)/lint-imports --no-cache --no-logo
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

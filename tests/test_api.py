@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -35,84 +34,22 @@ def test_spec_names_are_importable_from_the_root() -> None:
     )
 
 
-def _files(name: str) -> list[Path]:
-    """The source files of module `name`: itself, or every module of the package."""
-    package = PACKAGE / name
-    if (package / "__init__.py").exists():
-        return sorted(package.rglob("*.py"))
-    path = PACKAGE / f"{name}.py"
-    return [path] if path.exists() else []
-
-
-def _runtime_files() -> list[Path]:
-    """Every module outside the dev and web subpackages (each checked on its own)."""
-    return sorted(
-        p
-        for p in PACKAGE.rglob("*.py")
-        if p.relative_to(PACKAGE).parts[0] not in ("devtools", "web")
+def test_import_contracts_hold() -> None:
+    # The layers and the rules between modules are import-linter contracts in
+    # pyproject.toml ([tool.importlinter]; `make lint` runs them too): the store never
+    # knows about workers, handlers or the client; the client never imports the worker
+    # side; handlers never talk to Redis; only the CLI reaches the dev tools.
+    pytest.importorskip("importlinter", reason="import-linter is in the lint extra")
+    lint_imports = Path(sys.executable).with_name("lint-imports")
+    proc = subprocess.run(
+        [str(lint_imports), "--no-cache", "--no-logo"],
+        cwd=Path(__file__).resolve().parents[1],  # where pyproject.toml is
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
-
-
-def _top(module: Path, node: ast.ImportFrom) -> str | None:
-    """The asynctaskd module (top level: "store", "client", ...) an import names: relative,
-    or absolute (a subpackage's modules import their parents' as asynctaskd.<name>)."""
-    if node.level == 0:
-        parts = (node.module or "").split(".")
-        return parts[1] if parts[0] == "asynctaskd" and len(parts) > 1 else None
-    here = module.relative_to(PACKAGE).parts[:-1]  # () for asynctaskd/<name>.py
-    if node.level > len(here) + 1:
-        return None
-    inside = here[: len(here) - node.level + 1]  # the package the import starts from
-    parts = [*inside, *(node.module.split(".") if node.module else [])]
-    return parts[0] if parts else None
-
-
-def _imports(module: Path) -> set[str]:
-    tree = ast.parse(module.read_text())
-    out = set()
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.ImportFrom):
-            continue
-        top = _top(module, node)
-        if top is not None:
-            out.add(top)
-        elif node.module in (None, "asynctaskd"):  # from asynctaskd import x, at the top
-            out.update(alias.name for alias in node.names)
-    return out
-
-
-def test_import_direction() -> None:
-    # The store never knows about workers, handlers or the client; the client never
-    # imports the worker side; handlers never talk to Redis.
-    forbidden = {
-        "model": {"store", "worker", "client", "handlers", "daemon"},
-        "keys": {"store", "worker", "client", "daemon"},
-        "codec": {"store", "worker", "client", "daemon"},
-        "scripts": {"store", "worker", "client", "daemon"},
-        "store": {"worker", "client", "handlers", "daemon", "reaper", "cli", "durability"},
-        "durability": {"worker", "client", "handlers", "daemon", "reaper", "cli"},
-        "client": {"worker", "handlers", "daemon", "reaper", "metrics", "http_handler", "cli"},
-        "handlers": {"store", "worker", "daemon", "client"},
-        "http_handler": {"store", "worker", "daemon", "client"},
-        "worker": {"daemon", "cli", "client"},
-        "plans": {"client", "admission", "worker", "daemon", "cli"},
-        "cursors": {"store", "plans", "client", "worker", "daemon", "cli"},
-        # no cycle with the client: the daemon runs admission plans on its own store
-        "admission": {"client", "worker", "daemon", "cli", "handlers", "http_handler"},
-        "daemon": {"client", "cli"},
-        "connection": {"store", "client", "worker", "daemon", "cli", "handlers"},
-        "transport": {"store", "client", "worker", "daemon", "handlers", "connection"},
-        "http1": {"store", "client", "worker", "daemon", "handlers", "transport", "connection"},
-        "downloads": {"store", "client", "worker", "daemon", "handlers", "http_handler"},
-        # the redis-py internals stay behind the batch exchange: it knows nothing of ours
-        "wire": {p.stem for p in PACKAGE.glob("*.py")}
-        | {p.parent.name for p in PACKAGE.glob("*/__init__.py")},
-    }
-    for name, banned in forbidden.items():
-        for path in _files(name):
-            bad = _imports(path) & banned
-            assert not bad, f"asynctaskd.{name} ({path.relative_to(PACKAGE)}) imports {bad}"
-    assert _files("client") and _files("cli"), "the checks must find the modules they check"
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "0 broken" in proc.stdout, proc.stdout
 
 
 def test_client_import_stays_light() -> None:
@@ -133,21 +70,6 @@ _DEV_ONLY = ("asynctaskd.devtools", "asynctaskd.fakevendor", "asynctaskd.fakehtt
 _SERVERS = ("aiohttp.web", "http.server", "wsgiref", "prometheus_client")
 
 
-def test_no_runtime_module_imports_a_dev_tool() -> None:
-    # Only the CLI reaches asynctaskd.devtools, inside `asynctaskd dev` itself.
-    dev_names = {"devtools", "fakevendor", "fakehttp", "demo", "dev"}
-    for path in _runtime_files():
-        module = path.relative_to(PACKAGE)
-        tree = ast.parse(path.read_text())
-        for node in tree.body:  # module level: what importing the module loads
-            if isinstance(node, ast.ImportFrom) and node.module:
-                bad = _top(path, node) in dev_names
-                assert not bad, f"asynctaskd/{module} imports {node.module}"
-        if module.parts[0] not in ("cli", "cli.py"):
-            assert not _imports(path) & dev_names, f"asynctaskd/{module} imports a dev tool"
-    assert (PACKAGE / "devtools" / "fakevendor.py").exists()
-
-
 def _loaded_after(module: str) -> list[str]:
     code = f"import sys, {module}; print('\\n'.join(sorted(sys.modules)))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -160,6 +82,8 @@ def _loaded_after(module: str) -> list[str]:
     ["asynctaskd", "asynctaskd.client", "asynctaskd.daemon", "asynctaskd.worker", "asynctaskd.cli"],
 )
 def test_the_runtime_imports_no_dev_tool(module: str) -> None:
+    # What the contracts cannot tell: whether an import runs when the module loads or only
+    # inside a function (the CLI loads the dev tools inside `asynctaskd dev` alone).
     loaded = _loaded_after(module)
     bad = [m for m in loaded if m.startswith(_DEV_ONLY)]
     assert not bad, f"import {module} loads {bad}"

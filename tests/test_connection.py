@@ -203,7 +203,7 @@ def test_sentinel_passwords_are_masked(url: str, shown: str) -> None:
 
 
 def test_a_url_too_broken_to_parse_still_loses_its_password() -> None:
-    from asynctaskd.config import _mask_url
+    from asynctaskd.config.redaction import _mask_url
 
     assert (
         _mask_url("redis+sentinel://app:hunter2@[::1,s2/m") == "redis+sentinel://app:***@[::1,s2/m"

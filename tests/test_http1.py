@@ -23,10 +23,11 @@ import anyio
 import httpx
 import pytest
 
-from asynctaskd import http1
-from asynctaskd import transport as transport_module
-from asynctaskd.http1 import Http1Pool, _Connection
+from asynctaskd.http1 import Http1Pool
+from asynctaskd.http1 import pool as http1_pool
+from asynctaskd.http1.protocol import _Connection
 from asynctaskd.transport import Fetcher, PoolTransport, fetcher_for, make_http_client
+from asynctaskd.transport import fetcher as transport_fetcher
 from tests.test_transport import (
     NEVER_SENT,
     Handler,
@@ -182,7 +183,7 @@ def pool_of(http: httpx.AsyncClient) -> Http1Pool:
 def _client(transport: PoolTransport) -> httpx.AsyncClient:
     """A stock client over `transport`, whose `fetcher_for` knows the transport."""
     client = httpx.AsyncClient(transport=transport)
-    transport_module._FETCHERS[client] = Fetcher(client, transport)
+    transport_fetcher._FETCHERS[client] = Fetcher(client, transport)
     return client
 
 
@@ -813,7 +814,7 @@ async def test_a_close_the_loop_has_not_seen_yet_is_caught_before_reuse(
     """A server's close that reached the socket but not yet the event loop: a connection
     idle past the probe threshold is polled and dropped; a busier one is reused as is,
     and the request fails as ambiguous (the race the probe narrows)."""
-    monkeypatch.setattr(http1, "_PROBE_AFTER_S", -1.0 if probed else 3600.0)
+    monkeypatch.setattr(http1_pool, "_PROBE_AFTER_S", -1.0 if probed else 3600.0)
     with closing_after_first_answer() as (url, close_first, accepted):
         async with make_http_client() as http:
             with anyio.fail_after(5):

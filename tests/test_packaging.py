@@ -61,7 +61,7 @@ def test_the_wheel_requires_no_server_binary_and_holds_what_it_runs(tmp_path: Pa
         assert requirement.marker.evaluate({"extra": "embedded"}), str(requirement)
     scripts = {f"asynctaskd/lua/{p.name}" for p in (ROOT / "lua").glob("*.lua")}
     assert scripts and scripts <= names
-    assert "asynctaskd/devtools/fakevendor.py" in names  # for `asynctaskd dev`
+    assert "asynctaskd/devtools/fakevendor/__main__.py" in names  # for `asynctaskd dev`
     assert not {"asynctaskd/fakevendor.py", "asynctaskd/fakehttp.py"} & names
 
 

@@ -29,15 +29,8 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from asynctaskd.config import parse_config
 from asynctaskd.daemon import shared_http_client
-from asynctaskd.transport import (
-    PoolTransport,
-    Reply,
-    _mapped_errors,
-    _Phase,
-    _Progress,
-    fetcher_for,
-    make_http_client,
-)
+from asynctaskd.transport import PoolTransport, Reply, fetcher_for, make_http_client
+from asynctaskd.transport.streamed import _mapped_errors, _Phase, _Progress
 
 pytestmark = pytest.mark.anyio
 

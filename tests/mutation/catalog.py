@@ -421,7 +421,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "pool-disconnect-claimed-never-sent",
         "a connection lost after the request was written is ambiguous, never 'never sent'",
-        "asynctaskd/http1.py",
+        "asynctaskd/http1/protocol.py",
         '        self._fail(httpx.RemoteProtocolError(f"Server disconnected {message}.", request=request))',
         '        self._fail(httpx.ConnectError(f"Server disconnected {message}.", request=request))',
         t(
@@ -432,7 +432,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "refused-tunnel-is-ambiguous",
         "a proxy that refuses the CONNECT tunnel means the vendor saw nothing (never sent)",
-        "asynctaskd/transport.py",
+        "asynctaskd/transport/pool.py",
         "        except httpx.ProxyError as exc:",
         "        except ZeroDivisionError as exc:",
         t("tests/test_proxy.py", "test_a_refused_tunnel_is_never_sent"),
@@ -440,7 +440,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "response-body-unbounded",
         "a response body is cut off once it grows past max_response_bytes",
-        "asynctaskd/http1.py",
+        "asynctaskd/http1/protocol.py",
         "        if limit is not None and self._received > limit:",
         "        if False:",
         t("tests/test_proxy.py", "test_a_body_over_max_response_bytes_fails_unread"),

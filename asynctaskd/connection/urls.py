@@ -1,84 +1,41 @@
-"""Turns a Redis URL and TLS options into redis-py clients: TCP, TLS, unix socket or Sentinel.
+"""A Redis URL and TLS options, checked and split into what redis-py takes (`_Target`).
 
-URLs:
-  redis://[user[:password]@]host[:port][/db][?option=value...]
-  rediss://...                      the same over TLS
-  unix://[user[:password]@]/path/to/redis.sock[?db=N]
-  embedded:///path/to/data_dir[?db=N]   the embedded server of a daemon's redis.data_dir
-  redis+sentinel://[user[:password]@]host[:port][,host[:port]...]/service[/db][?sentinel_auth=yes]
-  rediss+sentinel://...             the same, with TLS to the sentinels and to the master
-  redis+cluster://[user[:password]@]host[:port][,host[:port]...]   Redis Cluster seeds
-  rediss+cluster://...              the same, with TLS to every node
-
-Options in the query of a redis:// or rediss:// URL are those redis-py reads (`db`,
-`ssl_ca_certs`, `ssl_certfile`, `ssl_keyfile`, `ssl_cert_reqs`, `ssl_check_hostname`, ...).
-TLS files can also come from `TlsOptions` (the daemon's `[redis]` keys `tls_ca`, `tls_cert`,
-`tls_key`, `tls_verify`); one setting in both places is an error, never a silent override.
-
-Through Sentinel the client asks the sentinels for the master of `service` before each new
-connection, so after a failover it reconnects to the promoted replica. User name and
-password (from the URL or the credentials passed in) authenticate to the Redis nodes; the
-sentinels get them too with `sentinel_auth=yes`. An asyncio client only ever uses
-connections to the master the sentinels named last, and `follow_master` (run by the
-daemon) asks them again every so often, so a failover is followed even while the old
-master still answers.
-
-Bad settings raise `ConfigError` before any connection is made: TLS files are read and
-parsed up front, so a missing CA file or a key that does not fit its certificate is named
-at start rather than at the first command.
+Bad settings are `_Problem`s naming the setting ("url" or a `TlsOptions` field), raised
+as `ConfigError` by `_checked`, or listed by `connection_problems` for the config check.
+TLS files are read and parsed here, before any connection is made.
 """
 
 from __future__ import annotations
 
 import difflib
-import logging
 import ssl
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final, Literal
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-import anyio
 import msgspec
 import redis
 import redis.asyncio
-import redis.asyncio.cluster
 import redis.asyncio.connection
-import redis.asyncio.retry
-import redis.asyncio.sentinel
-import redis.cluster
 import redis.connection
-import redis.exceptions
-import redis.retry
-import redis.sentinel
-from redis.backoff import NoBackoff
 
-from .errors import ConfigError
+from asynctaskd.errors import ConfigError
 
 __all__ = [
     "SCHEMES",
+    "SOCKET_NAME",
     "TlsOptions",
     "connection_problems",
-    "follow_master",
-    "master_address",
-    "open_async",
-    "open_sync",
+    "local_url",
+    "socket_path",
 ]
-
-logger = logging.getLogger(__name__)
 
 SCHEMES: Final = (
     "redis", "rediss", "unix", "redis+sentinel", "rediss+sentinel", "redis+cluster",
     "rediss+cluster",
 )  # fmt: skip
 CLUSTER_SHAPE: Final = "redis+cluster://HOST:PORT[,HOST:PORT...]"
-# Per node: a cluster client cannot wait for a free connection, it fails, so allow many.
-CLUSTER_MAX_CONNECTIONS: Final = 1000
 SENTINEL_PORT: Final = 26379
-CONNECT_TIMEOUT_S: Final = 5.0
-SENTINEL_CONNECT_TIMEOUT_S: Final = 2.0
-HEALTH_CHECK_INTERVAL_S: Final = 30
-RESP_VERSION: Final = 2  # what asyncio clients speak unless the URL asks otherwise
 SENTINEL_SHAPE: Final = "redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE[/DB]"
 
 Verify = Literal["full", "ca", "none"]
@@ -214,298 +171,6 @@ def local_url(url: str) -> str:
             "embedded:///var/lib/asynctaskd (redis.data_dir of the daemon's config)"
         )
     return f"unix://{socket_path(Path(path))}" + (f"?{query}" if query else "")
-
-
-def open_async(
-    url: str,
-    tls: TlsOptions | None = None,
-    *,
-    credentials: Mapping[str, str] | None = None,
-    max_connections: int = 64,
-    socket_timeout: float | None = 10.0,
-) -> redis.asyncio.Redis:
-    """An asyncio client whose pool waits for a free connection instead of failing.
-
-    Redis runs commands one at a time, so a few dozen connections serve thousands of
-    concurrent handler calls; callers queue for a connection rather than erroring.
-    `credentials` (username, password) are used unless the URL names its own.
-    """
-    url = local_url(url)
-    target = _checked(url, tls)
-    options = _options(credentials, socket_timeout)
-    # RESP2, whatever redis-py's default (RESP3 from redis-py 8): the store reads replies
-    # off the parser, which is only safe where no push frame can arrive (asynctaskd.wire).
-    # A URL's protocol=3 still wins; the store then reads through redis-py's own path.
-    options["protocol"] = RESP_VERSION
-    if target.cluster:
-        nodes = [redis.asyncio.cluster.ClusterNode(h, p) for h, p in target.hosts]
-        cluster: redis.asyncio.Redis = redis.asyncio.RedisCluster(  # type: ignore[assignment]  # same commands, own class
-            startup_nodes=nodes,
-            max_connections=CLUSTER_MAX_CONNECTIONS,
-            **_cluster_options(target, options),
-        )
-        return cluster
-    if not target.sentinel:
-        # As BlockingConnectionPool.from_url, whose URL options always win, except that
-        # the connection class is ours (from_url would keep redis-py's for rediss://).
-        arguments: dict[str, Any] = {
-            **options,
-            **target.tls,
-            **redis.asyncio.connection.parse_url(url),
-        }
-        if target.scheme != "unix":
-            secure = target.scheme == "rediss"
-            arguments["connection_class"] = _AsyncTlsConnection if secure else _AsyncTcpConnection
-        pool = redis.asyncio.BlockingConnectionPool(
-            max_connections=max_connections, timeout=None, **arguments
-        )
-        return redis.asyncio.Redis(connection_pool=pool)
-    node, sentinel = _sentinel_options(target, options, redis.asyncio.retry.Retry(NoBackoff(), 0))
-    manager = redis.asyncio.sentinel.Sentinel(  # type: ignore[no-untyped-call]  # unannotated in redis-py
-        target.hosts, sentinel_kwargs=sentinel, **node
-    )
-    client: redis.asyncio.Redis = manager.master_for(
-        target.service,
-        redis_class=_AsyncSentinelRedis,
-        connection_pool_class=_BlockingSentinelPool,
-        max_connections=max_connections,
-        timeout=None,
-    )
-    return client
-
-
-def open_sync(
-    url: str,
-    tls: TlsOptions | None = None,
-    *,
-    credentials: Mapping[str, str] | None = None,
-    socket_timeout: float | None = 10.0,
-) -> redis.Redis:
-    """A blocking client for producers in sync code; the same URLs as `open_async`."""
-    url = local_url(url)
-    target = _checked(url, tls)
-    options = _options(credentials, socket_timeout)
-    if target.cluster:
-        nodes = [redis.cluster.ClusterNode(h, p) for h, p in target.hosts]  # type: ignore[no-untyped-call]  # unannotated in redis-py
-        cluster_sync: redis.Redis = redis.cluster.RedisCluster(  # type: ignore[assignment]  # same commands, own class
-            startup_nodes=nodes, **_cluster_options(target, options)
-        )
-        return cluster_sync
-    if not target.sentinel:
-        if target.scheme != "unix":
-            secure = target.scheme == "rediss"
-            options["connection_class"] = _SyncTlsConnection if secure else _SyncTcpConnection
-        return redis.Redis.from_url(url, **options, **target.tls)
-    node, sentinel = _sentinel_options(target, options, redis.retry.Retry(NoBackoff(), 0))
-    manager = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]  # unannotated in redis-py
-        target.hosts, sentinel_kwargs=sentinel, **node
-    )
-    client: redis.Redis = manager.master_for(  # type: ignore[no-untyped-call]  # unannotated
-        target.service, redis_class=_SyncSentinelRedis
-    )
-    return client
-
-
-# ---- clients, pools and connections ----
-
-_PLAIN_HINT: Final = (
-    "the server hung up before answering: if this port speaks TLS, use a rediss:// URL"
-)
-_CERT_HINT: Final = (
-    "if the server requires client certificates (tls-auth-clients), set tls_cert and "
-    "tls_key, or ssl_certfile and ssl_keyfile in the URL"
-)
-
-
-def _dropped(exc: Exception) -> bool:
-    """A connection that was accepted, then closed during the handshake."""
-    text = str(exc)
-    return any(m in text for m in ("while reading", "while writing", "closed by server"))
-
-
-def _hinted(exc: Exception, hint: str) -> redis.exceptions.ConnectionError:
-    return redis.exceptions.ConnectionError(f"{exc} ({hint})")
-
-
-def _cert_missing(exc: Exception, certfile: object) -> bool:
-    return not certfile and (_dropped(exc) or "certificate required" in str(exc))
-
-
-# redis-py reports a TLS port answered in plain text, or a missing client certificate, as
-# a bare "Connection reset by peer" or "EOF occurred in violation of protocol"; these
-# connection classes add what to check.
-
-
-class _AsyncTcpConnection(redis.asyncio.Connection):
-    async def connect(self) -> None:
-        try:
-            await super().connect()  # type: ignore[no-untyped-call]  # unannotated in redis-py
-        except redis.exceptions.ConnectionError as exc:
-            if _dropped(exc):
-                raise _hinted(exc, _PLAIN_HINT) from exc
-            raise
-
-
-class _AsyncTlsConnection(redis.asyncio.SSLConnection):
-    async def connect(self) -> None:
-        try:
-            await super().connect()  # type: ignore[no-untyped-call]  # unannotated in redis-py
-        except redis.exceptions.ConnectionError as exc:
-            if _cert_missing(exc, self.certfile):
-                raise _hinted(exc, _CERT_HINT) from exc
-            raise
-
-
-class _SyncTcpConnection(redis.connection.Connection):
-    def connect(self) -> None:
-        try:
-            super().connect()  # type: ignore[no-untyped-call]  # unannotated in redis-py
-        except redis.exceptions.ConnectionError as exc:
-            if _dropped(exc):
-                raise _hinted(exc, _PLAIN_HINT) from exc
-            raise
-
-
-class _SyncTlsConnection(redis.connection.SSLConnection):
-    def connect(self) -> None:
-        try:
-            super().connect()  # type: ignore[no-untyped-call]  # unannotated in redis-py
-        except redis.exceptions.ConnectionError as exc:
-            if _cert_missing(exc, self.certfile):
-                raise _hinted(exc, _CERT_HINT) from exc
-            raise
-
-
-class _BlockingSentinelPool(
-    redis.asyncio.sentinel.SentinelConnectionPool, redis.asyncio.BlockingConnectionPool
-):
-    """Sentinel discovery with the waiting pool of `open_async` (redis-py's sentinel pool
-    fails with "Too many connections" when every connection is busy), handing out only
-    connections to the master the sentinels named last.
-
-    redis-py asks the sentinels only when it opens a connection, drops only the idle
-    connections when the answer changes, and takes a connection back as it is. After a
-    failover whose old master is still alive (it stalled, or the sentinels lost sight of
-    it), the connections opened before would go on writing to that old master, which takes
-    writes until Sentinel demotes it and then throws them away, while new connections write
-    to the new master: one client on two masters whose data diverge, each refusing the
-    fences and leases the other handed out. A connection to any other address is closed
-    here before it is used again, and reconnects through the sentinels.
-    """
-
-    _announced: tuple[str, int] | None = None  # the master last logged
-
-    async def get_master_address(self) -> Any:
-        after = await super().get_master_address()  # type: ignore[no-untyped-call]  # unannotated in redis-py
-        before, self._announced = self._announced, after
-        if before is not None and after != before:  # once, however many connections asked
-            logger.warning(
-                "Sentinel names a new master, %s:%s (was %s:%s): following it", *after, *before
-            )
-        return after
-
-    async def ensure_connection(self, connection: Any) -> None:
-        # One tuple comparison per connection handed out: the pool's own check that follows
-        # costs more. `master_address` is None until the first discovery.
-        if connection.is_connected and (connection.host, connection.port) != self.master_address:
-            await connection.disconnect()
-        await super().ensure_connection(connection)
-
-
-class _AsyncSentinelRedis(redis.asyncio.Redis):
-    """Closes the connections to the sentinels along with its own."""
-
-    async def aclose(self, close_connection_pool: bool | None = None) -> None:
-        try:
-            await super().aclose(close_connection_pool)
-        finally:
-            manager = getattr(self.connection_pool, "sentinel_manager", None)
-            if manager is not None:
-                await manager.aclose()
-
-
-class _SyncSentinelRedis(redis.Redis):
-    """Closes the connections to the sentinels along with its own."""
-
-    def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            manager = getattr(self.connection_pool, "sentinel_manager", None)
-            if manager is not None:
-                manager.close()
-
-
-def master_address(client: redis.asyncio.Redis) -> tuple[str, int] | None:
-    """The master a Sentinel client talks to now (None before its first connection, and
-    for any other client)."""
-    pool = getattr(client, "connection_pool", None)  # a cluster client has none
-    if isinstance(pool, _BlockingSentinelPool):
-        address: tuple[str, int] | None = pool.master_address
-        return address
-    return None
-
-
-async def follow_master(client: redis.asyncio.Redis, interval: float) -> None:
-    """Ask the sentinels for the master every `interval` seconds, forever; returns at once
-    for a client that does not go through Sentinel.
-
-    Without it a client notices a failover only when a connection breaks. A master that
-    dies breaks them all, but one that stalled, or that the sentinels lost sight of, comes
-    back still a master and takes writes until Sentinel demotes it, and those writes are
-    lost then. Once the sentinels name another master, every connection to the old one is
-    closed before its next use (`_BlockingSentinelPool`). A failed question changes
-    nothing: the next one, or the next new connection, asks again.
-    """
-    pool = getattr(client, "connection_pool", None)  # a cluster client has none
-    if not isinstance(pool, _BlockingSentinelPool):
-        return
-    while True:
-        await anyio.sleep(interval)
-        try:
-            await pool.get_master_address()
-        except (redis.exceptions.RedisError, OSError) as exc:
-            logger.debug("asking the sentinels for the master failed: %s", exc)
-
-
-def _options(credentials: Mapping[str, str] | None, socket_timeout: float | None) -> dict[str, Any]:
-    return {
-        "socket_timeout": socket_timeout,
-        "socket_connect_timeout": CONNECT_TIMEOUT_S,
-        "health_check_interval": HEALTH_CHECK_INTERVAL_S,
-        **(credentials or {}),
-    }
-
-
-def _cluster_options(target: _Target, options: dict[str, Any]) -> dict[str, Any]:
-    """Connection arguments for every node of a cluster: TLS to each node when asked."""
-    kwargs = {**options, **target.userinfo}
-    if target.tls:
-        kwargs.update(target.tls, ssl=True)
-    return kwargs
-
-
-def _sentinel_options(
-    target: _Target, options: dict[str, Any], no_retry: object
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Connection arguments for the master, and for the sentinels.
-
-    Each sentinel is asked once (`no_retry`) with a short connect timeout: discovery moves
-    on to the next sentinel by itself, while redis-py's default retry would back off for
-    seconds on a sentinel that is down before trying the next.
-    """
-    node = {**options, **target.userinfo, "db": target.db, **target.tls}
-    sentinel: dict[str, Any] = {
-        "socket_timeout": options["socket_timeout"],
-        "socket_connect_timeout": SENTINEL_CONNECT_TIMEOUT_S,
-        "retry": no_retry,
-    }
-    if target.sentinel_auth:
-        sentinel.update({k: node[k] for k in ("username", "password") if k in node})
-    if target.tls:
-        node["ssl"] = True  # the sentinel pool picks its TLS connection class from this
-        sentinel.update(target.tls, ssl=True)
-    return node, sentinel
 
 
 # ---- checking a URL and TLS options ----

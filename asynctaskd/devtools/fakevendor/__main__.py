@@ -1,0 +1,8 @@
+"""`python -m asynctaskd.devtools.fakevendor`: serve until signalled."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
