@@ -21,9 +21,9 @@
 -- waits in the ready set before it: writing it as PENDING_SUBMIT in the ready set, then
 -- popping it, reading it back and moving it on would cost Redis twice the commands for
 -- the same end state. Until the claim decides, such a task is only FRESH[id] (its checked
--- fields) and its deadline entry; anything else in the same call that touches it (a cancel,
--- its dedup key) settles it first. settle_fresh writes it as every other new task:
--- PENDING_SUBMIT, counted, indexed, scheduled, with its event.
+-- fields) and its deadline entry; a cancel of it in the same call settles it first, and a
+-- `d:` entry for its dedup key leaves the key (the task is live). settle_fresh writes it as
+-- every other new task: PENDING_SUBMIT, counted, indexed, scheduled, with its event.
 
 --- @include _emit
 --- @include _int_field
@@ -221,8 +221,8 @@ end
 
 -- After a submit claim's promotions, with `fresh` from ingest: when nothing waits in the
 -- ready set, take up to n fresh tasks straight to SUBMITTING, in the order the ready set
--- would have given them (by ready score, ties by id), and settle the others; else settle
--- them all, behind what waits. A task taken so ends as the claim leaves any task it takes:
+-- would have given them (by ready score, ties by id in byte order), and settle the
+-- others; else settle them all, behind what waits. A task taken so ends as the claim leaves any task it takes:
 -- fence 1, version 2, leased by `owner` until `lease_until`, counted and indexed as
 -- SUBMITTING, with the events of both versions. Returns the claim replies
 -- {id, fence, version, fields} of the tasks taken.
@@ -235,9 +235,15 @@ local function take_fresh(fresh, n, owner, lease_until)
       local f = FRESH[id]
       score[id] = (100 - tonumber(f.priority)) * PRIO_SPAN + tonumber(f.due_ms)
     end
+    -- ties as a sorted set orders its members: byte by byte (Lua's `<` follows the
+    -- server's locale)
     table.sort(fresh, function(a, b)
       if score[a] ~= score[b] then return score[a] < score[b] end
-      return a < b
+      for i = 1, math.min(#a, #b) do
+        local x, y = string.byte(a, i), string.byte(b, i)
+        if x ~= y then return x < y end
+      end
+      return #a < #b
     end)
   else
     n = 0

@@ -80,9 +80,11 @@ local quarantine = P .. 'quarantine'
 local reply = {0, 0, 0, {}, {0}}
 local fresh = nil
 if phase == 'submit' then
-  -- without limits or pauses, a new task due now may be taken in directly (_intake, fresh)
+  -- without limits, pauses or grants, a new task due now may be claimed directly (_intake)
   local taken, rejected
-  taken, rejected, fresh = ingest(256, false, not admission_on() and not paused_on())
+  -- (not when it brings grants: tasks waiting in rate lanes go first, as in the long way)
+  taken, rejected, fresh = ingest(256, false, n > 0 and #granted == 0 and not admission_on()
+                                  and not paused_on())
   reply[5] = {taken, unpack(rejected)}
 end
 

@@ -162,3 +162,39 @@ async def test_a_claim_of_no_task_claims_nothing_it_takes_in(
     assert batch.taken == 1 and batch.claimed == []
     assert await status_of(redis_client, keys, created.task_id) is Status.PENDING_SUBMIT
     await check_invariants(redis_client, keys)
+
+
+async def test_ties_go_by_id_in_byte_order_as_in_the_ready_set(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    # one create_many call: one server time, so one ready score for all; ids out of order,
+    # with lower and upper case (a locale's collation would put "a" before "B")
+    ids = [f"01KBTIE{c}" for c in "ZaB0m9"]
+    calls = [store.ops.create(i, "h", b"{}", timeout_ms=60_000) for i in ids]
+    created = await store.run_many(calls)
+    assert len({c.created_ms for c in created}) == 1
+    batch = await store.claim(0, "submit", 4, 10_000, "w")
+    in_bytes = sorted(ids, key=str.encode)
+    assert [c.lease.task_id for c in batch.claimed] == in_bytes[:4]
+    ready = await redis_client.zrange(keys.ready(0, "submit"), 0, -1)
+    assert [r.decode() for r in ready] == in_bytes[4:]
+    await check_invariants(redis_client, keys)
+
+
+async def test_a_claim_with_grants_takes_tasks_waiting_in_a_lane_first(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    # limits just removed: a task still waits in a rate lane, the worker still has a grant
+    waiting = await create(store, take_in=True)
+    lane = "submit|h|"
+    tag = keys.tag(0)
+    await redis_client.zrem(keys.ready(0, "submit"), waiting.task_id)
+    score = 100 * 2**42 + waiting.due_ms
+    await redis_client.zadd(f"{tag}:held:rate:{lane}", {waiting.task_id: score})
+    await redis_client.hset(keys.task(0, waiting.task_id), "held", f"rate:{lane}")
+    await redis_client.sadd(f"{tag}:lanes", lane)
+    newer = await create(store, take_in=False)
+    batch = await store.claim(0, "submit", 1, 10_000, "w", grants={lane: 1})
+    assert [c.lease.task_id for c in batch.claimed] == [waiting.task_id]
+    assert await status_of(redis_client, keys, newer.task_id) is Status.PENDING_SUBMIT
+    await check_invariants(redis_client, keys)

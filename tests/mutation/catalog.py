@@ -91,6 +91,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "fresh-ties-reversed",
+        "new tasks of one ready score are claimed in id byte order, as the ready set gives",
+        "lua/_intake.lua",
+        "        if x ~= y then return x < y end",
+        "        if x ~= y then return x > y end",
+        ("tests/lua/test_fresh_claim.py::test_ties_go_by_id_in_byte_order_as_in_the_ready_set",),
+    ),
+    Mutant(
         "fresh-cancel-lost",
         "a cancel taken in with its create cancels the task before any claim",
         "lua/_intake.lua",
