@@ -10,18 +10,21 @@ must be stopped too (they write create requests, not heartbeats). A Redis Cluste
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Final
 
 import redis
 
 from asynctaskd.client.context import DAEMON_STALE_S
-from asynctaskd.connection import open_sync
+from asynctaskd.connection import local_url, open_sync
+from asynctaskd.errors import ConfigError
 from asynctaskd.keys import Keys
 from asynctaskd.model import Status
 
@@ -53,6 +56,9 @@ class Report:
     warnings: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # dry run: why it would be refused
     verified: bool = False
+    # "dump" (DUMP/RESTORE), or "logical" (each key read and written with its type's
+    # commands) when the target cannot read the source's DUMP format
+    method: str = "dump"
 
 
 def _say_nothing(_: str) -> None:
@@ -77,6 +83,48 @@ def migrate(
     anything is written, MigrationFailed when the copy or the check fails.
     """
     Keys(namespace)  # the namespace's spelling, checked as everywhere
+    with contextlib.ExitStack() as stack:
+        for url in (source_url, target_url):
+            stack.enter_context(_embedded_up(url, say))
+        return _migrate(
+            source_url, target_url, namespace, target_shards, force, dry_run, count, say
+        )
+
+
+@contextlib.contextmanager
+def _embedded_up(url: str, say: Callable[[str], None]) -> Iterator[None]:
+    """For an `embedded:///<data_dir>` URL whose daemon is stopped (its server went with
+    it), that data dir's server, for the time of the copy. Its lock is the daemon's: while
+    a daemon holds it, the daemon's own server is used (and the heartbeat check refuses)."""
+    if not url.startswith("embedded:"):
+        yield
+        return
+    from asynctaskd.embedded import EmbeddedServer, require_valkey_binary
+
+    socket = Path(local_url(url).removeprefix("unix://").partition("?")[0])
+    server = EmbeddedServer(require_valkey_binary(f"migrate {url}"), socket.parent)
+    try:
+        server.start()
+    except ConfigError:  # a daemon runs there, with its server
+        yield
+        return
+    say(f"asynctaskd: started the embedded server of {socket.parent.parent} for the copy")
+    try:
+        yield
+    finally:
+        server.stop()
+
+
+def _migrate(
+    source_url: str,
+    target_url: str,
+    namespace: str,
+    target_shards: int | None,
+    force: bool,
+    dry_run: bool,
+    count: int,
+    say: Callable[[str], None],
+) -> Report:
     report = Report()
     src = open_sync(source_url)
     dst = open_sync(target_url)
@@ -91,6 +139,13 @@ def migrate(
             return report
         if problems:
             raise MigrationRefused(problems[0])
+        if not _restorable(src, dst, namespace):
+            report.method = "logical"
+            say(
+                "asynctaskd: the target cannot read the source's DUMP format (an older RDB "
+                "version: e.g. Valkey 8 or Redis 7.2+ to Redis 7.0); copying each key with "
+                "its type's commands instead"
+            )
         _copy(src, dst, namespace, count, report, say)
         report.by_status = _statuses(src, namespace, report.source_shards)
         _verify(src, dst, namespace, report.source_shards, count)
@@ -255,19 +310,86 @@ def _copy(
             # PTTL -1: no TTL (RESTORE's 0); a TTL that ran out meanwhile keeps 1 ms.
             restores.append(("restore", key, max(int(ttl), 0) if int(ttl) != 0 else 1, payload))
             kinds.append(kind.decode() if isinstance(kind, bytes) else str(kind))
+        if report.method == "logical":
+            restores = _rebuilt(src, restores)
         results = _pipelined(dst, restores)
-        for call, result in zip(restores, results, strict=True):
-            if isinstance(result, Exception):
-                raise MigrationFailed(_restore_problem(call[1], result, report.keys))
-        report.keys += len(restores)
+        failed = [
+            (call[1], result)
+            for call, result in zip(restores, results, strict=True)
+            if isinstance(result, Exception)
+        ]
+        if failed:
+            raise MigrationFailed(_restore_problem(*failed[0], report.keys))
+        report.keys += len(kinds)
         report.by_type.update(kinds)
         say(f"asynctaskd: {report.keys} keys copied")
+
+
+def _restorable(src: redis.Redis, dst: redis.Redis, namespace: str) -> bool:
+    """Whether the target reads the source's DUMP format: one key restored under a probe
+    name (gone again at once, and in 10 s in any case). False on a version error."""
+    key = next(_scan(src, namespace, BATCH), None)
+    payload = src.dump(key) if key is not None else None
+    if payload is None:
+        return True  # nothing to copy
+    probe = f"{namespace}:migrate-probe"
+    try:
+        dst.restore(probe, 10_000, payload)
+    except redis.exceptions.ResponseError as exc:
+        if "payload version" in str(exc) or "checksum" in str(exc):
+            return False
+        raise MigrationFailed(f"RESTORE on the target failed: {exc}; nothing was copied") from None
+    dst.delete(probe)
+    return True
+
+
+def _rebuilt(src: redis.Redis, restores: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """The RESTOREs of a batch as the commands that write each key's value: what the copy
+    does when the target cannot read the source's DUMP format."""
+    reads: list[tuple[Any, ...]] = []
+    for _, key, _ttl, _payload in restores:
+        reads += [("type", key), ("pttl", key)]
+    meta = _pipelined(src, reads)
+    calls: list[tuple[Any, ...]] = []
+    for i, (_, key, _ttl, _payload) in enumerate(restores):
+        kind, ttl = meta[2 * i].decode(), int(meta[2 * i + 1])
+        if kind == "string":
+            value = src.get(key)
+            calls.append(("set", key, value))
+        elif kind == "hash":
+            calls.append(("hset", key, None, None, None, _pairs(src.hgetall(key))))
+        elif kind == "zset":
+            scored: Any = src.zrange(key, 0, -1, withscores=True)
+            calls.append(("zadd", key, dict(scored)))
+        elif kind == "set":
+            calls.append(("sadd", key, *src.smembers(key)))
+        elif kind == "list":
+            calls.append(("rpush", key, *src.lrange(key, 0, -1)))
+        elif kind == "stream":
+            entries: Any = src.xrange(key, "-", "+")
+            last = src.xinfo_stream(key)["last-generated-id"]
+            if not entries:  # an empty stream: made with one entry, deleted again
+                calls += [("xadd", key, {"-": "-"}, last), ("xdel", key, last)]
+            calls += [("xadd", key, fields, entry_id) for entry_id, fields in entries]
+            calls.append(("execute_command", "XSETID", key, last))
+        else:
+            raise MigrationFailed(f"{key!r} is a {kind}: no logical copy of that type")
+        if ttl > 0:
+            calls.append(("pexpire", key, ttl))
+    return calls
+
+
+def _pairs(mapping: dict[Any, Any]) -> list[Any]:
+    return [item for pair in mapping.items() for item in pair]
 
 
 def _restore_problem(key: bytes, exc: Exception, done: int) -> str:
     text = str(exc)
     name = key.decode(errors="replace")
-    after = f"after {done} key(s) were copied; the target now holds a partial copy"
+    after = (
+        f"after {done} key(s) and part of the next batch were copied: the target holds a "
+        "partial copy; delete the namespace's keys there before another try"
+    )
     if "payload version" in text or "checksum" in text:
         return (
             f"the target cannot read the source's DUMP of {name} ({text}): its RDB version "

@@ -68,6 +68,7 @@ def _migrate(args: argparse.Namespace) -> int:
                     "shards": report.source_shards,
                     "vanished": report.vanished,
                     "verified": report.verified,
+                    "method": report.method,
                     "warnings": report.warnings,
                     "problems": report.problems,
                 }
@@ -82,6 +83,8 @@ def _migrate(args: argparse.Namespace) -> int:
         _out(f"tasks: {tasks}")
         if report.vanished:
             _out(f"{report.vanished} key(s) expired during the copy (TTLs ran out)")
+        if report.method == "logical":
+            _out("copied key by key (the target cannot read the source's DUMP format)")
         if report.verified:
             _out("verified: keys per type and every shard's counts match on both sides")
         for problem in report.problems:
