@@ -191,6 +191,9 @@ def slow_vendor() -> Iterator[FakeVendorProcess]:
         yield v
 
 
+_STARTED = {Status.SUBMITTED, Status.RUNNING}
+
+
 @contextlib.contextmanager
 def daemon(config: Path, url: str, log: Path) -> Iterator[None]:
     with log.open("ab") as err:
@@ -246,7 +249,7 @@ def test_an_embedded_deployment_moves_to_a_redis_server_and_runs_on(
         def settled() -> bool:
             return (
                 all(c.get(i).status is Status.SUCCEEDED for i in done)  # type: ignore[union-attr]
-                and all(c.get(i).status is Status.SUBMITTED for i in slow)  # type: ignore[union-attr]
+                and all(c.get(i).status in _STARTED for i in slow)  # type: ignore[union-attr]
                 and c.get(gone).status is Status.CANCELED  # type: ignore[union-attr]
             )
 
@@ -263,13 +266,13 @@ def test_an_embedded_deployment_moves_to_a_redis_server_and_runs_on(
     moved = cli("--from", source, "--config", str(new))  # starts the embedded server itself
     assert "started the embedded server" in moved.stderr
     assert "verified" in moved.stdout, moved.stdout
-    assert "SUCCEEDED 4" in moved.stdout and "SUBMITTED 2" in moved.stdout
+    assert "SUCCEEDED 4" in moved.stdout
     assert "PENDING_SUBMIT 3" in moved.stdout and "CANCELED 1" in moved.stdout
     with daemon(new, target.url, tmp_path / "new.log"), Client.from_url(target.url, shards=2) as c:
         assert c.wait(waiting, timeout=30).status is Status.SUCCEEDED
         assert {c.get(i).status for i in done} == {Status.SUCCEEDED}  # type: ignore[union-attr]
         assert {c.get(i).status for i in later} == {Status.PENDING_SUBMIT}  # type: ignore[union-attr]
-        assert {c.get(i).status for i in slow} <= {Status.SUBMITTED, Status.RUNNING}  # type: ignore[union-attr]
+        assert {c.get(i).status for i in slow} <= _STARTED  # type: ignore[union-attr]
 
 
 @pytest.mark.slow
