@@ -82,6 +82,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 _out(json.dumps(effective, indent=2))
             return 0
+        if args.command == "migrate":
+            from .migrate import _migrate
+
+            return _migrate(args)
         if args.command == "scripts" and args.scripts_command == "export":
             return _export_scripts(args.dir)
         code = _client_command(args)

@@ -25,6 +25,8 @@ examples:
   asynctaskd web --config config.toml            the HTTP API of [web] (docs/api.md)
   asynctaskd token create --role producer --tenant t1 --note "billing app"
   asynctaskd submit ocr '{"text": "hi"}'          a group: one member is picked, once
+  asynctaskd migrate --from embedded:///var/lib/asynctaskd --to redis://db:6379/0
+                                                 copy a namespace to another Redis
 
 Reads use --url/--namespace, or [redis] from --config, or $ASYNCTASKD_URL.
 
@@ -274,4 +276,54 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--limit", type=int, default=10_000, help="at most this many tasks (default 10000)"
     )
+
+    sp = sub.add_parser(
+        "migrate",
+        help="copy a namespace to another Redis or a Redis Cluster (daemons stopped)",
+        description="Copy every key of a namespace from one Redis to another with DUMP and "
+        "RESTORE, keeping TTLs; refuses while daemons are alive on the source, when the "
+        "target already holds keys of the namespace, or when the target's shard count "
+        "differs. Then checks the copy and prints a summary. docs/deploy.md, section 10.",
+    )
+    sp.add_argument(
+        "--from",
+        dest="source",
+        required=True,
+        metavar="URL",
+        help="the Redis to copy from (embedded:///<data_dir> for the embedded one)",
+    )
+    sp.add_argument(
+        "--to",
+        dest="target",
+        metavar="URL",
+        help="the Redis to copy to (redis+cluster://... for a cluster; default: "
+        "[redis] url of --config)",
+    )
+    sp.add_argument(
+        "--config",
+        type=Path,
+        help="the config the daemons will run with on the target: its [redis] "
+        "url, namespace and shards are checked",
+    )
+    sp.add_argument("--namespace", help="key namespace (default: from --config, or atd)")
+    sp.add_argument(
+        "--shards",
+        type=int,
+        help="the shard count the target's daemons will use (default: from "
+        "--config); must equal the source's",
+    )
+    sp.add_argument(
+        "--force",
+        action="store_true",
+        help="copy even while daemons are alive on the source (inconsistent copy)",
+    )
+    sp.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print what would be copied, and why it would be refused; write nothing",
+    )
+    sp.add_argument(
+        "--count", type=int, default=200, help="keys per SCAN and per round trip (default 200)"
+    )
+    js(sp)
     return p
