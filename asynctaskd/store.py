@@ -131,6 +131,7 @@ class LookupBatch(msgspec.Struct, frozen=True):
     due_left: int  # due lookups left (of handlers this daemon does not serve, or beyond n)
     dropped: int  # entries that were no lookups to do (gone, settled, unreadable, leased)
     corrupt: list[CorruptTask] = []
+    lookups: list[int] = []  # per claimed task: its lookups so far, this one included
 
 
 class Reconciled(msgspec.Struct, frozen=True):
@@ -380,16 +381,19 @@ class Ops:
         def decode(reply: Any) -> LookupBatch:
             claimed: list[Claimed] = []
             corrupt: list[CorruptTask] = []
+            lookups: list[int] = []
             for item in reply[3:]:
                 task_id = _s(item[0])
+                fields = pairs_to_dict(item[3])
                 try:
-                    task = decode_task(pairs_to_dict(item[3]), task_id)
+                    task = decode_task(fields, task_id)
                 except CorruptTask as exc:
                     corrupt.append(exc)
                     continue
                 claimed.append(Claimed(Lease(task_id, int(item[1]), int(item[2])), task))
+                lookups.append(int(fields.get(b"lookups", b"1")))
             return LookupBatch(
-                claimed, int(reply[0]) or None, int(reply[1]), int(reply[2]), corrupt
+                claimed, int(reply[0]) or None, int(reply[1]), int(reply[2]), corrupt, lookups
             )
 
         args: list[Any] = [n, lease_ms, owner, *handlers]
