@@ -195,6 +195,7 @@ class Worker:
         # claimed by `lookup` (lua/lookup.lua) when due; without any, nothing of this runs.
         self._finders = sorted(key for key, e in handlers.items() if e.finds)
         self._lookup_at = 0.0  # epoch seconds: when to look at due:find next
+        self._lookups_due = False  # the last look saw lookups scheduled (or took some)
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -268,7 +269,9 @@ class Worker:
             next_due: float = math.inf
             if self._finders and time.time() >= self._lookup_at:
                 got += await self._claim_lookups(calls)
-            if self._finders:
+            if self._lookups_due:
+                # Lookups are scheduled: wake for them. Otherwise due:find is looked at
+                # each round (at most once a _LOOKUP_POLL), and at least every idle wait.
                 next_due = min(next_due, self._lookup_at)
             for shard in shards:
                 free = self.max_inflight - len(self._active)
@@ -378,6 +381,7 @@ class Worker:
         now = time.time()
         next_at = now + _LOOKUP_POLL  # others park tasks too (the reaper): look again soon
         got = 0
+        self._lookups_due = False
         for shard in range(self.store.keys.shards):
             n = min(_LOOKUP_BATCH, self.max_inflight - len(self._active))
             if n <= 0:
@@ -397,6 +401,7 @@ class Worker:
                 self._active[claimed.lease.task_id] = active
                 calls.create_task(self._run_call(claimed, active))
             got += len(batch.claimed)
+            self._lookups_due = self._lookups_due or bool(batch.claimed or batch.next_due_ms)
             if len(batch.claimed) >= n:
                 next_at = now  # a full batch: more may be due
             elif batch.next_due_ms:
@@ -807,6 +812,7 @@ class Worker:
                     self._scheduled(delay if final is status else 0.0)
                 elif final is Status.SUBMIT_UNKNOWN and active.handler in self._finders:
                     self._lookup_at = 0.0  # parked due for a lookup: look at once
+                    self._lookups_due = True
                     self._scheduled(0.0)
                 return result
             # A rejection is final, NO_LEASE included: an expired lease that was not
