@@ -43,7 +43,10 @@ local function save_one(k, A, o, n)
     if not redis.call('ZSCORE', P .. 'leases', id) then return {-4} end
     if not version_holds(t[3], t[5], A[o + 3]) then return {-3} end
   end
-  if not legal(old, want, 'W') then return {-7} end
+  -- a worker parks only its own submit (SUBMIT_UNKNOWN -> SUBMIT_UNKNOWN is reconcile's)
+  if not legal(old, want, 'W') or (want == 'SUBMIT_UNKNOWN' and old ~= 'SUBMITTING') then
+    return {-7}
+  end
 
   local final = want
   local cancel = t[4] == '1'

@@ -15,7 +15,8 @@
 --
 -- Returns {1, new_version, final_status} saved, or one of
 --   {-1} NOT_FOUND  {-2} STALE_FENCE  {-3} WRONG_VERSION  {-4} NO_LEASE
---   {-7} ILLEGAL    the lifecycle does not allow this worker transition
+--   {-7} ILLEGAL    the lifecycle does not allow this worker transition (SUBMIT_UNKNOWN
+--                   only from SUBMITTING: staying parked is reconcile's to say)
 -- Rules, in order:
 --   * The fence must be current and the task leased, except the late save of the
 --     original submitter: a task parked in SUBMIT_UNKNOWN by the reaper whose started
