@@ -33,16 +33,17 @@ local function start_one(k, A, o, n)
   end
   local v = (tonumber(t[3]) or 0) + 1
   local token = n >= 5 and A[o + 5] or ''
+  local attempts = int_s((tonumber(t[8]) or 0) + 1)
   if visible then
     -- a handler that can look its vendor job up: whoever parks the task schedules lookups
     redis.call('HSET', tk, 'started_fence', fence, 'started_by', token,
                'idempotent', A[o + 4],
-               'submit_attempts', int_s((tonumber(t[8]) or 0) + 1), 'version', int_s(v),
+               'submit_attempts', attempts, 'version', int_s(v),
                'updated_ms', NOW_S, 'find', fence .. ':' .. NOW_S .. ':' .. int_s(visible))
   else
     redis.call('HSET', tk, 'started_fence', fence, 'started_by', token,
                'idempotent', A[o + 4],
-               'submit_attempts', int_s((tonumber(t[8]) or 0) + 1), 'version', int_s(v),
+               'submit_attempts', attempts, 'version', int_s(v),
                'updated_ms', NOW_S)
   end
   return {1, v}

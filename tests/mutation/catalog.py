@@ -179,8 +179,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "start-does-not-count-attempts",
         "each start counts one vendor submit attempt",
         "lua/_start.lua",
-        "             'submit_attempts', int_s((tonumber(t[8]) or 0) + 1), 'version', int_s(v),",
-        "             'submit_attempts', int_s((tonumber(t[8]) or 0) + 0), 'version', int_s(v),",
+        "  local attempts = int_s((tonumber(t[8]) or 0) + 1)",
+        "  local attempts = int_s((tonumber(t[8]) or 0) + 0)",
         t(SCRIPTS, "test_full_lifecycle_and_terminal_bookkeeping"),
     ),
     # --- the reaper -----------------------------------------------------------------------------
