@@ -91,9 +91,10 @@ local function save_one(k, A, o, n)
   if old == 'SUBMITTING' or old == 'SUBMIT_UNKNOWN' or terminal then
     dels[#dels + 1] = 'started_fence'
     dels[#dels + 1] = 'started_by'
-    -- the lookup record stays with a parked task (its lookups read the mark's time)
-    if final ~= 'SUBMIT_UNKNOWN' then dels[#dels + 1] = 'find' end
+    -- the lookup record goes with the lookups (a record left by a submit that was not
+    -- parked names an old fence, which no park matches: the hot path does not delete it)
     if old == 'SUBMIT_UNKNOWN' then
+      dels[#dels + 1] = 'find'
       dels[#dels + 1] = 'lookups'
       dels[#dels + 1] = 'lookup_ms'
     end

@@ -335,10 +335,8 @@ class Lifecycle(RuleBasedStateMachine):
             t.leases[fence] = Lease(tid, fence, got.version)
             if old in (S.SUBMITTING, S.SUBMIT_UNKNOWN):
                 t.started = None
-            if (old in (S.SUBMITTING, S.SUBMIT_UNKNOWN) or final.is_terminal) and (
-                final is not S.SUBMIT_UNKNOWN
-            ):
-                t.find = None
+            if old is S.SUBMIT_UNKNOWN:
+                t.find = None  # a record from a submit that was not parked stays
             self._move(tid, final, "W")
             if final is S.SUBMIT_UNKNOWN:  # parked: a lookup if its start recorded find
                 t.lookup = t.lookup_due = t.find == fence
