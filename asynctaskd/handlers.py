@@ -31,6 +31,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "asynctaskd.handlers"
+DEFAULT_FIND_MAX_TRIES = 20  # lookups of one parked task before an operator decides
+DEFAULT_FIND_GIVE_UP_AFTER = 86400.0  # seconds after the start mark, likewise
+_MAX_FIND_SECONDS = 316224000.0  # 10 years: what the scripts take as a time in ms
 
 
 class Submitted(msgspec.Struct, frozen=True):
@@ -109,8 +112,20 @@ class Handler(Protocol):
     """A vendor integration: submit once, query many times.
 
     Optional methods, looked up with getattr: `async def cancel(self, handle, ctx)`
-    (best-effort remote cancel) and `async def finalize(self, result, ctx) -> result`
-    (e.g. copy files behind temporary result URLs before the task succeeds).
+    (best-effort remote cancel), `async def finalize(self, result, ctx) -> result`
+    (e.g. copy files behind temporary result URLs before the task succeeds), and
+    `async def find(self, params, ctx) -> Submitted | None`: the vendor job created for
+    this task (found by `ctx.idempotency_key`, `ctx.task_id`, or a client reference the
+    submit sent), or None when the vendor has none. A task whose submit may or may not
+    have reached the vendor (SUBMIT_UNKNOWN) is then settled by asking: a job found is
+    tracked, and "none" from a lookup made at least `find_visible_after` seconds after
+    the submit started puts the task back for a normal submit. A handler with `find`
+    declares `find_visible_after` (seconds, counted from the start mark, which precedes
+    the vendor call: include the longest a submit call can take, its timeout, besides
+    the vendor's listing lag); optionally `find_max_tries` (default 20) and
+    `find_give_up_after` (seconds from the start mark, default a day), after which the
+    task is left to an operator. Errors from `find` are classified like query errors
+    (`PermanentError` gives up at once).
     """
 
     key: str
@@ -135,6 +150,27 @@ class HandlerEntry(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def idempotent(self) -> bool:
         return bool(getattr(self.handler, "idempotent_submit", False))
+
+    @property
+    def finds(self) -> bool:
+        """The handler can look its vendor job up (`find`)."""
+        return self.hook("find") is not None
+
+    @property
+    def find_visible_ms(self) -> int | None:
+        """What the start mark records for a handler with `find` (None without)."""
+        if not self.finds:
+            return None
+        return round(float(self.handler.find_visible_after) * 1000)
+
+    @property
+    def find_max_tries(self) -> int:
+        return int(getattr(self.handler, "find_max_tries", DEFAULT_FIND_MAX_TRIES))
+
+    @property
+    def find_give_up_ms(self) -> int:
+        seconds = getattr(self.handler, "find_give_up_after", DEFAULT_FIND_GIVE_UP_AFTER)
+        return round(float(seconds) * 1000)
 
     def hook(self, name: str) -> Callable[..., Awaitable[Any]] | None:
         fn = getattr(self.handler, name, None)
@@ -167,6 +203,31 @@ def check_handler(obj: Any, key: str, where: str) -> None:
         raise ConfigError(f"{where}: the handler says its key is {obj_key!r}, config says {key!r}")
     if not isinstance(getattr(obj, "idempotent_submit", False), bool):
         raise ConfigError(f"{where}: idempotent_submit must be True or False")
+    if callable(getattr(obj, "find", None)):
+        _check_find_settings(obj, where)
+
+
+def _check_find_settings(obj: Any, where: str) -> None:
+    """A handler with find() declares find_visible_after, and may set the give-up bounds."""
+    for name, default, high in (
+        ("find_visible_after", None, _MAX_FIND_SECONDS),
+        ("find_give_up_after", DEFAULT_FIND_GIVE_UP_AFTER, _MAX_FIND_SECONDS),
+        ("find_max_tries", DEFAULT_FIND_MAX_TRIES, 10000),
+    ):
+        value = getattr(obj, name, default)
+        whole = name == "find_max_tries"
+        ok = (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+            and (1 if whole else 0) <= value <= high
+            and (not whole or isinstance(value, int))
+        )
+        if not ok:
+            kind = "an integer from 1" if whole else "seconds from 0"
+            raise ConfigError(
+                f"{where}: a handler with find() needs {name} ({kind} to {high:g}), got {value!r}"
+            )
 
 
 def load_handlers(

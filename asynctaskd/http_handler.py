@@ -161,6 +161,35 @@ class CancelOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     body: Any = None
 
 
+class FindOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`[handlers.options.find]`: list the vendor's jobs and pick the one this task's submit
+    created, so that a task parked in SUBMIT_UNKNOWN is settled by asking (docs/protocol.md
+    section 7, `reconcile`)."""
+
+    url: str  # the listing; templates as in submit ({task_id}, {params.x}, {base_url}, ...)
+    items: str  # JSON pointer to the list of jobs in the answer ("" if it is the list)
+    match: str  # JSON pointer inside each job to the value that names our task
+    equals: str  # template that value must equal, e.g. "{task_id}"
+    id: str  # JSON pointer inside the job to its id (the external id)
+    # How long after a submit started the vendor lists the job it created: the listing's
+    # lag. The handler's timeouts.total (the longest a submit call can take) is added to it.
+    visible_after: Duration
+    method: Method = "GET"
+    headers: dict[str, str] = {}
+    body: Any = None
+    handle: dict[str, str] = {}  # name -> JSON pointer inside the job, as submit.handle
+    # A listing in pages: `more` points at the answer's "there is more" flag, `cursor` at
+    # what the next page starts after, `next_url` is the next page's URL ({value}: the
+    # cursor). A job not on the pages read while `more` is true is an error (never a
+    # "none": it may be further back), and so is a page past `max_pages`.
+    more: str | None = None
+    cursor: str | None = None
+    next_url: str | None = None
+    max_pages: Annotated[int, msgspec.Meta(ge=1, le=100)] = 10
+    max_tries: Annotated[int, msgspec.Meta(ge=1, le=10000)] = 20
+    give_up_after: Duration = Duration(86400)
+
+
 class ErrorOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """`[handlers.options.errors]`: which HTTP statuses fail a task for good."""
 
@@ -208,6 +237,7 @@ class HttpOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     cancel: CancelOptions | None = None
     errors: ErrorOptions = ErrorOptions()
     finalize: FinalizeOptions | None = None
+    find: FindOptions | None = None
 
 
 # ---- JSON pointers (RFC 6901) -----------------------------------------------------------------
@@ -549,6 +579,19 @@ class _Request:
 
 
 @dataclass(frozen=True, slots=True)
+class _FindPlan:
+    request: _Request
+    items: _Pointer
+    match: _Pointer
+    equals: _Template
+    id: _Pointer
+    handle: tuple[tuple[str, _Pointer], ...]
+    more: _Pointer | None
+    cursor: _Pointer | None
+    next_url: _Template | None
+
+
+@dataclass(frozen=True, slots=True)
 class _Plan:
     """HttpOptions compiled: templates parsed, pointers split, status names indexed."""
 
@@ -575,6 +618,7 @@ class _Plan:
     finalize_hosts: tuple[str, ...]
     finalize_put: _Template | None
     finalize_headers: tuple[tuple[str, _Template], ...]
+    find: _FindPlan | None = None
 
 
 _FINALIZE_DEPTH: Final = 8  # objects and lists below a finalize pointer, searched this deep
@@ -715,6 +759,14 @@ class HttpHandler:
         self._code_pointer = _Pointer(errors.code_pointer)
         idem = plan.options.submit.idempotency_header
         self._idempotency_header = idem if plan.options.idempotent and idem else ""
+        if (f := plan.options.find) is not None:
+            # Only a handler with a find section has find() (the worker looks it up), and
+            # its window counts from the start mark: the submit call itself may take up to
+            # timeouts.total before the vendor creates the job.
+            self.find = self._find
+            self.find_visible_after = float(f.visible_after) + self._total
+            self.find_max_tries = f.max_tries
+            self.find_give_up_after = float(f.give_up_after)
 
     def __repr__(self) -> str:
         return f"HttpHandler(key={self.key!r})"
@@ -805,6 +857,66 @@ class HttpHandler:
             stage=_text_at(plan.stage, doc) or status,
             message=None if note is None else self._secrets.redact(note),
         )
+
+    async def _find(self, params: Any, ctx: HandlerContext) -> Submitted | None:
+        """List the vendor's jobs; the one whose `match` value equals `equals` is ours."""
+        plan = self.plan.find
+        assert plan is not None  # find is only set with a find section
+        v = _Vars(ctx.task_id, ctx.idempotency_key, params=params)
+        url, headers, content = self._prepare(plan.request, v, "find")
+        want = self._render_text(plan.equals, v)
+        options = self.options.find
+        assert options is not None
+        for page in range(1, options.max_pages + 1):
+            response = await self._send(ctx, "find", plan.request.method, url, headers, content)
+            self._check_status(response, "find")
+            doc = self._decode(response, "find")
+            items = plan.items.get(doc)
+            if not isinstance(items, list):
+                found = "nothing" if items is _MISSING else type(items).__name__
+                raise RetryableError(
+                    f"find: expected a list of jobs at {plan.items.text or '/'}, found "
+                    f"{found}; body: {self._excerpt(response.content)}",
+                    code="VENDOR_GARBAGE",
+                )
+            job = self._our_job(items, want)
+            if job is not None:
+                return job
+            if plan.more is None or plan.more.get(doc) is not True:
+                return None  # the whole listing was read: the vendor has no job of ours
+            cursor = plan.cursor.get(doc) if plan.cursor is not None else _MISSING
+            if plan.next_url is None or cursor is _MISSING or cursor is None:
+                break
+            if page < options.max_pages:
+                v.value = cursor
+                url = self._render_text(plan.next_url, v, url=True)
+        raise RetryableError(
+            "find: the job is not on the listing's pages read, and the vendor says there is "
+            "more: it may be further back (no resubmit on a listing read in part)",
+            code="FIND_INCOMPLETE",
+        )
+
+    def _our_job(self, items: list[Any], want: str) -> Submitted | None:
+        plan = self.plan.find
+        assert plan is not None
+        for item in items:
+            value = plan.match.get(item)
+            if value is _MISSING or _as_text(value) != want:
+                continue
+            raw = plan.id.get(item)
+            if isinstance(raw, int) and not isinstance(raw, bool):
+                raw = str(raw)
+            if not isinstance(raw, str) or not raw:
+                raise RetryableError(
+                    f"find: our job is listed without an id at {plan.id.text or '/'}",
+                    code="VENDOR_GARBAGE",
+                )
+            handle = {}
+            for name, pointer in plan.handle:
+                got = pointer.get(item)
+                handle[name] = None if got is _MISSING else got
+            return Submitted(raw, handle)
+        return None
 
     async def cancel(self, handle: dict[str, Any], ctx: HandlerContext) -> None:
         """Send the configured cancel request (best effort: errors are raised for the log)."""
@@ -1512,9 +1624,34 @@ class _Builder:
             finalize_headers = self.headers(
                 f.headers, "finalize.headers", _TASK | _SECRET | {"name"}
             )
+        find = None
+        if (fo := o.find) is not None:
+            find = _FindPlan(
+                request=self.request(
+                    fo.method, fo.url, fo.headers, fo.body, "find", submit_scope, base_headers
+                ),
+                items=self.pointer(fo.items, "find.items"),
+                match=self.pointer(fo.match, "find.match"),
+                equals=self.template(fo.equals, "find.equals", submit_scope - {"base_url"}),
+                id=self.pointer(fo.id, "find.id"),
+                handle=tuple(
+                    (k, self.pointer(p, f"find.handle.{k}")) for k, p in fo.handle.items()
+                ),
+                more=optional(fo.more, "find.more"),
+                cursor=optional(fo.cursor, "find.cursor"),
+                next_url=None
+                if fo.next_url is None
+                else self.url(fo.next_url, "find.next_url", _TASK | {"base_url", "value"}),
+            )
+            if (fo.next_url is None) != (fo.cursor is None):
+                self.fail("find", "set both next_url and cursor (a paged listing), or neither")
+            if set(fo.handle) != handles:
+                self.fail(
+                    "find.handle", f"name the same fields as submit.handle: {sorted(handles)}"
+                )
         uses_base = any(
             ref.kind == "base_url"
-            for request in (submit, query, cancel)
+            for request in (submit, query, cancel, find.request if find else None)
             if request is not None
             for ref in request.url.refs()
         ) or (download is not None and any(r.kind == "base_url" for r in download.refs()))
@@ -1546,6 +1683,7 @@ class _Builder:
             finalize_hosts=tuple(hosts),
             finalize_put=put,
             finalize_headers=finalize_headers,
+            find=find,
         )
 
     def _check_errors(self, errors: ErrorOptions) -> None:

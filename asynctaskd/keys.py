@@ -153,6 +153,10 @@ class Keys:
         """ZSET of due tasks: id -> priority-then-FIFO score."""
         return f"{self.tag(shard)}:ready:{phase}"
 
+    def lookups(self, shard: int) -> str:
+        """ZSET of parked tasks a vendor lookup can settle: id -> when the next is due (ms)."""
+        return f"{self.tag(shard)}:due:find"
+
     def leases(self, shard: int) -> str:
         return f"{self.tag(shard)}:leases"
 

@@ -228,6 +228,20 @@ class Metrics:
         self.quarantined = Counter(
             "asynctaskd_quarantined_total", "Corrupt tasks set aside.", registry=r
         )
+        self.lookups = Counter(
+            "asynctaskd_lookups_total",
+            "Vendor lookups of parked (SUBMIT_UNKNOWN) tasks, by what find() answered: "
+            "found, none or error.",
+            ["handler", "result"],
+            registry=r,
+        )
+        self.reconciled = Counter(
+            "asynctaskd_reconciled_total",
+            "Parked tasks a lookup settled: found (tracked with the vendor's job), "
+            "resubmitted (no job: submitted again), gave_up (left to an operator).",
+            ["handler", "outcome"],
+            registry=r,
+        )
         self.requests_dropped = Counter(
             "asynctaskd_requests_dropped_total",
             "Producers' create requests dropped because they were not what the create "
@@ -288,6 +302,13 @@ class Metrics:
             "asynctaskd_tasks",
             "Tasks by status, exact and cluster-wide, from the script-maintained counters.",
             ["status"],
+            registry=r,
+        )
+        self.parked = Gauge(
+            "asynctaskd_parked_tasks",
+            "SUBMIT_UNKNOWN tasks, cluster-wide, by what they wait for: a vendor lookup "
+            "(lookup) or an operator (operator).",
+            ["waiting"],
             registry=r,
         )
         self.tasks_by_handler = Gauge(

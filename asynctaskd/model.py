@@ -46,7 +46,8 @@ class Status(str, enum.Enum):
 
     @property
     def is_parked(self) -> bool:
-        """True for SUBMIT_UNKNOWN: no worker touches it, only an operator resolves it."""
+        """True for SUBMIT_UNKNOWN: no submit or query touches it; a lookup at the vendor
+        (a handler with `find`) or an operator settles it."""
         return self is Status.SUBMIT_UNKNOWN
 
     @property
@@ -97,13 +98,16 @@ LEGAL_TRANSITIONS: Final[tuple[Transition, ...]] = (
     Transition(_S.SUBMITTING, _S.SUBMIT_UNKNOWN, "WR", "ambiguous submit or lease lost mid-call"),
     Transition(_S.SUBMITTING, _S.CANCELED, "WR", "cancel merged, nothing reached the vendor"),
     Transition(_S.SUBMITTING, _S.TRACKING_TIMED_OUT, "WR", "deadline during submit"),
-    # Late save of the original submitter, same fence (docs/protocol.md, section 5), and the
-    # operator.
-    Transition(_S.SUBMIT_UNKNOWN, _S.SUBMITTED, "WO", "late handle, or resolved with one"),
+    # Late save of the original submitter, same fence (docs/protocol.md, section 5), a
+    # lookup at the vendor (reconcile, section 7), and the operator.
+    Transition(_S.SUBMIT_UNKNOWN, _S.SUBMITTED, "WO", "late handle, lookup found it, or resolved"),
     Transition(_S.SUBMIT_UNKNOWN, _S.FAILED, "WO", "late refusal, or resolved as failed"),
-    Transition(_S.SUBMIT_UNKNOWN, _S.PENDING_SUBMIT, "WO", "late never-sent, or knowing resubmit"),
+    Transition(
+        _S.SUBMIT_UNKNOWN, _S.PENDING_SUBMIT, "WO", "late never-sent, no job listed, or resubmit"
+    ),
     Transition(_S.SUBMIT_UNKNOWN, _S.CANCELED, "CWO", "canceled, or late save merging a cancel"),
-    Transition(_S.SUBMIT_UNKNOWN, _S.TRACKING_TIMED_OUT, "W", "late save after the deadline"),
+    Transition(_S.SUBMIT_UNKNOWN, _S.TRACKING_TIMED_OUT, "W", "late save or lookup after deadline"),
+    Transition(_S.SUBMIT_UNKNOWN, _S.SUBMIT_UNKNOWN, "W", "lookup settled nothing, or gave up"),
     # Query phase.
     Transition(_S.SUBMITTED, _S.RUNNING, "W", "vendor says running"),
     Transition(_S.SUBMITTED, _S.SUCCEEDED, "W", "vendor says done"),

@@ -147,7 +147,8 @@ def _live(daemons: dict[Any, Any], now: float) -> int:
 
 async def observe(store: Store, metrics: Metrics) -> None:
     """Refresh the cluster-wide gauges: tasks by status (from the script-maintained
-    counters), the oldest pending age and due count per phase, and the live daemons."""
+    counters), the oldest pending age and due count per phase, the live daemons, and the
+    parked tasks waiting for a vendor lookup or for an operator."""
     counts = await store.counts()
     for status in Status:
         metrics.tasks.labels(status.value).set(counts.get(status.value, 0))
@@ -160,6 +161,8 @@ async def observe(store: Store, metrics: Metrics) -> None:
         metrics.oldest_pending_age.labels(phase).set(backlog.oldest_age[phase])
         metrics.ready_tasks.labels(phase).set(backlog.ready[phase])
     metrics.live_daemons.set(backlog.live_daemons)
+    for waiting, count in (await store.parked()).items():
+        metrics.parked.labels(waiting).set(count)
     paused = await store.paused()
     for kind in PAUSE_KINDS:
         metrics.paused.labels(kind).set(sum(1 for d in paused if d.startswith(kind + ":")))

@@ -29,6 +29,8 @@ SCRIPT_NAMES: Final = (
     "reap",
     "time_out",
     "resolve",
+    "lookup",
+    "reconcile",
     "purge",
     "expire",
     "quarantine",

@@ -123,6 +123,30 @@ class ClaimBatch(msgspec.Struct, frozen=True):
     refused: list[tuple[str, str]] = []  # (task id, why) of create requests dropped
 
 
+class LookupBatch(msgspec.Struct, frozen=True):
+    """What `lookup` claimed: parked tasks leased for a vendor lookup (lua/lookup.lua)."""
+
+    claimed: list[Claimed]
+    next_due_ms: int | None  # earliest lookup still scheduled in the shard, None if none
+    due_left: int  # due lookups left (of handlers this daemon does not serve, or beyond n)
+    dropped: int  # entries that were no lookups to do (gone, settled, unreadable, leased)
+    corrupt: list[CorruptTask] = []
+    lookups: list[int] = []  # per claimed task: its lookups so far, this one included
+
+
+class Reconciled(msgspec.Struct, frozen=True):
+    """Outcome of a `reconcile`: a Result, and what the lookup settled."""
+
+    code: Code
+    version: int = 0
+    status: Status | None = None
+    what: str = ""  # found, resubmitted, again, gave_up
+
+    @property
+    def ok(self) -> bool:
+        return self.code is Code.OK
+
+
 class Call(Generic[T]):
     """One script invocation: everything needed to run it and read its reply."""
 
@@ -334,14 +358,71 @@ class Ops:
             args += (lane, tokens)
         return Call("claim", [self._prefix(shard)], args, decode)
 
-    def start(self, lease: Lease, idempotent: bool, token: str = "") -> Call[Result]:
+    def start(
+        self, lease: Lease, idempotent: bool, token: str = "", find_visible_ms: int | None = None
+    ) -> Call[Result]:
         """Mark the submit started; `token` (unique to this start) lets `withdraw` take
-        the mark back."""
+        the mark back. `find_visible_ms` (a handler that can `find` its vendor job): how
+        long after the mark a created job is visible to the lookup; a task parked under
+        this mark is then due for lookups (lua/lookup.lua)."""
         prefix, task_key = self._task(lease.task_id)
         args = [lease.task_id, lease.fence, lease.version, "1" if idempotent else "0"]
-        if token:
+        if token or find_visible_ms is not None:
             args.append(token)
+        if find_visible_ms is not None:
+            args.append(find_visible_ms)
         return Call("start", [prefix, task_key], args, _result)
+
+    def lookup(
+        self, shard: int, n: int, lease_ms: int, owner: str, handlers: Sequence[str]
+    ) -> Call[LookupBatch]:
+        """Lease up to n parked tasks of `handlers` whose vendor lookup is due."""
+
+        def decode(reply: Any) -> LookupBatch:
+            claimed: list[Claimed] = []
+            corrupt: list[CorruptTask] = []
+            lookups: list[int] = []
+            for item in reply[3:]:
+                task_id = _s(item[0])
+                fields = pairs_to_dict(item[3])
+                try:
+                    task = decode_task(fields, task_id)
+                except CorruptTask as exc:
+                    corrupt.append(exc)
+                    continue
+                claimed.append(Claimed(Lease(task_id, int(item[1]), int(item[2])), task))
+                lookups.append(int(fields.get(b"lookups", b"1")))
+            return LookupBatch(
+                claimed, int(reply[0]) or None, int(reply[1]), int(reply[2]), corrupt, lookups
+            )
+
+        args: list[Any] = [n, lease_ms, owner, *handlers]
+        return Call("lookup", [self._prefix(shard)], args, decode)
+
+    def reconcile(
+        self,
+        lease: Lease,
+        outcome: str,
+        *,
+        retry_ms: int,
+        max_lookups: int,
+        give_up_ms: int,
+        external_id: str = "",
+        handle_json: bytes = b"",
+        message: str = "",
+    ) -> Call[Reconciled]:
+        """Settle a parked task from a lookup: `outcome` is found, none or error."""
+
+        def decode(reply: Any) -> Reconciled:
+            code = Code(int(reply[0]))
+            if code is not Code.OK:
+                return Reconciled(code)
+            return Reconciled(code, int(reply[1]), _status_of(reply[2]), _s(reply[3]))
+
+        prefix, task_key = self._task(lease.task_id)
+        args = [lease.task_id, lease.fence, lease.version, outcome, retry_ms, max_lookups,
+                give_up_ms, external_id, handle_json, message]  # fmt: skip
+        return Call("reconcile", [prefix, task_key], args, decode)
 
     def withdraw(
         self,
@@ -1034,6 +1115,31 @@ class Store(_Base):
                 "quarantining corrupt task: %s", bad.reason, extra={"task_id": bad.task_id}
             )
             await self.run(self.ops.quarantine(bad.task_id, bad.reason))
+
+    async def lookup(
+        self, shard: int, n: int, lease_ms: int, owner: str, handlers: Sequence[str]
+    ) -> LookupBatch:
+        """Lease up to n due lookups; corrupt tasks are quarantined, not returned."""
+        batch = await self.run(self.ops.lookup(shard, n, lease_ms, owner, handlers))
+        for bad in batch.corrupt:
+            logger.error(
+                "quarantining corrupt task: %s", bad.reason, extra={"task_id": bad.task_id}
+            )
+            await self.run(self.ops.quarantine(bad.task_id, bad.reason))
+        return batch
+
+    async def parked(self) -> dict[str, int]:
+        """Parked tasks (SUBMIT_UNKNOWN) over all shards: those a lookup will settle
+        ("lookup": scheduled in due:find, or being looked up) and those left to an
+        operator ("operator")."""
+        reads: list[Read] = []
+        for shard in range(self.keys.shards):
+            reads.append(("hget", (self.keys.counts(shard), Status.SUBMIT_UNKNOWN.value), {}))
+            reads.append(("zcard", (self.keys.lookups(shard),), {}))
+        replies = await read_many(self, reads)
+        parked = sum(int(r or 0) for r in replies[0::2])
+        lookup = sum(int(r or 0) for r in replies[1::2])
+        return {"lookup": min(lookup, parked), "operator": max(0, parked - lookup)}
 
     async def start(self, lease: Lease, idempotent: bool) -> Result:
         return await self.run(self.ops.start(lease, idempotent))

@@ -17,7 +17,7 @@ import random
 import secrets
 import socket
 import time
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import httpx
@@ -45,13 +45,16 @@ from .retry import (
     delay_ms,
     retry_after,
 )
-from .store import PROMOTE_LIMIT, Batcher, Claimed, Code, Gate, Lease, Result, Store
+from .store import PROMOTE_LIMIT, Batcher, Claimed, Code, Gate, Lease, Reconciled, Result, Store
 
 __all__ = ["Worker", "default_worker_id"]
 
 logger = logging.getLogger(__name__)
 
 _MAX_TEXT = 1000  # stage/message stored at most this long
+CallPhase = Phase | Literal["find"]  # "find": a vendor lookup of a parked task
+_LOOKUP_BATCH = 32  # lookups claimed per shard and round at most
+_LOOKUP_POLL = 1.0  # seconds between looks at due:find when nothing told us more
 
 
 def default_worker_id() -> str:
@@ -75,6 +78,7 @@ class _Active:
         "handler",
         "landing",
         "lease",
+        "lookups",
         "lost",
         "phase",
         "running",
@@ -84,7 +88,7 @@ class _Active:
         "token",
     )
 
-    def __init__(self, lease: Lease, phase: Phase, handler: str) -> None:
+    def __init__(self, lease: Lease, phase: CallPhase, handler: str) -> None:
         self.lease = lease
         self.phase = phase
         self.handler = handler  # metric label: a registered key, or "other"
@@ -98,6 +102,7 @@ class _Active:
         self.lost = False
         self.started = False  # submit marked started: cancelling now would be ambiguous
         self.token = ""  # this call's start token (withdraw takes back only its own mark)
+        self.lookups = 0  # a lookup: the parked task's lookups so far, this one included
 
     def cancel(self) -> None:
         """Stop the call as soon as it next waits (at once if it is waiting now)."""
@@ -186,6 +191,11 @@ class Worker:
         # Start tokens: unique to each start of this worker, and across workers and restarts.
         self._token_prefix = f"{secrets.token_hex(6)}-"
         self._token_serial = itertools.count(1)
+        # Handlers that can look their vendor jobs up (find): their parked tasks are
+        # claimed by `lookup` (lua/lookup.lua) when due; without any, nothing of this runs.
+        self._finders = sorted(key for key, e in handlers.items() if e.finds)
+        self._lookup_at = 0.0  # epoch seconds: when to look at due:find next
+        self._lookups_due = False  # the last look saw lookups scheduled (or took some)
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -257,6 +267,12 @@ class Worker:
             busy_before = bool(self._active)  # a call may save new due work during the pass
             self._due_hint = math.inf  # this round's claims see what was saved before it
             next_due: float = math.inf
+            if self._finders and time.time() >= self._lookup_at:
+                got += await self._claim_lookups(calls)
+            if self._lookups_due:
+                # Lookups are scheduled: wake for them. Otherwise due:find is looked at
+                # each round (at most once a _LOOKUP_POLL), and at least every idle wait.
+                next_due = min(next_due, self._lookup_at)
             for shard in shards:
                 free = self.max_inflight - len(self._active)
                 if free <= 0:
@@ -358,6 +374,41 @@ class Worker:
         if failed:
             await anyio.sleep(0.5)
         return got, more, next_due
+
+    async def _claim_lookups(self, calls: asyncio.TaskGroup) -> int:
+        """Claim and launch the due vendor lookups of parked tasks (bounded per shard and
+        round, and by the free slots); schedule the next look at due:find."""
+        now = time.time()
+        next_at = now + _LOOKUP_POLL  # others park tasks too (the reaper): look again soon
+        got = 0
+        self._lookups_due = False
+        for shard in range(self.store.keys.shards):
+            n = min(_LOOKUP_BATCH, self.max_inflight - len(self._active))
+            if n <= 0:
+                next_at = now
+                break
+            try:
+                batch = await self.store.lookup(shard, n, self.lease_ms, self.id, self._finders)
+            except (StoreUnavailable, ScriptError) as exc:
+                self.metrics.store_errors.labels("lookup").inc()
+                logger.warning("lookup claim failed, retrying: %s", exc)
+                continue
+            self.metrics.quarantined.inc(len(batch.corrupt))
+            for claimed, lookups in zip(batch.claimed, batch.lookups, strict=True):
+                key = claimed.task.handler
+                active = _Active(claimed.lease, "find", key)
+                active.lookups = lookups
+                self._active[claimed.lease.task_id] = active
+                calls.create_task(self._run_call(claimed, active))
+            got += len(batch.claimed)
+            self._lookups_due = self._lookups_due or bool(batch.claimed or batch.next_due_ms)
+            if len(batch.claimed) >= n:
+                next_at = now  # a full batch: more may be due
+            elif batch.next_due_ms:
+                # never sooner than a moment: what is due may be another daemon's handler's
+                next_at = min(next_at, max(batch.next_due_ms / 1000, now + 0.25))
+        self._lookup_at = next_at
+        return got
 
     async def _take_tokens(self, shard: int, phase: Phase, n: int) -> dict[str, int]:
         """Tokens for the rate lanes whose tasks wait in this shard (asynctaskd.admission)."""
@@ -537,7 +588,10 @@ class Worker:
                     if entry is None:
                         await self._unknown_handler(active, task)
                     else:
-                        call = self._submit if active.phase == "submit" else self._query
+                        if active.phase == "submit":
+                            call = self._submit
+                        else:
+                            call = self._query if active.phase == "query" else self._find
                         # Awaited here, not in a helper: every coroutine between a call
                         # and the loop is passed through each time the call resumes.
                         sem = self._handler_slots.get(entry.key)
@@ -756,6 +810,10 @@ class Worker:
                 self.metrics.transitions.labels(active.handler, final.value).inc()
                 if not final.is_settled:
                     self._scheduled(delay if final is status else 0.0)
+                elif final is Status.SUBMIT_UNKNOWN and active.handler in self._finders:
+                    self._lookup_at = 0.0  # parked due for a lookup: look at once
+                    self._lookups_due = True
+                    self._scheduled(0.0)
                 return result
             # A rejection is final, NO_LEASE included: an expired lease that was not
             # reaped still accepts the save, and a parked task accepts the late save;
@@ -779,7 +837,8 @@ class Worker:
         active.token = f"{self._token_prefix}{next(self._token_serial)}"
         try:
             result, durable = await self.batcher.call(
-                self.store.ops.start(active.lease, idem, active.token), gated=True
+                self.store.ops.start(active.lease, idem, active.token, entry.find_visible_ms),
+                gated=True,
             )
         except StoreUnavailable as exc:
             # The start may have run with its reply lost (the connection dropped, the master
@@ -919,6 +978,100 @@ class Worker:
                 delay=delay,
                 fields={"error_code": code, "error_message": message},
             )
+
+    # --- lookups of parked tasks -----------------------------------------------------------
+
+    async def _find(self, entry: HandlerEntry, task: Task, active: _Active) -> None:
+        """Ask the vendor for the job of a parked task (handler.find) and let `reconcile`
+        settle the task from the answer (lua/reconcile.lua holds the rules)."""
+        find = entry.hook("find")
+        assert find is not None  # lookup hands out tasks of handlers with find only
+        ctx = self._ctx(entry, task, active.lease)
+        t0 = time.perf_counter()
+        result = "none"
+        found: Any = None
+        failure: BaseException | None = None
+        try:
+            found = await find(task.params, ctx)
+        except anyio.get_cancelled_exc_class():
+            raise
+        except BaseException as exc:
+            failure = exc
+        if failure is None and found is not None:
+            if (
+                not isinstance(found, Submitted)
+                or not isinstance(found.external_id, str)
+                or not found.external_id
+            ):
+                failure = InvalidTask(
+                    f"find() returned {type(found).__name__}, not Submitted(external_id) or None"
+                )
+            else:
+                result = "found"
+        if failure is not None:
+            result = "error"
+        self.metrics.calls.labels(
+            task.handler, "find", "ok" if failure is None else "error"
+        ).observe(time.perf_counter() - t0)
+        self.metrics.lookups.labels(task.handler, result).inc()
+        retry = self.config.retry
+        retry_s = backoff(
+            active.lookups,
+            float(retry.first_error_delay),
+            float(retry.max_error_delay),
+            retry.jitter,
+            self.rng,
+        )
+        max_lookups = entry.find_max_tries
+        message = ""
+        handle = b""
+        external_id = ""
+        if failure is not None:
+            code, message = describe(failure)
+            message = f"{code}: {message}"[:_MAX_TEXT]
+            self.crashes.report(task.handler, task.id, "find", active.lookups, failure)
+            if isinstance(failure, PermanentError):
+                max_lookups = 1  # the vendor cannot answer this: an operator decides now
+            retry_s = max(retry_after(failure) or 0.0, retry_s)
+        elif isinstance(found, Submitted):
+            external_id = found.external_id[:512]
+            try:
+                check_json_like(found.query, "Submitted.query")
+                handle = encode_json({"external_id": found.external_id, "query": found.query})
+            except (InvalidTask, TypeError):
+                handle = encode_json({"external_id": found.external_id, "query": {}})
+        call = self.store.ops.reconcile(
+            active.lease,
+            result,
+            retry_ms=delay_ms(retry_s),
+            max_lookups=max_lookups,
+            give_up_ms=entry.find_give_up_ms,
+            external_id=external_id,
+            handle_json=handle,
+            message=message,
+        )
+        active.saving = True
+        try:
+            done: Reconciled = (await self.batcher.call(call))[0]
+        except StoreUnavailable as exc:
+            self.metrics.store_errors.labels("reconcile").inc()
+            logger.warning("reconcile failed; the lookup's lease will expire: %s", exc,
+                           extra={"task_id": task.id})  # fmt: skip
+            return
+        finally:
+            active.saving = False
+        active.saved = True
+        self._forget(active)
+        if not done.ok:
+            self.metrics.rejected_writes.labels("reconcile", done.code.name.lower()).inc()
+            return
+        if done.what in ("found", "resubmitted", "gave_up"):
+            self.metrics.reconciled.labels(active.handler, done.what).inc()
+            log = logger.warning if done.what == "gave_up" else logger.info
+            log("parked task reconciled: %s -> %s", done.what, done.status,
+                extra={"task_id": task.id, "handler": task.handler})  # fmt: skip
+        if done.status is not None and not done.status.is_settled:
+            self._scheduled(0.0)
 
     # --- query phase ------------------------------------------------------------------------
 

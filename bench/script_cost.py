@@ -154,9 +154,34 @@ async def _lifecycle(server: CallgrindServer, tasks: int) -> list[tuple[str, int
         "save SUCCEEDED",
         [ops.save(c.lease, Status.SUCCEEDED, fields={"result": '{"ok":1}'}) for c in got],
     )
-    # A backlog: the requests of `tasks` creates wait before the first claim takes them in
+    # A backlog: the requests of `tasks` creates wait before the first claim takes them in;
+    # the tasks claimed go on to the lookups below
     await step("create", creates(tasks))
     got = await claim("claim (submit phase, backlog)", "submit")
+    # parked tasks settled by asking the vendor (lua/lookup.lua, lua/reconcile.lua): a start
+    # that records `find`, the park (a drain's release, 100 a call), the lookup's claim
+    # (100 a call) and the reconcile of a job found
+    started = await step("start (find)", [ops.start(c.lease, False, "t", 60_000) for c in got])
+    leases = [
+        Lease(c.lease.task_id, c.lease.fence, r.version) for c, r in zip(got, started, strict=True)
+    ]
+    batches = [leases[i : i + CLAIM_BATCH] for i in range(0, tasks, CLAIM_BATCH)]
+    await step("release (parks, due for a lookup)", [ops.release(0, b) for b in batches])
+    rows[-1] = (rows[-1][0], tasks, rows[-1][2])  # per task, not per call
+    server.counted()
+    looked: list[Claimed] = []
+    while len(looked) < tasks:
+        batch = await store.run(ops.lookup(0, CLAIM_BATCH, 60_000, "bench", ["demo"]))
+        if not batch.claimed:
+            raise RuntimeError(f"lookup: {len(looked)} of {tasks} tasks claimed")
+        looked += batch.claimed
+    rows.append(("lookup (100 a call)", len(looked), server.counted()))
+    found = b'{"external_id":"job","query":{}}'
+    await step(
+        "reconcile (found)",
+        [ops.reconcile(c.lease, "found", retry_ms=1000, max_lookups=20, give_up_ms=86_400_000,
+                       external_id="job", handle_json=found) for c in looked],
+    )  # fmt: skip
     # the floor: an EVALSHA that does nothing, and one that runs only what every script
     # runs first (the LEGAL constant and lua/_core.lua)
     scripts = load_scripts()
@@ -194,6 +219,9 @@ def run(tasks: int = 2000, binary: str = "redis-server") -> dict[str, Any]:
         sums[name][0] += calls
         sums[name][1] += total
     per_op = {name: round(total / calls) for name, (calls, total) in sums.items()}
+    per_op["one lookup (claim share + reconcile)"] = (
+        per_op["lookup (100 a call)"] + per_op["reconcile (found)"]
+    )
     # one poll of a task in flight: its share of a query claim, then its save
     per_op["one poll (claim + save, same status)"] = (
         per_op["claim (query phase)"] + per_op["save RUNNING (same status)"]

@@ -37,6 +37,7 @@ end
 local function finish(tk, id, old, new, handler, written)
   move_status(tk, id, old, new, handler)
   unschedule(id)
+  if old == 'SUBMIT_UNKNOWN' then redis.call('ZREM', P .. 'due:find', id) end
   if not written then
     -- only a leased task has an owner: a producer's cancel never touches the lease index
     if redis.call('HEXISTS', tk, 'owner') == 1 then redis.call('ZREM', P .. 'leases', id) end

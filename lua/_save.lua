@@ -44,15 +44,19 @@ local function save_one(k, A, o, n)
                        'progress', 'stage', 'message')
   local old = t[1]
   if not old then return {-1} end
-  if t[2] ~= fence then return {-2} end
-  local leased = redis.call('ZSCORE', P .. 'leases', id)
-  if leased then
+  -- the late save of the original submitter: its fence is the started mark's, even when a
+  -- lookup (lua/lookup.lua) holds the parked task under a newer fence meanwhile
+  local late = old == 'SUBMIT_UNKNOWN' and t[7] == fence
+               and (want == 'SUBMITTED' or want == 'FAILED' or want == 'PENDING_SUBMIT')
+  if t[2] ~= fence and not late then return {-2} end
+  if not late then
+    if not redis.call('ZSCORE', P .. 'leases', id) then return {-4} end
     if not version_holds(t[3], t[5], A[o + 3]) then return {-3} end
-  elseif not (old == 'SUBMIT_UNKNOWN' and t[7] == fence
-              and (want == 'SUBMITTED' or want == 'FAILED' or want == 'PENDING_SUBMIT')) then
-    return {-4}
   end
-  if not legal(old, want, 'W') then return {-7} end
+  -- a worker parks only its own submit (SUBMIT_UNKNOWN -> SUBMIT_UNKNOWN is reconcile's)
+  if not legal(old, want, 'W') or (want == 'SUBMIT_UNKNOWN' and old ~= 'SUBMITTING') then
+    return {-7}
+  end
 
   local final = want
   local cancel = t[4] == '1'
@@ -97,6 +101,13 @@ local function save_one(k, A, o, n)
   if old == 'SUBMITTING' or old == 'SUBMIT_UNKNOWN' or terminal then
     dels[#dels + 1] = 'started_fence'
     dels[#dels + 1] = 'started_by'
+    -- the lookup record goes with the lookups (a record left by a submit that was not
+    -- parked names an old fence, which no park matches: the hot path does not delete it)
+    if old == 'SUBMIT_UNKNOWN' then
+      dels[#dels + 1] = 'find'
+      dels[#dels + 1] = 'lookups'
+      dels[#dels + 1] = 'lookup_ms'
+    end
   end
   if terminal then  -- what finish() would write and delete: here, in the same two calls
     sets[#sets + 1] = 'finished_ms'
@@ -120,10 +131,16 @@ local function save_one(k, A, o, n)
     if final ~= old then move_status(tk, id, old, final, handler) end
     if final == 'SUBMIT_UNKNOWN' then
       redis.call('ZREM', P .. 'deadlines', id)
+      -- a handler that can look its job up (its start recorded `find` under this fence)
+      local f = redis.call('HGET', tk, 'find')
+      if f and string.match(f, '^(%d+):') == fence then
+        redis.call('ZADD', P .. 'due:find', NOW_S, id)
+      end
     else
       schedule(id, PHASE[final], NOW + delay_ms, tonumber(t[9]) or 0)
       if old == 'SUBMIT_UNKNOWN' then
         redis.call('ZADD', P .. 'deadlines', deadline, id)
+        redis.call('ZREM', P .. 'due:find', id)
       end
       if delay_ms == 0 then wake() end
     end

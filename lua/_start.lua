@@ -5,11 +5,12 @@
 -- raises on bad arguments or a corrupt hash, before anything is written.
 
 --- @include _guards
+--- @include _int_arg
 --- @include _int_field
 
 local function start_one(k, A, o, n)
   local tk = KEYS[k]
-  if n < 4 or n > 5 then error('asynctaskd: start takes 4 or 5 arguments, got ' .. n) end
+  if n < 4 or n > 6 then error('asynctaskd: start takes 4 to 6 arguments, got ' .. n) end
   local id, fence = A[o + 1], A[o + 2]
   if KEYS[k] ~= P .. 'task:' .. id then
     error('asynctaskd: KEYS[' .. k .. '] is not the key of task ' .. id)
@@ -17,6 +18,7 @@ local function start_one(k, A, o, n)
   if A[o + 4] ~= '0' and A[o + 4] ~= '1' then
     error("asynctaskd: ARGV idempotent must be '0' or '1', got " .. tostring(A[o + 4]))
   end
+  local visible = n == 6 and int_arg(A[o + 6], 'find_visible_ms', 0, 316224000000)
   local t = redis.call('HMGET', tk, 'status', 'fence', 'version', 'deadline_ms',
                        'cancel_requested', 'cancel_version', 'started_fence', 'submit_attempts')
   if not t[1] then return {-1} end
@@ -34,10 +36,19 @@ local function start_one(k, A, o, n)
     error('asynctaskd: task ' .. id .. ' field submit_attempts is corrupt: ' .. tostring(t[8]))
   end
   local v = (tonumber(t[3]) or 0) + 1
-  local token = n == 5 and A[o + 5] or ''
-  redis.call('HSET', tk, 'started_fence', fence, 'started_by', token,
-             'idempotent', A[o + 4],
-             'submit_attempts', int_s((tonumber(t[8]) or 0) + 1), 'version', int_s(v),
-             'updated_ms', NOW_S)
+  local token = n >= 5 and A[o + 5] or ''
+  local attempts = int_s((tonumber(t[8]) or 0) + 1)
+  if visible then
+    -- a handler that can look its vendor job up: whoever parks the task schedules lookups
+    redis.call('HSET', tk, 'started_fence', fence, 'started_by', token,
+               'idempotent', A[o + 4],
+               'submit_attempts', attempts, 'version', int_s(v),
+               'updated_ms', NOW_S, 'find', fence .. ':' .. NOW_S .. ':' .. int_s(visible))
+  else
+    redis.call('HSET', tk, 'started_fence', fence, 'started_by', token,
+               'idempotent', A[o + 4],
+               'submit_attempts', attempts, 'version', int_s(v),
+               'updated_ms', NOW_S)
+  end
   return {1, v}
 end

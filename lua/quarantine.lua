@@ -6,7 +6,7 @@
 -- ARGV[2] reason           short text for the operator
 --
 -- Returns {1} quarantined, or {-1} NOT_FOUND.
--- The task leaves the due sets, the lease index and the deadline index, keeps its status
+-- The task leaves the due sets (due:find too), the lease index and the deadline index, keeps its status
 -- (and so its counter), and is listed in <prefix>quarantine for an operator. Nothing else
 -- of the hash is touched, so what was corrupt can still be inspected. KEYS[2] must be the
 -- key of task_id (else an error, nothing written).
@@ -23,11 +23,13 @@ end
 if redis.call('EXISTS', tk) == 0 then
   redis.call('ZREM', P .. 'quarantine', id)
   unschedule(id)
+  redis.call('ZREM', P .. 'due:find', id)
   redis.call('ZREM', P .. 'leases', id)
   redis.call('ZREM', P .. 'deadlines', id)
   return {-1}
 end
 unschedule(id)
+redis.call('ZREM', P .. 'due:find', id)
 redis.call('ZREM', P .. 'leases', id)
 redis.call('ZREM', P .. 'deadlines', id)
 redis.call('ZADD', P .. 'quarantine', NOW, id)

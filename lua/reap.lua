@@ -8,7 +8,10 @@
 -- Per expired lease, re-checked inside the script so two reapers never both act:
 --   SUBMITTING, call marked started under the current fence -> SUBMIT_UNKNOWN, or
 --       PENDING_SUBMIT due now if the handler declared idempotent submits; the fence is
---       kept so the original submitter's late save can still land its handle
+--       kept so the original submitter's late save can still land its handle; due for a
+--       lookup (due:find) if its start recorded `find` under the fence
+--   SUBMIT_UNKNOWN (a lookup's lease, lua/lookup.lua) -> the lease and owner go; its
+--       due:find entry makes it due for the next lookup
 --   SUBMITTING, call never started -> PENDING_SUBMIT, due now (CANCELED if a cancel
 --       was requested meanwhile: nothing reached the vendor)
 --   SUBMITTED / RUNNING -> the same status, due now (reclaims + 1), or FAILED with
@@ -43,12 +46,15 @@ for _, id in ipairs(expired) do
   local tk = task_key(id)
   local t = redis.pcall('HMGET', tk, 'status', 'fence', 'started_fence', 'idempotent',
                         'reclaims', 'handler', 'priority', 'deadline_ms', 'cancel_requested',
-                        'version')
+                        'version', 'find')
   if type(t) ~= 'table' or t.err ~= nil then t = {} end
   local status, handler = t[1], t[6]
   local new = nil
   if status and not (int_field(t[10]) and int_field(t[5])) then
     redis.call('ZADD', P .. 'quarantine', NOW, id)  -- unreadable: park it for an operator
+  elseif status == 'SUBMIT_UNKNOWN' then
+    -- a lookup's lease (lua/lookup.lua): its due:find entry brings the task back
+    redis.call('HDEL', tk, 'owner')
   elseif status and PHASE[status] and handler then
     redis.call('HDEL', tk, 'owner')
     local started = status == 'SUBMITTING' and t[3] and t[3] == t[2]
@@ -83,6 +89,9 @@ for _, id in ipairs(expired) do
       move_status(tk, id, status, new, handler)
       redis.call('ZREM', P .. 'deadlines', id)
       redis.call('HDEL', tk, 'due_ms')
+      if t[11] and string.match(t[11], '^(%d+):') == t[2] then
+        redis.call('ZADD', P .. 'due:find', NOW_S, id)  -- a lookup can settle it
+      end
     else
       move_status(tk, id, status, new, handler)
       redis.call('HSET', tk, 'due_ms', schedule(id, PHASE[new], NOW, tonumber(t[7]) or 0))

@@ -6,7 +6,8 @@
 -- Returns {code, code, ...}, one per triple, in order: 1 released (due at once), or
 --   -1 NOT_FOUND  -2 STALE_FENCE  -4 NO_LEASE  -7 ILLEGAL (not a leased phase status)
 --   -8 STARTED    the submit call had been marked started: the task was parked in
---                 SUBMIT_UNKNOWN (or requeued, for an idempotent handler), as reap does
+--                 SUBMIT_UNKNOWN (or requeued, for an idempotent handler), as reap does;
+--                 due for a lookup (due:find) if its start recorded `find` under the fence
 -- Invariants: a released SUBMITTING task whose call never started goes back to
 -- PENDING_SUBMIT; SUBMITTED/RUNNING stay and become due at once; the fence is kept, so
 -- the next claim makes this holder stale. Only the fence and the lease are checked, not
@@ -37,7 +38,7 @@ for i = 1, #ARGV, 3 do
           .. (i + 2) / 3)
   end
   local t = redis.call('HMGET', task_key(id), 'status', 'fence', 'version', 'idempotent',
-                       'started_fence', 'handler', 'priority')
+                       'started_fence', 'handler', 'priority', 'find')
   if t[1] and t[2] == ARGV[i + 1] and PHASE[t[1]] then
     if not int_field(t[3]) then
       error('asynctaskd: task ' .. id .. ' field version is corrupt: ' .. tostring(t[3]))
@@ -60,7 +61,7 @@ for i = 1, #ARGV, 3 do
   -- the same task twice: the second sees what the first wrote (all of it valid)
   if seen[id] then
     t = redis.call('HMGET', tk, 'status', 'fence', 'version', 'idempotent', 'started_fence',
-                   'handler', 'priority')
+                   'handler', 'priority', 'find')
   end
   seen[id] = true
   if not t[1] then
@@ -85,6 +86,9 @@ for i = 1, #ARGV, 3 do
       move_status(tk, id, 'SUBMITTING', 'SUBMIT_UNKNOWN', t[6])
       redis.call('ZREM', P .. 'deadlines', id)
       redis.call('HDEL', tk, 'due_ms')
+      if t[8] and string.match(t[8], '^(%d+):') == t[2] then
+        redis.call('ZADD', P .. 'due:find', NOW_S, id)  -- a lookup can settle it
+      end
       emit(id, 'SUBMIT_UNKNOWN', v)
     end
     out[#out + 1] = -8

@@ -59,8 +59,9 @@ if target == 'PENDING_SUBMIT' and status == 'SUBMIT_UNKNOWN' and t[6] == '1' the
   target = 'CANCELED'
 end
 local v = bump(tk)
-redis.call('HDEL', tk, 'started_fence', 'owner')
+redis.call('HDEL', tk, 'started_fence', 'owner', 'find', 'lookups', 'lookup_ms')
 redis.call('ZREM', P .. 'leases', id)
+redis.call('ZREM', P .. 'due:find', id)  -- a lookup in flight gets NO_LEASE
 if TERMINAL[status] then
   -- requeue: a fresh attempt; the hash was set to expire when it finished
   redis.call('PERSIST', tk)

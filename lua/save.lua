@@ -15,12 +15,16 @@
 --
 -- Returns {1, new_version, final_status} saved, or one of
 --   {-1} NOT_FOUND  {-2} STALE_FENCE  {-3} WRONG_VERSION  {-4} NO_LEASE
---   {-7} ILLEGAL    the lifecycle does not allow this worker transition
+--   {-7} ILLEGAL    the lifecycle does not allow this worker transition (SUBMIT_UNKNOWN
+--                   only from SUBMITTING: staying parked is reconcile's to say)
 -- Rules, in order:
 --   * The fence must be current and the task leased, except the late save of the
 --     original submitter: a task parked in SUBMIT_UNKNOWN by the reaper whose started
 --     fence is this fence accepts SUBMITTED, FAILED or PENDING_SUBMIT (the handle is
---     never lost; no other submit attempt can have happened under the same fence).
+--     never lost; no other submit attempt can have happened under the same fence), also
+--     while a lookup holds it under a newer fence (the lookup's write is then refused).
+--   * A task parked here (SUBMIT_UNKNOWN) whose start recorded `find` under this fence is
+--     put in due:find for a lookup (lua/lookup.lua); leaving SUBMIT_UNKNOWN takes it out.
 --   * A terminal outcome wins over a cancel that arrived during the call. Otherwise a
 --     merged cancel turns PENDING_SUBMIT into CANCELED and makes SUBMITTED/RUNNING due
 --     at once, so a worker calls the vendor's cancel and saves CANCELED.

@@ -9,6 +9,12 @@
 --                          else '0'
 -- ARGV[5] token            optional: unique to this start, recorded as started_by; with it
 --                          (and only with it) withdraw can take the mark back
+-- ARGV[6] find_visible_ms  optional (after a token): the handler can look its vendor job
+--                          up (docs/protocol.md, section 7), and a job this submit creates
+--                          is visible to that lookup within this many ms of the mark,
+--                          integer 0..316224000000. Recorded with the mark as the `find`
+--                          field, '<fence>:<mark ms>:<visible ms>': a task parked in
+--                          SUBMIT_UNKNOWN under this fence is then due for a lookup.
 --
 -- Returns {1, new_version} marked, or one of
 --   {-1} NOT_FOUND  {-2} STALE_FENCE  {-3} WRONG_VERSION  {-4} NO_LEASE

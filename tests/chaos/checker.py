@@ -11,6 +11,7 @@ the producers were told, and checks the guarantees of docs/reliability.md:
 - nothing lost: every acknowledged task exists, and every task is terminal or
   SUBMIT_UNKNOWN, and got there by its deadline plus a slack;
 - SUBMIT_UNKNOWN only where a submit call was marked started (`submit_attempts >= 1`);
+- a parked task waits for a lookup (`due:find`) only if its start recorded `find`;
 - every status change in the events stream is a legal transition
   (`asynctaskd.model.LEGAL_TRANSITIONS`, any actor), versions strictly increase per task,
   the stream agrees with the hash (first event is the create, last status is the status);
@@ -69,6 +70,9 @@ LEFTOVER_INDEXES = (
     "ready:submit",
     "ready:query",
 )
+# Parked tasks a vendor lookup will settle (lua/lookup.lua): only SUBMIT_UNKNOWN tasks whose
+# start recorded `find` may be in it, and a run may end with some still waiting.
+LOOKUPS = "due:find"
 MAX_PRINTED = 25  # violations printed with their whole history
 
 
@@ -211,7 +215,7 @@ def read_history(
             counts[_s(k)] += int(v)
             own[_s(k)] = int(v)
         shard_counts[shard] = own
-        for name in (*(f"idx:{s}" for s in STATUSES), *LEFTOVER_INDEXES):
+        for name in (*(f"idx:{s}" for s in STATUSES), *LEFTOVER_INDEXES, LOOKUPS):
             for member, score in r.zrange(tag + name, 0, -1, withscores=True):
                 indexes[name][_s(member)] = float(score)
         for key in r.scan_iter(match=tag + "held:*", count=scan_count, **where):
@@ -489,6 +493,19 @@ def check(
         for t in sorted(history.indexes.get(name, {}))[:20]:
             kind = "lease_left" if name == "leases" else "index_left"
             flag(kind, t if t in tasks else None, f"{t} still in {name}")
+    waiting = history.indexes.get(LOOKUPS, {})
+    for t in sorted(waiting)[:20]:
+        h = tasks.get(t, {})
+        if h.get("status") != "SUBMIT_UNKNOWN" or "find" not in h:
+            flag("index_left", t if t in tasks else None,
+                 f"{t} in {LOOKUPS} but {h.get('status')!r}, find={h.get('find')!r}")  # fmt: skip
+    report.figures["parked waiting for a lookup"] = len(waiting)
+    reconciled = Counter(
+        ev.fields.get("reconciled") for evs in history.events.values() for ev in evs
+        if ev.fields.get("reconciled")
+    )  # fmt: skip
+    if reconciled:
+        report.figures["reconciled (events)"] = dict(sorted(reconciled.items()))
     if history.stray_events:
         flag("stray_events", None, f"{history.stray_events} events of tasks that do not exist")
     _check_shards(history, report, flag)

@@ -38,7 +38,10 @@ def daemon_config(
     max_inflight: int = 300,
     max_reclaims: int | None = None,
     extra_handlers: Sequence[Mapping[str, Any]] = (),
+    handler: Mapping[str, Any] | None = None,
 ) -> Path:
+    """A daemon config on the fake vendor: `handler` (default: the demo handler, key
+    "demo", which `create_tasks` uses) and `extra_handlers`."""
     redis: dict[str, Any] = {"socket_timeout": "2s"} | ({"shards": shards} if shards != 1 else {})
     worker: dict[str, Any] = {"lease": lease, "shutdown_grace": "2s", "max_inflight": max_inflight}
     if max_reclaims is not None:
@@ -51,7 +54,7 @@ def daemon_config(
         worker=worker,
         retry={**FAST_RETRY, "max_error_delay": "1s", "max_consecutive_errors": 50},
         log={"format": "json", "level": "warning"},
-        handlers=[demo_handler(vendor_url, idempotent=idempotent), *extra_handlers],
+        handlers=[handler or demo_handler(vendor_url, idempotent=idempotent), *extra_handlers],
     )
 
 
@@ -162,6 +165,25 @@ def snapshot(url: str, ids: list[str]) -> dict[str, Any]:
     tasks = {tid: store.get(tid) for tid in ids}
     client.close()
     return tasks
+
+
+def counts(url: str) -> dict[str, int]:
+    """Shard 0's status counters."""
+    client = Redis.from_url(url)
+    try:
+        return {k.decode(): int(v) for k, v in client.hgetall(Keys().counts(0)).items()}
+    finally:
+        client.close()
+
+
+def ever_parked(url: str) -> set[str]:
+    """Tasks that were SUBMIT_UNKNOWN at some time (shard 0's events stream)."""
+    client = Redis.from_url(url)
+    try:
+        entries = client.xrange(Keys().events(0))
+    finally:
+        client.close()
+    return {f[b"task"].decode() for _, f in entries if f.get(b"status") == b"SUBMIT_UNKNOWN"}
 
 
 def settled(url: str, ids: list[str]) -> bool:

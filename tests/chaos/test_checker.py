@@ -472,3 +472,20 @@ def test_reads_every_shard_of_a_cluster_and_catches_tampering(tmp_path: Path) ->
             assert scan.found == [f"Redis master {owner} db0: string 'atd:{{s4}}:note'"]
         finally:
             r.close()
+
+
+def test_a_lookup_entry_is_legal_only_for_a_parked_task_with_a_find_record() -> None:
+    h = clean()
+    tid = first(h)
+    h.indexes["due:find"] = {tid: float(T0)}
+    report = check(h)
+    assert kinds(h) == {"index_left"} and "due:find" in report.violations[0].message
+    # the same entry, of a parked task whose start recorded find: waiting for a lookup
+    parked = clean()
+    tid = first(parked)
+    task = parked.tasks[tid]
+    task.update(status="SUBMIT_UNKNOWN", find=f"2:{T0}:5000")
+    parked.indexes["due:find"] = {tid: float(T0)}
+    report = check(parked)
+    assert "index_left" not in report.kinds()
+    assert report.figures["parked waiting for a lookup"] == 1

@@ -7,6 +7,12 @@ shape ``{"error": {"message", "type", "param", "code"}}``):
     Body ``{"input_file_id", "endpoint", "completion_window": "24h", "metadata"?}``; answers
     200 with a batch object in status ``validating``; 400 ``invalid_request_error`` for a
     bad body.
+``GET /v1/batches?limit=&after=``
+    The batches, newest first, as OpenAI lists them: ``{"object": "list", "data": [...],
+    "first_id", "last_id", "has_more"}``, ``limit`` (1..100, default 20) per page, ``after``
+    a batch id the page starts after. ``list_lag`` (seconds) leaves out batches created less
+    than that long ago: a listing that lags behind its creates. ``others`` batches of other
+    clients (no metadata) are listed before all of ours, as on a busy account.
 ``GET /v1/batches/{batch_id}``
     The batch object. Every answered poll moves a live batch on: ``in_progress`` (with
     ``request_counts.completed`` growing) until poll ``polls_to_done - 1`` (``finalizing``),
@@ -19,6 +25,10 @@ shape ``{"error": {"message", "type", "param", "code"}}``):
     batch has already ended.
 ``GET /v1/files/{file_id}/content``
     The output file: one JSON line per request.
+
+Faults for the lookup tests: the next ``lose_creates`` creates make their batch and then
+answer 500 (the caller cannot know it exists), the next ``refuse_creates`` answer 500
+without making one (checked first).
 """
 
 from __future__ import annotations
@@ -62,6 +72,12 @@ class OpenAIBatches:
     batches: dict[str, _Batch] = field(default_factory=dict)
     requests: list[tuple[str, str]] = field(default_factory=list)  # (method, path)
     cancels: list[str] = field(default_factory=list)
+    list_lag: float = 0.0
+    others: int = 0
+    lose_creates: int = 0
+    refuse_creates: int = 0
+    created: list[tuple[float, str]] = field(default_factory=list)  # (at, batch id)
+    listed: list[int] = field(default_factory=list)  # batches listed per list request
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
     def app(self) -> web.Application:
@@ -69,6 +85,7 @@ class OpenAIBatches:
         app.add_routes(
             [
                 web.post("/v1/batches", self._create),
+                web.get("/v1/batches", self._list),
                 web.get("/v1/batches/{id}", self._retrieve),
                 web.post("/v1/batches/{id}/cancel", self._cancel),
                 web.get("/v1/files/{id}/content", self._file_content),
@@ -98,6 +115,9 @@ class OpenAIBatches:
             return _error(400, f"Invalid value: '{body['endpoint']}'.", param="endpoint")
         if body["completion_window"] != "24h":
             return _error(400, "Invalid completion_window.", param="completion_window")
+        if self.refuse_creates > 0:
+            self.refuse_creates -= 1
+            return _error(500, "The server had an error.", kind="server_error")
         now = int(time.time())
         batch_id = f"batch_{next(self._ids):06d}"
         obj: dict[str, Any] = {
@@ -111,7 +131,34 @@ class OpenAIBatches:
             "metadata": body.get("metadata"),
         }  # fmt: skip
         self.batches[batch_id] = _Batch(obj)
+        self.created.append((time.time(), batch_id))
+        if self.lose_creates > 0:
+            self.lose_creates -= 1
+            return _error(500, "The server had an error.", kind="server_error")
         return web.json_response(obj)
+
+    async def _list(self, request: web.Request) -> web.Response:
+        try:
+            limit = int(request.query.get("limit", "20"))
+        except ValueError:
+            return _error(400, "Invalid limit.", param="limit")
+        if not 1 <= limit <= 100:
+            return _error(400, "Invalid limit.", param="limit")
+        listed_before = time.time() - self.list_lag
+        objs = {f"batch_other_{k}": {"id": f"batch_other_{k}", "object": "batch",
+                                     "metadata": None} for k in range(self.others)}  # fmt: skip
+        objs.update((i, self.batches[i].obj) for at, i in self.created if at <= listed_before)
+        ids = [*(f"batch_other_{k}" for k in range(self.others)),
+               *(i for at, i in reversed(self.created) if at <= listed_before)]  # fmt: skip
+        after = request.query.get("after")
+        if after is not None:
+            ids = ids[ids.index(after) + 1 :] if after in ids else []
+        page = [objs[i] for i in ids[:limit]]
+        self.listed.append(len(page))
+        return web.json_response({
+            "object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(ids) > limit,
+        })  # fmt: skip
 
     def _advance(self, batch: _Batch) -> None:
         obj = batch.obj

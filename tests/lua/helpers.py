@@ -22,6 +22,7 @@ INDEXES = (
     "leases",
     "deadlines",
     "quarantine",
+    "due:find",
 )
 
 
@@ -127,7 +128,7 @@ def _invariants(keys: Keys) -> Generator[_Batch, list[Any], None]:
     serves the asyncio client of the script tests and the blocking one of the state machine
     (tests/property), each sending a batch as one pipeline."""
     tag = keys.tag(0)
-    phases = ("due:submit", "due:query", "ready:submit", "ready:query")
+    phases = ("due:submit", "due:query", "ready:submit", "ready:query", "due:find")
     first: _Batch = [
         ("lrange", (keys.intake(0), 0, -1)),
         ("keys", (f"{tag}:new:*",)),
@@ -143,7 +144,7 @@ def _invariants(keys: Keys) -> Generator[_Batch, list[Any], None]:
     leased = {m.decode() for m in zsets[0]}
     deadlines = {m.decode() for m in zsets[1]}
     sets = {name: {m.decode() for m in zsets[2 + i]} for i, name in enumerate(phases)}
-    indexes = {s: {m.decode() for m in zsets[6 + i]} for i, s in enumerate(Status)}
+    indexes = {s: {m.decode() for m in zsets[2 + len(phases) + i]} for i, s in enumerate(Status)}
     queued = {e.decode() for e in intake}
     requests = [k.decode().rsplit(":", 1)[1] for k in new_keys]
     task_ids = [k.decode().rsplit(":", 1)[1] for k in task_keys]
@@ -183,7 +184,13 @@ def _invariants(keys: Keys) -> Generator[_Batch, list[Any], None]:
             assert phase_ok and tid not in leased, f"{tid} {s} is held in {held!r}"
             held_in.append((tid, held))
             places.append("held")
-        if s.is_terminal or s is Status.SUBMIT_UNKNOWN:
+        if s is Status.SUBMIT_UNKNOWN:
+            # parked: waiting for an operator (nowhere), or for a lookup (due:find), or
+            # being looked up (due:find and leased)
+            assert places in ([], ["due:find"], ["due:find", "leases"]), f"{tid} {s} {places}"
+            if places:
+                assert b"find" in h, f"{tid} is due for a lookup without a find record"
+        elif s.is_terminal:
             assert places == [], f"{tid} {s} still in {places}"
         else:
             assert len(places) == 1, f"{tid} {s} in {places}"

@@ -62,6 +62,7 @@ USES_SETTINGS: dict[str, frozenset[str]] = {
     **dict.fromkeys(("claim", "time_out", "reap", "release", "resolve", "save", "save_many"),
                     ALL_SETTINGS),
     "withdraw": frozenset({"events_maxlen"}),
+    "reconcile": frozenset({"events_maxlen"}),  # a found job: SUBMITTED, an event
 }  # fmt: skip
 
 NAME_LIKE = {"negative", "fraction", "huge", "inf", "nan"}  # valid names and tokens
@@ -113,6 +114,17 @@ ARGV_OUTCOMES: dict[str, dict[str, dict[str, str]]] = {
         "handle": _all("accepted"),
         "message": _all("accepted"),
     },
+    "lookup": {
+        "owner": _names("accepted", "raise") | {"text": "accepted"},
+        "handler": _all("accepted", empty="raise"),
+    },  # a handler with nothing due
+    "reconcile": {
+        "fence": _all("unchanged"),
+        "version": _all("unchanged"),
+        "external_id": _all("accepted", empty="raise"),
+        "handle": _all("accepted", empty="raise"),
+        "message": _all("accepted"),
+    },
     "quarantine": {"reason": _all("accepted")},
     "pause": {"note": _all("accepted")},
     "quota": {"tenant": _names("unchanged")},  # another tenant, without a quota
@@ -139,6 +151,9 @@ TASK_FIELDS: dict[str, list[tuple[str, str | None, str]]] = {
     "release": [("version", "x", "raise"), ("version", "99999999999999999", "raise"),
                 ("handler", None, "raise")],
     "resolve": [("version", "x", "raise"), ("handler", None, "raise")],
+    "reconcile": [("version", "x", "unchanged"), ("version", "x", "matching"),
+                  ("handler", None, "raise"), ("deadline_ms", "x", "raise"),
+                  ("find", "1:x:0", "raise"), ("find", "", "raise")],
 }  # fmt: skip
 for _one, _many in (("start", "start_many"), ("save", "save_many")):
     TASK_FIELDS[_many] = TASK_FIELDS[_one]
@@ -294,6 +309,49 @@ async def _resolve(store: Store, r: redis.asyncio.Redis, keys: Keys) -> Scenario
     call = store.ops.resolve(lease.task_id, Status.FAILED, message="gone")
     names = ["task_id", "target", "external_id", "handle", "message"]
     return Scenario(call, names, keys.task(0, lease.task_id))
+
+
+async def _parked(store: Store) -> Lease:
+    """A task parked in SUBMIT_UNKNOWN whose handler can look its job up (due:find)."""
+    lease = await _started(store)
+    started = await store.run(store.ops.start(lease, False, "tok", 0))
+    await store.run(store.ops.release(0, [Lease(lease.task_id, lease.fence, started.version)]))
+    return lease
+
+
+@seed("lookup")
+async def _lookup(store: Store, r: redis.asyncio.Redis, keys: Keys) -> Scenario:
+    await _parked(store)
+    return Scenario(store.ops.lookup(0, 10, 10_000, "w1", ["h"]),
+                    ["n", "lease_ms", "owner", "handler"])  # fmt: skip
+
+
+@seed("reconcile")
+async def _reconcile(store: Store, r: redis.asyncio.Redis, keys: Keys) -> Scenario:
+    await _parked(store)
+    (claimed,) = (await store.lookup(0, 1, 10_000, "w1", ["h"])).claimed
+    call = store.ops.reconcile(
+        claimed.lease,
+        "found",
+        retry_ms=1000,
+        max_lookups=5,
+        give_up_ms=60_000,
+        external_id="j1",
+        handle_json=b'{"a": 1}',
+    )
+    names = [
+        "task_id",
+        "fence",
+        "version",
+        "outcome",
+        "retry_ms",
+        "max_lookups",
+        "give_up_ms",
+        "external_id",
+        "handle",
+        "message",
+    ]
+    return Scenario(call, names, keys.task(0, claimed.lease.task_id))  # fmt: skip
 
 
 async def _finished(store: Store) -> None:

@@ -25,6 +25,7 @@ class Mutant:
 
 SCRIPTS = "tests/lua/test_scripts.py"
 LUA_ADMISSION = "tests/lua/test_admission.py"
+RECONCILE = "tests/lua/test_reconcile.py"
 
 
 def t(file: str, *names: str) -> tuple[str, ...]:
@@ -32,12 +33,42 @@ def t(file: str, *names: str) -> tuple[str, ...]:
 
 
 MUTANTS: tuple[Mutant, ...] = (
+    # --- settling parked tasks by asking the vendor (issue #28) -----------------------------
+    Mutant(
+        "lookup-none-too-early-resubmits",
+        "a lookup that finds no job before the job would be listed asks again later, never "
+        "resubmits (a listing may lag behind the vendor's creates)",
+        "lua/reconcile.lua",
+        "elseif outcome == 'none' and looked - started >= visible then",
+        "elseif outcome == 'none' then",
+        (
+            *t(RECONCILE, "test_none_too_early_asks_again_when_the_job_would_be_listed"),
+            "tests/test_reconcile_http.py::"
+            "test_a_lost_create_is_found_and_a_lagging_listing_never_resubmits",
+        ),
+    ),
+    Mutant(
+        "late-save-refused-during-a-lookup",
+        "the original submitter's late save lands while a lookup holds the parked task",
+        "lua/_save.lua",
+        "  if t[2] ~= fence and not late then return {-2} end",
+        "  if t[2] ~= fence then return {-2} end",
+        t(RECONCILE, "test_the_original_submitters_late_save_wins_over_a_lookup_in_flight"),
+    ),
+    Mutant(
+        "release-parks-without-a-lookup",
+        "a task parked by a drain's release is due for a lookup when its handler can find",
+        "lua/release.lua",
+        "      if t[8] and string.match(t[8], '^(%d+):') == t[2] then",
+        "      if false then",
+        t(RECONCILE, "test_parking_schedules_a_lookup_only_for_a_handler_that_can_find"),
+    ),
     # --- fences, leases, versions -----------------------------------------------------------
     Mutant(
         "save-ignores-the-fence",
         "a save under a fence that is not the task's is refused (STALE_FENCE)",
         "lua/_save.lua",
-        "  if t[2] ~= fence then return {-2} end",
+        "  if t[2] ~= fence and not late then return {-2} end",
         "  if false then return {-2} end",
         t(
             SCRIPTS,
@@ -57,8 +88,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "save-without-a-lease",
         "a save after the lease is gone is refused (NO_LEASE)",
         "lua/_save.lua",
-        "  local leased = redis.call('ZSCORE', P .. 'leases', id)",
-        "  local leased = true",
+        "    if not redis.call('ZSCORE', P .. 'leases', id) then return {-4} end",
+        "    if false then return {-4} end",
         t(SCRIPTS, "test_no_lease_after_reap_in_query_phase"),
     ),
     Mutant(
@@ -174,8 +205,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "start-does-not-count-attempts",
         "each start counts one vendor submit attempt",
         "lua/_start.lua",
-        "             'submit_attempts', int_s((tonumber(t[8]) or 0) + 1), 'version', int_s(v),",
-        "             'submit_attempts', int_s((tonumber(t[8]) or 0) + 0), 'version', int_s(v),",
+        "  local attempts = int_s((tonumber(t[8]) or 0) + 1)",
+        "  local attempts = int_s((tonumber(t[8]) or 0) + 0)",
         t(SCRIPTS, "test_full_lifecycle_and_terminal_bookkeeping"),
     ),
     # --- the reaper -----------------------------------------------------------------------------

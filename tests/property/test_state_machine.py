@@ -66,6 +66,8 @@ ALL_STATUSES = list(Status)
 SUBMIT_OUTCOMES = [S.SUBMITTED, S.FAILED, S.PENDING_SUBMIT, S.SUBMIT_UNKNOWN, S.CANCELED]
 QUERY_OUTCOMES = [S.RUNNING, S.SUCCEEDED, S.FAILED, S.CANCELED, S.SUBMITTED]
 LATE_OUTCOMES = [S.SUBMITTED, S.FAILED, S.PENDING_SUBMIT]
+NEVER_MS = 316224000000  # a find window no test outlives (10 years): a "none" is too early
+FINDS = [None, None, 0, NEVER_MS]  # a start without find, or with a window of 0 or NEVER_MS
 RESOLVE_TARGETS = [S.SUBMITTED, S.PENDING_SUBMIT, S.FAILED, S.CANCELED]
 
 # What one run reached, per server: (source, target) -> how often, (script, code) -> how often.
@@ -94,6 +96,10 @@ class Task:
     later: bool = False  # a save made it due later: it waits in due:<phase>, not ready
     reclaims: int = 0
     attempts: int = 0  # submit_attempts: one per start
+    find: int | None = None  # the fence of the start that recorded `find`, while recorded
+    visible: int = 0  # find_visible_ms that start recorded
+    lookup: bool = False  # in due:find: a vendor lookup will settle the parked task
+    lookup_due: bool = False  # and that lookup is due now
     # each worker's lease as that worker knows it (its fence, the version it last read)
     leases: dict[int, Lease] = field(default_factory=dict)
 
@@ -145,6 +151,8 @@ class Lifecycle(RuleBasedStateMachine):
         assert is_legal(old, new, actor), f"the model moved {tid} {old} -> {new} as {actor}"
         self._count(old, new, actor)
         t.status = new
+        if new is not S.SUBMIT_UNKNOWN:
+            t.lookup = t.lookup_due = False  # due:find holds parked tasks only
         if new.phase is None:
             t.later = False
         if new.is_terminal:
@@ -161,6 +169,7 @@ class Lifecycle(RuleBasedStateMachine):
             pipe.zscore(KEYS.deadlines(0), tid)
             pipe.zscore(f"{tag}:ready:submit", tid)
             pipe.zscore(f"{tag}:ready:query", tid)
+            pipe.zscore(KEYS.lookups(0), tid)
             return tuple(pipe.execute())
 
     def _check(self, script: str, tid: str, got: Result, want: Result, before: Any) -> None:
@@ -257,7 +266,7 @@ class Lifecycle(RuleBasedStateMachine):
                 self._move(tid, S.SUBMITTING, "W")
         return [tid for tid, _, _ in claimed]
 
-    def do_start(self, lease: Lease, idempotent: bool) -> Result:
+    def do_start(self, lease: Lease, idempotent: bool, find: int | None = None) -> Result:
         tid, fence = lease.task_id, lease.fence
         t = self.tasks.get(tid)
         if t is None:
@@ -277,10 +286,12 @@ class Lifecycle(RuleBasedStateMachine):
         else:
             want = Result(Code.OK, t.version + 1)
         before = self._snap(tid)
-        got = self.store.run(self.store.ops.start(lease, idempotent))
+        got = self.store.run(self.store.ops.start(lease, idempotent, "", find))
         self._check("start", tid, got, want, before)
         if t is not None and got.code is Code.OK:
             t.version, t.started, t.idempotent = got.version, fence, idempotent
+            if find is not None:
+                t.find, t.visible = fence, find
             t.attempts += 1
             t.leases[fence] = Lease(tid, fence, got.version)
         return got
@@ -289,17 +300,25 @@ class Lifecycle(RuleBasedStateMachine):
         tid, fence = lease.task_id, lease.fence
         t = self.tasks.get(tid)
         final = target
+        # the parked submitter's late save: its fence is the start mark's, even while a
+        # lookup holds the task under a newer one
+        late = (
+            t is not None
+            and t.status is S.SUBMIT_UNKNOWN
+            and t.started == fence
+            and target in LATE_OUTCOMES
+        )
         if t is None:
             want = Result(Code.NOT_FOUND)
-        elif fence != t.fence:
+        elif fence != t.fence and not late:
             want = Result(Code.STALE_FENCE)
-        elif t.holder is not None and not t.version_holds(lease.version):
+        elif not late and t.holder is None:
+            want = Result(Code.NO_LEASE)
+        elif not late and not t.version_holds(lease.version):
             want = Result(Code.WRONG_VERSION)
-        elif t.holder is None and not (
-            t.status is S.SUBMIT_UNKNOWN and t.started == fence and target in LATE_OUTCOMES
+        elif not is_legal(t.status, target, "W") or (
+            target is S.SUBMIT_UNKNOWN and t.status is not S.SUBMITTING
         ):
-            want = Result(Code.NO_LEASE)  # only the parked submitter's late save may land
-        elif not is_legal(t.status, target, "W"):
             want = Result(Code.ILLEGAL)
         else:
             if t.cancel and not target.is_terminal and target is S.PENDING_SUBMIT:
@@ -316,7 +335,11 @@ class Lifecycle(RuleBasedStateMachine):
             t.leases[fence] = Lease(tid, fence, got.version)
             if old in (S.SUBMITTING, S.SUBMIT_UNKNOWN):
                 t.started = None
+            if old is S.SUBMIT_UNKNOWN:
+                t.find = None  # a record from a submit that was not parked stays
             self._move(tid, final, "W")
+            if final is S.SUBMIT_UNKNOWN:  # parked: a lookup if its start recorded find
+                t.lookup = t.lookup_due = t.find == fence
             # due later, unless a merged cancel makes a poll due now (to call the vendor's
             # cancel at once)
             merged = t.cancel and target in (S.SUBMITTED, S.RUNNING)
@@ -328,6 +351,13 @@ class Lifecycle(RuleBasedStateMachine):
         t = self.tasks[tid]
         assert t.holder is not None
         self.r.zadd(KEYS.leases(0), {tid: 1})
+        if t.status is S.SUBMIT_UNKNOWN:
+            # a lookup's lease: removed; its due:find entry (at the lease's old expiry, not
+            # moved here) brings the task back later
+            assert self.store.run(self.store.ops.reap(0, 100, MAX_RECLAIMS)) == []
+            t.holder = None
+            t.lookup_due = False
+            return t.status
         started = t.status is S.SUBMITTING and t.started == t.fence
         if started:
             new = S.PENDING_SUBMIT if t.idempotent and not t.late else S.SUBMIT_UNKNOWN
@@ -346,6 +376,8 @@ class Lifecycle(RuleBasedStateMachine):
         if new is S.PENDING_SUBMIT:
             t.started = None  # requeued: the next claim's submit is a new attempt
         self._move(tid, new, "R")
+        if new is S.SUBMIT_UNKNOWN:
+            t.lookup = t.lookup_due = t.find == t.fence
         return new
 
     def do_deadline(self, tid: str) -> list[str]:
@@ -390,9 +422,10 @@ class Lifecycle(RuleBasedStateMachine):
         if t.status.is_terminal:
             return  # finished meanwhile: it stays as it finished
         if t.status in (S.PENDING_SUBMIT, S.SUBMIT_UNKNOWN):
-            # nobody holds it: canceled at once
+            # nobody holds it (a lookup's lease ends with it): canceled at once
             t.version += 1
             t.cancel = True
+            t.holder = None
             self._move(tid, S.CANCELED, "C")
         elif not t.cancel:
             # its holder (or the next one) merges the request at its next write
@@ -418,7 +451,8 @@ class Lifecycle(RuleBasedStateMachine):
         )
         self._check("resolve", tid, got, want, before)
         if t is not None and got.code is Code.OK:
-            assert t.holder is None
+            assert t.holder is None or t.status is S.SUBMIT_UNKNOWN  # a lookup's: it ends
+            t.holder, t.find = None, None
             if t.status.is_terminal:
                 # a requeue: a new attempt with a fresh deadline, flags cleared
                 t.cancel, t.cancel_version, t.late, t.reclaims = False, None, False, 0
@@ -427,6 +461,71 @@ class Lifecycle(RuleBasedStateMachine):
             t.later = False  # due now
             self._move(tid, final, "O")
         return got
+
+    def do_lookup(self) -> list[str]:
+        """Lease every parked task whose lookup is due (their handler is "h")."""
+        due = {
+            (tid, t.fence + 1, t.version + 1)
+            for tid, t in self.tasks.items()
+            if t.status is S.SUBMIT_UNKNOWN and t.lookup and t.lookup_due and t.holder is None
+        }
+        batch = self.store.run(self.store.ops.lookup(0, 100, LEASE_MS, "w", ["h"]))
+        got = {(c.lease.task_id, c.lease.fence, c.lease.version) for c in batch.claimed}
+        assert got == due, f"lookup: got {got}, the model said {due}"
+        for tid, fence, version in due:
+            t = self.tasks[tid]
+            t.fence, t.version, t.holder = fence, version, fence
+            t.leases[fence] = Lease(tid, fence, version)
+            t.lookup_due = False  # its entry waits at the lease's expiry
+        return sorted(tid for tid, _, _ in due)
+
+    def do_reconcile(self, lease: Lease, outcome: str) -> Result:
+        """A lookup's answer: found, none or error (a new try due at once)."""
+        tid, fence = lease.task_id, lease.fence
+        t = self.tasks.get(tid)
+        final = S.SUBMIT_UNKNOWN
+        if t is None:
+            want = Result(Code.NOT_FOUND)
+        elif fence != t.fence:
+            want = Result(Code.STALE_FENCE)
+        elif t.holder is None:
+            want = Result(Code.NO_LEASE)
+        elif not t.version_holds(lease.version):
+            want = Result(Code.WRONG_VERSION)
+        elif t.status is not S.SUBMIT_UNKNOWN or t.find is None:
+            want = Result(Code.ILLEGAL)
+        else:
+            if outcome == "found":
+                final = S.TRACKING_TIMED_OUT if t.late else S.SUBMITTED
+            elif outcome == "none" and t.visible == 0:
+                final = S.PENDING_SUBMIT
+                if t.cancel:
+                    final = S.CANCELED
+                elif t.late:
+                    final = S.TRACKING_TIMED_OUT
+            want = Result(Code.OK, t.version + 1, final)
+        before = self._snap(tid)
+        call = self.store.ops.reconcile(
+            lease, outcome, retry_ms=0, max_lookups=1000, give_up_ms=NEVER_MS,
+            external_id="x" if outcome == "found" else "",
+            handle_json=b'{"external_id":"x"}' if outcome == "found" else b"",
+            message="boom" if outcome == "error" else "",
+        )  # fmt: skip
+        done = self.store.run(call)
+        self._check("reconcile", tid, Result(done.code, done.version, done.status), want, before)
+        if t is not None and done.code is Code.OK:
+            t.version, t.holder = done.version, None
+            t.leases[fence] = Lease(tid, fence, done.version)
+            if final is S.SUBMIT_UNKNOWN:
+                # again: an error is due at once (retry 0), a "none" when the job would be
+                # listed (NEVER_MS away)
+                t.lookup_due = outcome == "error"
+                self._count(S.SUBMIT_UNKNOWN, S.SUBMIT_UNKNOWN, "W")
+            else:
+                t.started = t.find = None
+                t.later = False  # due now
+                self._move(tid, final, "W")
+        return want
 
     def do_renew(self, leases: list[Lease]) -> list[Code]:
         want = []
@@ -488,12 +587,31 @@ class Lifecycle(RuleBasedStateMachine):
         self.do_claim(phase, n)
 
     @precondition(lambda self: any(t.leases for t in self.tasks.values()))
-    @rule(data=st.data(), idempotent=st.booleans(), skew=st.sampled_from([0, 0, 0, -1, 1]))
-    def start(self, data: st.DataObject, idempotent: bool, skew: int) -> None:
+    @rule(data=st.data(), idempotent=st.booleans(), skew=st.sampled_from([0, 0, 0, -1, 1]),
+          find=st.sampled_from(FINDS))  # fmt: skip
+    def start(self, data: st.DataObject, idempotent: bool, skew: int, find: int | None) -> None:
         """A start by any worker that ever held a lease, the version it read maybe off."""
         leases = [lease for t in self.tasks.values() for lease in t.leases.values()]
         lease = data.draw(st.sampled_from(leases))
-        self.do_start(Lease(lease.task_id, lease.fence, lease.version + skew), idempotent)
+        self.do_start(Lease(lease.task_id, lease.fence, lease.version + skew), idempotent, find)
+
+    @rule()
+    def lookup(self) -> None:
+        self.do_lookup()
+
+    @precondition(lambda self: any(t.leases for t in self.tasks.values()))
+    @rule(data=st.data(), outcome=st.sampled_from(["found", "none", "error"]),
+          skew=st.sampled_from([0, 0, 0, -1, 1]))  # fmt: skip
+    def reconcile(self, data: st.DataObject, outcome: str, skew: int) -> None:
+        """A lookup's answer from any worker that ever held a lease (a lookup's, mostly)."""
+        held = sorted(i for i, t in self.tasks.items()
+                      if t.holder is not None and t.status is S.SUBMIT_UNKNOWN)  # fmt: skip
+        if held:
+            lease = self.holder_lease(data.draw(st.sampled_from(held)))
+        else:
+            leases = [lease for t in self.tasks.values() for lease in t.leases.values()]
+            lease = data.draw(st.sampled_from(leases))
+        self.do_reconcile(Lease(lease.task_id, lease.fence, lease.version + skew), outcome)
 
     @precondition(lambda self: any(t.holder is not None for t in self.tasks.values()))
     @rule(data=st.data(), skew=st.sampled_from([0, 0, 0, -1, 1]))
@@ -786,10 +904,10 @@ class Lifecycle(RuleBasedStateMachine):
             assert tid in self.do_claim("query", 1000)
         return tid
 
-    def parked(self) -> tuple[str, Lease]:
+    def parked(self, find: int | None = None) -> tuple[str, Lease]:
         """A new task whose started submit lost its lease: parked; and its submitter's lease."""
         tid = self.fresh_held()
-        assert self.do_start(self.holder_lease(tid), False).ok
+        assert self.do_start(self.holder_lease(tid), False, find).ok
         lease = self.holder_lease(tid)
         assert self.do_reap(tid) is S.SUBMIT_UNKNOWN
         return tid, lease
@@ -875,6 +993,30 @@ class Lifecycle(RuleBasedStateMachine):
         tid, lease = self.parked()
         assert self.do_resolve(tid, S.SUBMITTED).ok
         self.reached(tid, S.SUBMITTED)
+        # SUBMIT_UNKNOWN settled by a vendor lookup: found, none (after the window: a
+        # resubmit; before it: again), an error (again), and the late save winning
+        for find, outcome, reached in ((0, "found", S.SUBMITTED), (0, "none", S.PENDING_SUBMIT),
+                                       (NEVER_MS, "none", S.SUBMIT_UNKNOWN),
+                                       (0, "error", S.SUBMIT_UNKNOWN)):  # fmt: skip
+            tid, submitter = self.parked(find)
+            assert tid in self.do_lookup()
+            lease = self.holder_lease(tid)
+            stale = Lease(tid, lease.fence, lease.version - 1)
+            assert self.do_reconcile(stale, outcome).code is Code.WRONG_VERSION
+            assert self.do_reconcile(submitter, outcome).code is Code.STALE_FENCE
+            assert self.do_reconcile(lease, outcome).ok
+            self.reached(tid, reached)
+            assert self.do_reconcile(lease, outcome).code is Code.NO_LEASE
+        tid, submitter = self.parked(0)
+        assert tid in self.do_lookup()
+        assert self.do_save(submitter, S.SUBMITTED).ok  # the late save wins over the lookup
+        assert self.do_reconcile(self.holder_lease(tid), "none").code is Code.NO_LEASE
+        self.reached(tid, S.SUBMITTED)
+        tid, _ = self.parked(0)
+        self.do_deadline(tid)
+        assert tid in self.do_lookup()
+        assert self.do_reconcile(self.holder_lease(tid), "found").ok
+        self.reached(tid, S.TRACKING_TIMED_OUT)
         # SUBMITTED and RUNNING -> each outcome of a poll, and a poll after the deadline
         for status in (S.SUBMITTED, S.RUNNING):
             for outcome in QUERY_OUTCOMES:
@@ -922,12 +1064,14 @@ class Lifecycle(RuleBasedStateMachine):
             pipe.zrange(KEYS.leases(0), 0, -1)
             pipe.zrange(f"{KEYS.tag(0)}:due:submit", 0, -1)
             pipe.zrange(f"{KEYS.tag(0)}:due:query", 0, -1)
+            pipe.zrange(KEYS.lookups(0), 0, -1)
             for tid in self.tasks:
                 pipe.hgetall(KEYS.task(0, tid))
             replies = pipe.execute()
         leased = {m.decode() for m in replies[0]}
         later = {m.decode() for m in replies[1] + replies[2]}
-        for (tid, t), h in zip(self.tasks.items(), replies[3:], strict=True):
+        lookups = {m.decode() for m in replies[3]}
+        for (tid, t), h in zip(self.tasks.items(), replies[4:], strict=True):
 
             def num(name: bytes, h: Any = h) -> int | None:
                 return int(h[name]) if name in h else None
@@ -943,6 +1087,7 @@ class Lifecycle(RuleBasedStateMachine):
                 "reclaims": num(b"reclaims") or 0,
                 "attempts": num(b"submit_attempts") or 0,
                 "later": tid in later,
+                "lookup": tid in lookups,
             }
             if b"idempotent" in h:
                 seen["idempotent"] = h[b"idempotent"] == b"1"
@@ -957,6 +1102,7 @@ class Lifecycle(RuleBasedStateMachine):
                 "reclaims": t.reclaims,
                 "attempts": t.attempts,
                 "later": t.later,
+                "lookup": t.lookup,
             }
             if t.idempotent is not None:
                 model["idempotent"] = t.idempotent
