@@ -232,7 +232,7 @@ class Metrics:
             "asynctaskd_lookups_total",
             "Vendor lookups of parked (SUBMIT_UNKNOWN) tasks, by what find() answered: "
             "found, none or error.",
-            ["handler", "result"],
+            ["handler", "outcome"],
             registry=r,
         )
         self.reconciled = Counter(
@@ -307,8 +307,8 @@ class Metrics:
         self.parked = Gauge(
             "asynctaskd_parked_tasks",
             "SUBMIT_UNKNOWN tasks, cluster-wide, by what they wait for: a vendor lookup "
-            "(lookup) or an operator (operator).",
-            ["waiting"],
+            "(kind=lookup) or an operator (kind=operator).",
+            ["kind"],
             registry=r,
         )
         self.tasks_by_handler = Gauge(

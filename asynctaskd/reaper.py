@@ -161,8 +161,8 @@ async def observe(store: Store, metrics: Metrics) -> None:
         metrics.oldest_pending_age.labels(phase).set(backlog.oldest_age[phase])
         metrics.ready_tasks.labels(phase).set(backlog.ready[phase])
     metrics.live_daemons.set(backlog.live_daemons)
-    for waiting, count in (await store.parked()).items():
-        metrics.parked.labels(waiting).set(count)
+    for kind, count in (await store.parked()).items():
+        metrics.parked.labels(kind).set(count)
     paused = await store.paused()
     for kind in PAUSE_KINDS:
         metrics.paused.labels(kind).set(sum(1 for d in paused if d.startswith(kind + ":")))

@@ -317,6 +317,8 @@ def _daemon_calls(store: Store, lease: Lease, task_id: str) -> list[Call[Any]]:
         ops.renew(0, 60_000, [lease]),
         ops.release(0, [lease]),
         ops.withdraw(lease, "t"),
+        ops.lookup(0, 10, 60_000, "intruder", ["h"]),
+        ops.reconcile(lease, "none", retry_ms=0, max_lookups=1, give_up_ms=0),
         ops.reap(0, 100, 3),
         ops.time_out(0, 100),
         ops.expire(0, 0, 100),
