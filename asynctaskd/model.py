@@ -174,6 +174,7 @@ class Task(msgspec.Struct, frozen=True, kw_only=True):
     poll_count: int = 0
     consecutive_errors: int = 0
     throttles: int = 0  # vendor throttles in a row (429s): the next wait doubles with each
+    lookups: int = 0  # vendor lookups while parked (SUBMIT_UNKNOWN, a handler with find)
     cancel_requested: bool = False
     dedup_key: str | None = None
     # Internals, for workers and operators.

@@ -181,6 +181,7 @@ _TRY: dict[str, list[tuple[Any, ...]]] = {
     "hgetall": [("{key}",)],
     "hkeys": [("{key}",)],
     "llen": [("{key}",)],
+    "zcard": [("{key}",)],
     "zrevrangebyscore": [("{key}", "+inf", "-inf")],
     "xread": [("STREAMS", "{key}", "0-0")],
     "xrevrange": [("{key}", "+", "-")],

@@ -178,9 +178,22 @@ def _stats(client: Any, args: argparse.Namespace, where: tuple[str, str]) -> int
             warned.append(hint)
             _say(f"asynctaskd: warning: {hint}")
         if args.json:
-            return json.dumps({**msgspec.to_builtins(s), "paused": client.paused()})
+            return json.dumps(
+                {
+                    **msgspec.to_builtins(s),
+                    "parked_for_operator": s.parked_for_operator,
+                    "paused": client.paused(),
+                }
+            )
         lines = ["status               count"]
-        lines += [f"{st.value:<20} {s.by_status.get(st, 0):>6}" for st in Status]
+        for st in Status:
+            line = f"{st.value:<20} {s.by_status.get(st, 0):>6}"
+            if st is Status.SUBMIT_UNKNOWN and s.by_status.get(st, 0):
+                line += (
+                    f"  ({s.parked_for_lookup} waiting for a vendor lookup, "
+                    f"{s.parked_for_operator} for an operator: asynctaskd resolve)"
+                )
+            lines.append(line)
         if s.by_handler:
             width = max(len("handler"), *(len(h) for h in s.by_handler)) + 2
             lines.append("")

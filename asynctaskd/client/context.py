@@ -67,12 +67,19 @@ class Stats(msgspec.Struct, frozen=True):
     """Exact counts (every status in `by_status`; only non-zero ones per handler) and the
     heartbeats of daemons seen in the last 30 seconds. `requests`: producers' creates and
     cancels that no daemon has taken in yet (their tasks read as PENDING_SUBMIT but are
-    counted once a daemon takes them in, within milliseconds while one runs)."""
+    counted once a daemon takes them in, within milliseconds while one runs).
+    `parked_for_lookup`: of the SUBMIT_UNKNOWN tasks, those a vendor lookup will settle (their
+    handler can `find`); the others wait for an operator (`parked_for_operator`)."""
 
     by_status: dict[Status, int]
     by_handler: dict[str, dict[Status, int]]
     daemons: list[dict[str, Any]]
     requests: int = 0
+    parked_for_lookup: int = 0
+
+    @property
+    def parked_for_operator(self) -> int:
+        return max(0, self.by_status.get(Status.SUBMIT_UNKNOWN, 0) - self.parked_for_lookup)
 
 
 Step: TypeAlias = Call[Any] | Reads | Pause | TaskEvent

@@ -27,13 +27,21 @@ from .validation import _seconds, _shard, _status
 
 def _stats(ctx: _Context) -> Plan[Stats]:
     shards = range(ctx.keys.shards)
+    n = len(shards)
     *counts, daemons = yield Reads(
         *(_read("hgetall", ctx.keys.counts(s)) for s in shards),
         *(_read("llen", ctx.keys.intake(s)) for s in shards),
+        *(_read("zcard", ctx.keys.lookups(s)) for s in shards),
         _read("hgetall", ctx.keys.daemons()),
     )
-    requests = sum(int(n) for n in counts[len(shards) :])
-    counts = counts[: len(shards)]
+    requests = sum(int(x) for x in counts[n : 2 * n])
+    # parked tasks a vendor lookup will settle, shard by shard (at most the shard's parked)
+    lookups = [int(x) for x in counts[2 * n :]]
+    counts = counts[:n]
+    parked_for_lookup = sum(
+        min(looked, int(raw.get(b"SUBMIT_UNKNOWN", 0) or 0))
+        for looked, raw in zip(lookups, counts, strict=True)
+    )
     by_status = dict.fromkeys(Status, 0)
     by_handler: dict[str, dict[Status, int]] = {}
     for raw in counts:
@@ -56,7 +64,7 @@ def _stats(ctx: _Context) -> Plan[Stats]:
         if fresh:
             alive.append({"id": daemon_id.decode(), **beat})
     by_handler = {h: row for h, row in sorted(by_handler.items()) if any(row.values())}
-    return Stats(by_status, by_handler, alive, requests)
+    return Stats(by_status, by_handler, alive, requests, parked_for_lookup)
 
 
 def _handlers(ctx: _Context) -> Plan[dict[str, float]]:

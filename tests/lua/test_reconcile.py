@@ -279,3 +279,30 @@ async def test_reconcile_refuses_malformed_argv_before_writing(
         with pytest.raises(ScriptError, match="asynctaskd:"):
             await settle(store, claimed.lease, outcome, **bad)
     assert await redis_client.hgetall(keys.task(0, claimed.lease.task_id)) == before
+
+
+async def test_stats_tell_parked_tasks_a_lookup_will_settle_from_those_left_to_an_operator(
+    store: Store, redis_url: str
+) -> None:
+    from asynctaskd.client import AsyncClient
+    from tests.test_cli import cli
+
+    lookup = await park(store, visible_ms=60_000)
+    await park(store, visible_ms=None)
+    await park(store, visible_ms=None)
+    async with AsyncClient.from_url(redis_url) as client:
+        stats = await client.stats()
+    assert stats.by_status[Status.SUBMIT_UNKNOWN] == 3
+    assert (stats.parked_for_lookup, stats.parked_for_operator) == (1, 2)
+    # a lookup in flight still counts as waiting for one; a settled task no longer does
+    (claimed,) = await look(store)
+    async with AsyncClient.from_url(redis_url) as client:
+        assert (await client.stats()).parked_for_lookup == 1
+        looked_up = await client.get(lookup.task_id)
+    assert looked_up is not None and looked_up.lookups == 1  # `get` shows the count
+    await settle(store, claimed.lease, "found", external_id="job-1", handle_json=HANDLE)
+    async with AsyncClient.from_url(redis_url) as client:
+        stats = await client.stats()
+    assert (stats.parked_for_lookup, stats.parked_for_operator) == (0, 2)
+    shown = (await anyio.to_thread.run_sync(lambda: cli("stats", url=redis_url))).stdout
+    assert "SUBMIT_UNKNOWN            2  (0 waiting for a vendor lookup, 2 for an operator" in shown
