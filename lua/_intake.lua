@@ -13,17 +13,18 @@
 -- exactly what the create script writes is dropped, with its dedup key if it holds one.
 -- Never raises: one bad entry must not stop the daemon's claims.
 -- Returns the number of entries taken, a list {id, reason, ...} of dropped creates, and
--- (ingest(limit, false, true): a submit claim without limits or pauses) the ids of the
--- fresh tasks, left for the claim to take in directly or to settle.
+-- (ingest(limit, false, most): a submit claim that may take up to `most` new tasks
+-- straight in) the ids of the fresh tasks, left for the claim to take in or to settle.
 --
 -- Fresh tasks. A create that is due now, within its deadline, can go straight from the
--- request to SUBMITTING when the claim that takes it in still wants tasks and nothing
--- waits in the ready set before it: writing it as PENDING_SUBMIT in the ready set, then
--- popping it, reading it back and moving it on would cost Redis twice the commands for
--- the same end state. Until the claim decides, such a task is only FRESH[id] (its checked
--- fields) and its deadline entry; a cancel of it in the same call settles it first, and a
--- `d:` entry for its dedup key leaves the key (the task is live). settle_fresh writes it as
--- every other new task: PENDING_SUBMIT, counted, indexed, scheduled, with its event.
+-- request to SUBMITTING when the claim that takes it in wants it (one of its first
+-- `most` such requests) and nothing waits in the ready set before it: writing it as
+-- PENDING_SUBMIT in the ready set, then popping it, reading it back and moving it on
+-- would cost Redis twice the commands for the same end state. Until the claim decides,
+-- such a task is only FRESH[id] (its checked fields) and its deadline entry; a cancel of
+-- it in the same call settles it first, and a `d:` entry for its dedup key leaves the key
+-- (the task is live). settle_fresh writes it as every other new task: PENDING_SUBMIT,
+-- counted, indexed, scheduled, with its event.
 
 --- @include _emit
 --- @include _int_field
@@ -95,6 +96,7 @@ local function check_request(id, packed)
 end
 
 local FRESH = nil  -- id -> the fields of a fresh task (see above), when a claim asked
+local FRESH_MOST = 0  -- how many the claim may take: the ones after it are written at once
 
 local function write_new(id, f, wake_others)
   local tk = task_key(id)
@@ -103,8 +105,8 @@ local function write_new(id, f, wake_others)
     fields[#fields + 1] = name
     fields[#fields + 1] = value
   end
-  redis.call('HSET', tk, unpack(fields))
-  move_status(tk, id, nil, 'PENDING_SUBMIT', f.handler)
+  redis.call('HSET', tk, unpack(fields))  -- status PENDING_SUBMIT among them
+  move_status(tk, id, nil, 'PENDING_SUBMIT', f.handler, true)
   local due_ms = tonumber(f.due_ms)
   schedule(id, 'submit', due_ms, tonumber(f.priority))
   if wake_others and due_ms <= NOW then wake() end
@@ -139,7 +141,8 @@ local function ingest_create(id, wake_others, fresh)
     return why
   end
   redis.call('ZADD', P .. 'deadlines', f.deadline_ms, id)
-  if FRESH and tonumber(f.due_ms) <= NOW and tonumber(f.deadline_ms) > NOW then
+  if FRESH and #fresh < FRESH_MOST and tonumber(f.due_ms) <= NOW
+     and tonumber(f.deadline_ms) > NOW then
     FRESH[id] = f
     fresh[#fresh + 1] = id
     return nil
@@ -191,9 +194,9 @@ local function ingest_dedup(suffix)
   redis.call('DEL', dk)
 end
 
-local function ingest(limit, wake_others, direct)
+local function ingest(limit, wake_others, most)
   local fresh = {}
-  if direct then FRESH = {} end
+  if most and most > 0 then FRESH, FRESH_MOST = {}, most end
   local entries = redis.call('LPOP', P .. 'intake', limit)
   if not entries then return 0, {}, fresh end
   local dropped = {}
@@ -222,29 +225,38 @@ end
 -- After a submit claim's promotions, with `fresh` from ingest: when nothing waits in the
 -- ready set, take up to n fresh tasks straight to SUBMITTING, in the order the ready set
 -- would have given them (by ready score, ties by id in byte order), and settle the
--- others; else settle them all, behind what waits. A task taken so ends as the claim leaves any task it takes:
--- fence 1, version 2, leased by `owner` until `lease_until`, counted and indexed as
--- SUBMITTING, with the events of both versions. Returns the claim replies
+-- others; else settle them all, behind what waits. A task taken so ends as the claim
+-- leaves any task it takes: fence 1, version 2, leased by `owner` until `lease_until`,
+-- counted and indexed as SUBMITTING, with the events of both versions. Returns the claim replies
 -- {id, fence, version, fields} of the tasks taken.
 local function take_fresh(fresh, n, owner, lease_until)
   local out = {}
   if #fresh == 0 then return out end
   if n > 0 and redis.call('ZCARD', P .. 'ready:submit') == 0 then
-    local score = {}
+    -- By ready score, ties by id byte by byte, as a sorted set orders them. Lua's `<`
+    -- follows the server's locale: for ids of digits and capital letters (what the
+    -- clients make: a ULID and its shard) every locale orders them as bytes; any other id
+    -- gets a key of digits and a-f (the score, then the id in hex), which every locale
+    -- orders as bytes too, at a cost.
+    local score, plain = {}, true
     for _, id in ipairs(fresh) do
       local f = FRESH[id]
       score[id] = (100 - tonumber(f.priority)) * PRIO_SPAN + tonumber(f.due_ms)
+      if plain and not string.find(id, '^[0-9A-Z]+%-?[0-9]*$') then plain = false end
     end
-    -- ties as a sorted set orders its members: byte by byte (Lua's `<` follows the
-    -- server's locale)
-    table.sort(fresh, function(a, b)
-      if score[a] ~= score[b] then return score[a] < score[b] end
-      for i = 1, math.min(#a, #b) do
-        local x, y = string.byte(a, i), string.byte(b, i)
-        if x ~= y then return x < y end
+    if plain then
+      table.sort(fresh, function(a, b)
+        if score[a] ~= score[b] then return score[a] < score[b] end
+        return a < b
+      end)
+    else
+      local sort_key = {}
+      for _, id in ipairs(fresh) do
+        sort_key[id] = string.format('%016d', score[id])
+                       .. string.format(string.rep('%02x', #id), string.byte(id, 1, -1))
       end
-      return #a < #b
-    end)
+      table.sort(fresh, function(a, b) return sort_key[a] < sort_key[b] end)
+    end
   else
     n = 0
   end
@@ -260,7 +272,7 @@ local function take_fresh(fresh, n, owner, lease_until)
         fields[#fields + 1] = value
       end
       redis.call('HSET', tk, unpack(fields))
-      move_status(tk, id, nil, 'SUBMITTING', f.handler)
+      move_status(tk, id, nil, 'SUBMITTING', f.handler, true)
       emit(id, 'PENDING_SUBMIT', 1)
       emit(id, 'SUBMITTING', 2)
       redis.call('ZADD', P .. 'leases', lease_until, id)

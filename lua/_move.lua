@@ -15,9 +15,10 @@ local function release_slots(tk, id)
   end
 end
 
--- Move a task's status, keeping the per-status index and counters exact.
-local function move_status(tk, id, old, new, handler)
-  redis.call('HSET', tk, 'status', new)
+-- Move a task's status, keeping the per-status index and counters exact. `written`: the
+-- caller already wrote the new status in an HSET of its own.
+local function move_status(tk, id, old, new, handler, written)
+  if not written then redis.call('HSET', tk, 'status', new) end
   if old == new then return end
   if old and INFLIGHT[old] and not INFLIGHT[new] then release_slots(tk, id) end
   local counts = P .. 'counts'
@@ -32,10 +33,10 @@ local function move_status(tk, id, old, new, handler)
 end
 
 -- Everything that happens when a task becomes terminal, in one place. `written`: the
--- caller (a save, in its own HSET and HDEL) already removed the lease, wrote finished_ms
--- and deleted owner, due_ms and started_fence.
+-- caller (a save, in its own HSET and HDEL) already removed the lease, wrote the status
+-- and finished_ms, and deleted owner, due_ms and started_fence.
 local function finish(tk, id, old, new, handler, written)
-  move_status(tk, id, old, new, handler)
+  move_status(tk, id, old, new, handler, written)
   unschedule(id)
   if old == 'SUBMIT_UNKNOWN' then redis.call('ZREM', P .. 'due:find', id) end
   if not written then

@@ -84,6 +84,10 @@ local function save_one(k, A, o, n)
   end
   local v = (tonumber(t[3]) or 0) + 1
   local sets = {'HSET', tk, 'version', int_s(v), 'updated_ms', NOW_S}
+  if final ~= old then  -- the status too (move_status below is told it is written)
+    sets[#sets + 1] = 'status'
+    sets[#sets + 1] = final
+  end
   local dels = {'HDEL', tk, 'owner'}
   local last = {}
   for i = first, stop, 2 do last[A[i]] = i end
@@ -128,7 +132,7 @@ local function save_one(k, A, o, n)
   if terminal then
     finish(tk, id, old, final, handler, true)
   else
-    if final ~= old then move_status(tk, id, old, final, handler) end
+    if final ~= old then move_status(tk, id, old, final, handler, true) end
     if final == 'SUBMIT_UNKNOWN' then
       redis.call('ZREM', P .. 'deadlines', id)
       -- a handler that can look its job up (its start recorded `find` under this fence)

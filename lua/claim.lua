@@ -80,11 +80,17 @@ local quarantine = P .. 'quarantine'
 local reply = {0, 0, 0, {}, {0}}
 local fresh = nil
 if phase == 'submit' then
-  -- without limits, pauses or grants, a new task due now may be claimed directly (_intake)
+  -- Without limits, pauses or grants (tasks waiting in rate lanes go first, as in the long
+  -- way), and with nothing ready, up to n new tasks due now may be claimed straight from
+  -- their requests (_intake). A backlog (something ready) is taken in the long way only:
+  -- the claim could not take the new tasks anyway.
+  local most = 0
+  if n > 0 and #granted == 0 and not admission_on() and not paused_on()
+     and redis.call('ZCARD', ready_key) == 0 then
+    most = n
+  end
   local taken, rejected
-  -- (not when it brings grants: tasks waiting in rate lanes go first, as in the long way)
-  taken, rejected, fresh = ingest(256, false, n > 0 and #granted == 0 and not admission_on()
-                                  and not paused_on())
+  taken, rejected, fresh = ingest(256, false, most)
   reply[5] = {taken, unpack(rejected)}
 end
 
@@ -110,10 +116,11 @@ local got = 0
 -- The fields a claim decides on. A task's provider, tenant and account matter only to
 -- limits, or to a pause of submits: without either, they are left out (each field a task
 -- lacks costs HMGET a scan of the whole hash, and most tasks have none of the three).
+-- started_fence is read so that a claim deletes it only where a start left one.
 local READ = {'status', 'deadline_ms', 'cancel_requested', 'handler', 'version', 'fence',
-              'held', 'submit_attempts', 'reclaims'}
+              'held', 'submit_attempts', 'reclaims', 'started_fence'}
 if admission_on() or (phase == 'submit' and paused_on()) then
-  READ[10], READ[11], READ[12] = 'provider', 'tenant', 'account'
+  READ[11], READ[12], READ[13] = 'provider', 'tenant', 'account'
 end
 
 -- Look at one popped entry: claim it, set it aside, or drop it. `from` is the held
@@ -158,7 +165,7 @@ local function consider(id, score, from)
     dropped = dropped + 1
   else
     if t[7] then redis.call('HDEL', tk, 'held') end
-    local dim, g = blocker(phase, {handler, t[10] or false, t[11] or false, t[12] or false})
+    local dim, g = blocker(phase, {handler, t[11] or false, t[12] or false, t[13] or false})
     local lane = g and g.lane
     if not dim and lane and (grants[lane] or 0) <= 0 then dim = 'rate:' .. lane end
     if dim then
@@ -176,13 +183,14 @@ local function consider(id, score, from)
       grants[lane] = grants[lane] - 1
       used[lane] = (used[lane] or 0) + 1
     end
-    -- HINCRBY fence and version (bump()), as one write: int_field vouched for both
+    -- HINCRBY fence and version (bump()), and a submit's new status, as one write:
+    -- int_field vouched for both counters
     local fence, v = (tonumber(t[6]) or 0) + 1, (tonumber(t[5]) or 0) + 1
-    redis.call('HSET', tk, 'fence', int_s(fence), 'version', int_s(v), 'updated_ms', NOW_S,
-               'owner', owner)
     if phase == 'submit' then
-      move_status(tk, id, status, 'SUBMITTING', handler)
-      redis.call('HDEL', tk, 'started_fence')
+      redis.call('HSET', tk, 'fence', int_s(fence), 'version', int_s(v), 'updated_ms', NOW_S,
+                 'owner', owner, 'status', 'SUBMITTING')
+      move_status(tk, id, status, 'SUBMITTING', handler, true)
+      if t[10] then redis.call('HDEL', tk, 'started_fence') end
       if g and #g.caps > 0 then
         local slots = {}
         for _, c in ipairs(g.caps) do
@@ -192,6 +200,9 @@ local function consider(id, score, from)
         redis.call('HSET', tk, 'slots', table.concat(slots, ' '))
       end
       emit(id, 'SUBMITTING', v)
+    else
+      redis.call('HSET', tk, 'fence', int_s(fence), 'version', int_s(v), 'updated_ms', NOW_S,
+                 'owner', owner)
     end
     redis.call('ZADD', leases, int_s(NOW + lease_ms), id)
     got = got + 1

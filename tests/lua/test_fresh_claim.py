@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import pytest
 import redis.asyncio
 
 from asynctaskd.keys import Keys
@@ -164,20 +165,53 @@ async def test_a_claim_of_no_task_claims_nothing_it_takes_in(
     await check_invariants(redis_client, keys)
 
 
+@pytest.mark.parametrize(
+    "suffixes",
+    [
+        "ZQB0M9",  # digits and capitals, as the clients make them: compared as they are
+        "ZaB0m9",  # lower case too (a locale's collation puts "a" before "B"): keyed in hex
+    ],
+)
 async def test_ties_go_by_id_in_byte_order_as_in_the_ready_set(
-    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys, suffixes: str
 ) -> None:
-    # one create_many call: one server time, so one ready score for all; ids out of order,
-    # with lower and upper case (a locale's collation would put "a" before "B")
-    ids = [f"01KBTIE{c}" for c in "ZaB0m9"]
+    # one create_many call: one server time, so one ready score for all; ids out of order
+    ids = [f"01KBTIE{c}" for c in suffixes]
     calls = [store.ops.create(i, "h", b"{}", timeout_ms=60_000) for i in ids]
     created = await store.run_many(calls)
     assert len({c.created_ms for c in created}) == 1
-    batch = await store.claim(0, "submit", 4, 10_000, "w")
-    in_bytes = sorted(ids, key=str.encode)
-    assert [c.lease.task_id for c in batch.claimed] == in_bytes[:4]
-    ready = await redis_client.zrange(keys.ready(0, "submit"), 0, -1)
-    assert [r.decode() for r in ready] == in_bytes[4:]
+    batch = await store.claim(0, "submit", 10, 10_000, "w")
+    assert [c.lease.task_id for c in batch.claimed] == sorted(ids, key=str.encode)
+    assert await redis_client.zcard(keys.ready(0, "submit")) == 0  # none went the long way
+    await check_invariants(redis_client, keys)
+
+
+async def test_new_tasks_claimed_together_come_in_priority_order(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    low1 = await create(store, priority=0, take_in=False)
+    high = await create(store, priority=9, take_in=False)
+    low2 = await create(store, priority=0, take_in=False)
+    neg = await create(store, priority=-3, take_in=False)
+    batch = await store.claim(0, "submit", 10, 10_000, "w")
+    order = [c.lease.task_id for c in batch.claimed]
+    assert order == [high.task_id, low1.task_id, low2.task_id, neg.task_id]
+    await check_invariants(redis_client, keys)
+
+
+async def test_a_task_that_falls_due_in_the_same_claim_goes_before_new_ones(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    delayed = await create(store, delay_ms=30, take_in=True)  # in due:submit, not ready
+
+    async def due() -> bool:
+        return (await store.server_time()) * 1000 >= delayed.due_ms
+
+    await wait_until(due, "the delayed task to fall due")
+    newer = await create(store, take_in=False)
+    batch = await store.claim(0, "submit", 1, 10_000, "w")  # promotes it, then claims
+    assert [c.lease.task_id for c in batch.claimed] == [delayed.task_id]
+    assert await status_of(redis_client, keys, newer.task_id) is Status.PENDING_SUBMIT
     await check_invariants(redis_client, keys)
 
 

@@ -981,7 +981,7 @@ async def test_one_fence_starts_the_vendor_submit_once(
 
 
 async def test_start_refused_after_deadline(store: Store) -> None:
-    created = await create(store, timeout_ms=150)
+    created = await create(store, timeout_ms=400)
     c = await claim_one(store)
 
     async def past() -> bool:

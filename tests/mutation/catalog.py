@@ -118,15 +118,16 @@ MUTANTS: tuple[Mutant, ...] = (
         "  if n > 0 and redis.call('ZCARD', P .. 'ready:submit') == 0 then",
         "  if n > 0 then",
         (
-            "tests/lua/test_fresh_claim.py::test_tasks_already_ready_go_before_new_ones_of_their_priority",
+            "tests/lua/test_fresh_claim.py"
+            "::test_a_task_that_falls_due_in_the_same_claim_goes_before_new_ones",
         ),
     ),
     Mutant(
         "fresh-ties-reversed",
         "new tasks of one ready score are claimed in id byte order, as the ready set gives",
         "lua/_intake.lua",
-        "        if x ~= y then return x < y end",
-        "        if x ~= y then return x > y end",
+        "        return a < b",
+        "        return a > b",
         ("tests/lua/test_fresh_claim.py::test_ties_go_by_id_in_byte_order_as_in_the_ready_set",),
     ),
     Mutant(
