@@ -254,8 +254,7 @@ def limits_entries(stored_raw: Mapping[Any, Any]) -> dict[str, Stored]:
 
 def read_limits(keys: Keys) -> SimplePlan[tuple[int, dict[str, Stored]]]:
     """The stored limits and their version, in one round trip."""
-    prefix = keys.admission()
-    version, raw = yield Reads(read("get", prefix + "version"), read("hgetall", prefix + "limits"))
+    version, raw = yield Reads(read("get", keys.limits_version()), read("hgetall", keys.limits()))
     return int(version or 0), limits_entries(raw)
 
 
@@ -342,7 +341,7 @@ def sync(ops: Ops, *, force: bool = False) -> SimplePlan[SyncReport]:
     keys = ops.keys
     shards = range(keys.shards)
     replies = yield Reads(
-        read("get", keys.admission() + "version"),
+        read("get", keys.limits_version()),
         *(read("get", keys.admission_version(shard)) for shard in shards),
     )
     version = int(replies[0] or 0)
@@ -422,8 +421,7 @@ async def expire_quota_windows(store: Store, cursor: int = 0) -> tuple[int, int]
     """Delete the counters of tenant quota windows that have ended (lua/quota.lua keeps a
     registry of them): producers may only add to them. One SSCAN page per call; returns
     (the next cursor, how many were deleted)."""
-    prefix = store.keys.admission()
-    registry = prefix + "quota_windows"
+    registry = store.keys.quota_windows()
     now, (cursor, members) = await read_many(
         store, [read("time"), read("sscan", registry, cursor, count=QUOTA_SCAN)]
     )
@@ -443,7 +441,7 @@ async def expire_quota_windows(store: Store, cursor: int = 0) -> tuple[int, int]
         await read_many(
             store,
             [
-                read("delete", *(prefix + "quota:" + m for m in ended)),
+                read("delete", *(store.keys.quota_window(m) for m in ended)),
                 read("srem", registry, *ended),
             ],
         )
@@ -493,8 +491,7 @@ async def observe(store: Store, metrics: Metrics) -> None:
     """Admission gauges: tasks waiting by what holds them, caps in use and configured."""
     waiting: dict[tuple[str, str], int] = {}
     in_use: dict[str, int] = {}
-    prefix = store.keys.admission()
-    (raw,) = await read_many(store, [read("hgetall", prefix + "limits")])
+    (raw,) = await read_many(store, [read("hgetall", store.keys.limits())])
     stored = limits_entries(raw)
     caps = {
         scope: int(entry.limit["max_in_flight"])

@@ -20,6 +20,8 @@ __all__ = [
     "Keys",
     "deployment_problem",
     "new_task_id",
+    "next_ready_band",
+    "ready_due_ms",
     "settings_problem",
     "shard_for_dedup",
 ]
@@ -28,6 +30,17 @@ PROTOCOL_VERSION: Final = 1  # docs/protocol.md, section 1
 # ready:<phase> scores are (100 - priority) * READY_BAND + due_ms: a band per priority,
 # FIFO by due time within it (lua/_schedule.lua's PRIO_SPAN, checked equal by a test).
 READY_BAND: Final = 1 << 42
+
+
+def ready_due_ms(score: float) -> float:
+    """The due time (ms) a ready:<phase> score holds (READY_BAND)."""
+    return score % READY_BAND
+
+
+def next_ready_band(score: float) -> float:
+    """The lowest score of the band after the one `score` is in (the next lower priority)."""
+    return (score // READY_BAND + 1) * READY_BAND
+
 
 # Handler keys, tenants and accounts end up inside key names and counter fields.
 HANDLER_KEY_RE: Final = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")
@@ -217,6 +230,22 @@ class Keys:
     def admission(self) -> str:
         """Prefix of the admission keys (limits, rates, version, bucket:<name>): one slot."""
         return f"{self.namespace}:{{adm}}:"
+
+    def limits(self) -> str:
+        """HASH of the stored limits: scope -> JSON (lua/limits.lua)."""
+        return self.admission() + "limits"
+
+    def limits_version(self) -> str:
+        """STRING: the version of the stored limits, bumped on every change."""
+        return self.admission() + "version"
+
+    def quota_windows(self) -> str:
+        """SET of the tenant quota window counters' names after 'quota:' (lua/quota.lua)."""
+        return self.admission() + "quota_windows"
+
+    def quota_window(self, window: str) -> str:
+        """Counter of one tenant quota window, `window` a member of quota_windows."""
+        return self.admission() + "quota:" + window
 
     def handlers(self) -> str:
         """HASH of handler keys that live daemons serve: key -> expiry ms."""

@@ -12,7 +12,7 @@ import anyio
 from .config import Config
 from .connection import master_address
 from .errors import ScriptError, StoreUnavailable
-from .keys import READY_BAND
+from .keys import next_ready_band, ready_due_ms
 from .metrics import Metrics
 from .model import Phase, Status
 from .store import PAUSE_KINDS, Store, read_many
@@ -49,7 +49,6 @@ async def purge_once(store: Store, config: Config) -> int:
 
 PHASES: Final[tuple[Phase, Phase]] = ("submit", "query")
 LIVE_WINDOW = 30.0  # a daemon whose heartbeat is older than this is not counted as live
-_BAND: Final = READY_BAND  # one band per priority in the ready sets (asynctaskd.keys)
 # Priority bands looked at per ready set. The head of a band is its oldest entry (FIFO by
 # due time within a band), so the age is exact for up to this many distinct priorities.
 _MAX_BANDS: Final = 16
@@ -68,7 +67,7 @@ def _score(reply: Any) -> float | None:
 
 
 def _next_band(key: str, score: float) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
-    lowest = (score // _BAND + 1) * _BAND
+    lowest = next_ready_band(score)
     return ("zrangebyscore", (key, lowest, "+inf"), {"start": 0, "num": 1, "withscores": True})
 
 
@@ -114,7 +113,7 @@ async def read_backlog(store: Store) -> Backlog:
             band_heads.append((keys.ready(shard, phase), phase, ready_score))
     for band in range(_MAX_BANDS):
         for _key, phase, score in band_heads:
-            oldest_due_ms[phase] = min(oldest_due_ms[phase], score % _BAND)
+            oldest_due_ms[phase] = min(oldest_due_ms[phase], ready_due_ms(score))
         if not band_heads or band == _MAX_BANDS - 1:
             break
         # The head of the next band: the lowest score from the next band's start on.

@@ -22,11 +22,11 @@ import redis.exceptions
 from redis import Redis as SyncRedis
 
 from asynctaskd import AsyncClient, NotPermitted, QuotaExceeded, Status, StoreUnavailable
-from asynctaskd import store as store_mod
 from asynctaskd.devtools.fakevendor import Behaviour, FakeVendorProcess
 from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.scripts import SCRIPT_NAMES, load_scripts
 from asynctaskd.store import Call, Lease, Store
+from asynctaskd.store import runner as store_runner
 from tests.acl import USERS, acl_rules, create_user, create_user_sync, user_url
 from tests.conftest import wait_until, wait_until_sync
 
@@ -403,7 +403,7 @@ async def test_a_producer_waits_for_a_daemon_to_load_the_scripts(
     task = await asyncio.wait_for(submit, 5)
     assert (await producer.get(task.id)) is not None
     # with no daemon at all, the producer says what to do
-    monkeypatch.setattr(store_mod, "SCRIPT_WAIT_S", 0.2)
+    monkeypatch.setattr(store_runner, "SCRIPT_WAIT_S", 0.2)
     await redis_client.script_flush()
     with pytest.raises(StoreUnavailable, match="asynctaskd scripts load"):
         await producer.submit("h", {}, tracking_timeout=60, strict=False)

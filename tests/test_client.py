@@ -38,7 +38,8 @@ from asynctaskd.errors import (
 from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.model import Status, Task, TaskError
 from asynctaskd.plans import Reads, read
-from asynctaskd.store import Call, Code, Lease, Store, SyncStore, _Pending
+from asynctaskd.store import Call, Code, Lease, Store, SyncStore
+from asynctaskd.store.batcher import _Pending
 
 from .clients import Api
 from .conftest import wait_until

@@ -28,7 +28,8 @@ from asynctaskd.errors import StoreUnavailable
 from asynctaskd.handlers import HandlerContext, HandlerEntry, Submitted, Succeeded
 from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.model import Status
-from asynctaskd.store import Code, Store, SyncStore, _mapped
+from asynctaskd.store import Code, Store, SyncStore
+from asynctaskd.store.failures import _mapped
 from asynctaskd.worker import Worker
 from tests.conftest import wait_until
 from tests.lua.helpers import ingest

@@ -405,7 +405,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "wait-gate-always-satisfied",
         "a submit starts only after the replicas acknowledged its start mark (WAIT)",
-        "asynctaskd/store.py",
+        "asynctaskd/store/batcher.py",
         "        return int(reply) >= self.replicas",
         "        return True",
         ("tests/test_store_pipeline.py::test_a_gated_call_is_durable_only_when_the_gate_is_met",),
@@ -413,7 +413,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "waitaof-gate-always-satisfied",
         "a submit starts only after its start mark is fsynced or replicated (WAITAOF)",
-        "asynctaskd/store.py",
+        "asynctaskd/store/batcher.py",
         "            return int(reply[0]) >= self.local and int(reply[1]) >= self.replicas",
         "            return True",
         ("tests/test_store_pipeline.py::test_a_gated_call_is_durable_only_when_the_gate_is_met",),
