@@ -507,7 +507,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "dot-segments-reach-the-url",
         "a placeholder value of '.' or '..' never climbs the vendor's path",
-        "asynctaskd/http_handler.py",
+        "asynctaskd/http_handler/templates.py",
         '                if ("." in text or not text.isprintable()) and _UNSAFE_IN_URL.search(text):',
         "                if False:",
         t(

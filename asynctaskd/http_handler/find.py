@@ -1,0 +1,98 @@
+"""`find`: the vendor's listing read to settle a task parked in SUBMIT_UNKNOWN (docs/protocol.md
+section 7): the job whose `match` value equals `equals` is the one this task's submit made."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from asynctaskd.errors import RetryableError
+from asynctaskd.handlers import HandlerContext, Submitted
+from asynctaskd.transport import Reply
+
+from .classify import _Classifying
+from .options import HttpOptions
+from .plan import _Plan, _Request
+from .templates import _MISSING, _as_text, _Rendering, _Vars
+
+
+class _Finding(_Classifying, _Rendering):
+    """HttpHandler's find(), set as `find` only with a find section."""
+
+    plan: _Plan
+    options: HttpOptions
+
+    if TYPE_CHECKING:  # HttpHandler's
+
+        def _prepare(
+            self, request: _Request, v: _Vars, what: str
+        ) -> tuple[str, dict[str, str], bytes | None]: ...
+
+        async def _send(
+            self,
+            ctx: HandlerContext,
+            what: str,
+            method: str,
+            url: str,
+            headers: dict[str, str],
+            content: bytes | None,
+        ) -> Reply: ...
+
+    async def _find(self, params: Any, ctx: HandlerContext) -> Submitted | None:
+        """List the vendor's jobs; the one whose `match` value equals `equals` is ours."""
+        plan = self.plan.find
+        assert plan is not None  # find is only set with a find section
+        v = _Vars(ctx.task_id, ctx.idempotency_key, params=params)
+        url, headers, content = self._prepare(plan.request, v, "find")
+        want = self._render_text(plan.equals, v)
+        options = self.options.find
+        assert options is not None
+        for page in range(1, options.max_pages + 1):
+            response = await self._send(ctx, "find", plan.request.method, url, headers, content)
+            self._check_status(response, "find")
+            doc = self._decode(response, "find")
+            items = plan.items.get(doc)
+            if not isinstance(items, list):
+                found = "nothing" if items is _MISSING else type(items).__name__
+                raise RetryableError(
+                    f"find: expected a list of jobs at {plan.items.text or '/'}, found "
+                    f"{found}; body: {self._excerpt(response.content)}",
+                    code="VENDOR_GARBAGE",
+                )
+            job = self._our_job(items, want)
+            if job is not None:
+                return job
+            if plan.more is None or plan.more.get(doc) is not True:
+                return None  # the whole listing was read: the vendor has no job of ours
+            cursor = plan.cursor.get(doc) if plan.cursor is not None else _MISSING
+            if plan.next_url is None or cursor is _MISSING or cursor is None:
+                break
+            if page < options.max_pages:
+                v.value = cursor
+                url = self._render_text(plan.next_url, v, url=True)
+        raise RetryableError(
+            "find: the job is not on the listing's pages read, and the vendor says there is "
+            "more: it may be further back (no resubmit on a listing read in part)",
+            code="FIND_INCOMPLETE",
+        )
+
+    def _our_job(self, items: list[Any], want: str) -> Submitted | None:
+        plan = self.plan.find
+        assert plan is not None
+        for item in items:
+            value = plan.match.get(item)
+            if value is _MISSING or _as_text(value) != want:
+                continue
+            raw = plan.id.get(item)
+            if isinstance(raw, int) and not isinstance(raw, bool):
+                raw = str(raw)
+            if not isinstance(raw, str) or not raw:
+                raise RetryableError(
+                    f"find: our job is listed without an id at {plan.id.text or '/'}",
+                    code="VENDOR_GARBAGE",
+                )
+            handle = {}
+            for name, pointer in plan.handle:
+                got = pointer.get(item)
+                handle[name] = None if got is _MISSING else got
+            return Submitted(raw, handle)
+        return None
