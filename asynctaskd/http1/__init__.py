@@ -1,7 +1,8 @@
 """A lean HTTP/1.1 connection pool behind the shared client's transport.
 
 Nearly every vendor call a handler makes is a small request whose whole answer arrives at
-once. aiohttp spends ~60 us of CPU on such a call here, httpx's own pool more; this pool
+once. aiohttp's client and httpx's own pool spend several times this pool's CPU on such a
+call (docs/performance-history.md, fifth pass); this pool
 writes the request with one `transport.write` and feeds the answer to llhttp (the parser
 of Node.js, through `httptools`, as uvicorn uses it) in `data_received`. An answer that is
 complete when its first bytes have been parsed comes back whole; a longer one comes back

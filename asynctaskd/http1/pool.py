@@ -110,7 +110,7 @@ class Http1Pool:
         close = self._checked.get(block)
         if close is None or _REQUEST_LINE.fullmatch(line) is None:
             close = self._check(request, line, block, headers)
-        # An idle connection without a coroutine of its own (most requests): ~0.6 us less.
+        # An idle connection at hand (most requests) is taken without a coroutine of its own.
         connection = None if self._closed else self._reuse(origin)
         if connection is None:
             connection = await self._acquire(request, origin, timeouts)

@@ -260,7 +260,7 @@ class HttpHandler(_Finding, _Finalizing, _Classifying, _Rendering):
     ) -> Reply:
         fetch = fetcher_for(self._client(ctx))
         try:
-            # A bare cancel scope: cheaper than fail_after (measured 13 vs 17 µs a call).
+            # A bare cancel scope: cheaper than fail_after, which wraps one.
             with anyio.CancelScope(deadline=anyio.current_time() + self._total):
                 return await fetch(
                     method, url, headers=headers, content=content, timeout=self._timeout

@@ -194,7 +194,7 @@ class Batcher:
         self.standalone = standalone
         self._queue: list[_Pending] = []
         # asyncio's own primitives: a flush per batch of saves, many a second, and anyio's
-        # start_soon costs ~22 us here (a TaskGroup task ~3), a Semaphore acquire ~4 us.
+        # start_soon and Semaphore cost several times asyncio's TaskGroup and Event.
         self._wake = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None  # standalone: the queue's loop
         self._flushes: set[asyncio.Task[None]] = set()  # standalone: held, the loop won't

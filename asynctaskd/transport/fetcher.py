@@ -263,7 +263,8 @@ def fetcher_for(client: httpx.AsyncClient) -> Fetcher:
 
 class _NoCookies(http.cookiejar.CookieJar):
     """A jar that takes no cookie from a response (its policy refuses them anyway):
-    skipping the standard library's parsing saves ~12 us of httpx's ~175 per request."""
+    skipping the standard library's cookie parsing saves httpx's client a part of every
+    request."""
 
     def extract_cookies(self, response: Any, request: Any) -> None:
         return None
