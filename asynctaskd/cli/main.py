@@ -86,6 +86,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .migrate import _migrate
 
             return _migrate(args)
+        if args.command == "backup":
+            from .backup import _backup
+
+            return _backup(args)
+        if args.command == "restore":
+            from .backup import _restore
+
+            return _restore(args)
         if args.command == "scripts" and args.scripts_command == "export":
             return _export_scripts(args.dir)
         code = _client_command(args)

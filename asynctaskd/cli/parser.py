@@ -27,6 +27,9 @@ examples:
   asynctaskd submit ocr '{"text": "hi"}'          a group: one member is picked, once
   asynctaskd migrate --from embedded:///var/lib/asynctaskd --to redis://db:6379/0
                                                  copy a namespace to another Redis
+  asynctaskd backup --config config.toml --to /var/backups/asynctaskd/2026-12-03
+                                                 snapshot the data while the daemon runs
+  asynctaskd restore --from /var/backups/asynctaskd/2026-12-03 --data-dir /var/lib/asynctaskd
 
 Reads use --url/--namespace, or [redis] from --config, or $ASYNCTASKD_URL.
 
@@ -324,6 +327,53 @@ def _parser() -> argparse.ArgumentParser:
     )
     sp.add_argument(
         "--count", type=int, default=200, help="keys per SCAN and per round trip (default 200)"
+    )
+    js(sp)
+
+    sp = sub.add_parser(
+        "backup",
+        help="snapshot the Redis data to a directory, while the daemon runs",
+        description="Have the server write an RDB snapshot (BGSAVE: consistent as of one "
+        "instant, the daemon keeps running), copy it to a new directory with a "
+        "manifest.json, and check the copy by loading it into a private server. The "
+        "server must be on this machine. docs/deploy.md, section 10.",
+    )
+    sp.add_argument("--config", type=Path, help="the daemon's config ([redis] url, namespace)")
+    sp.add_argument(
+        "--from",
+        dest="source",
+        metavar="URL",
+        help="the server to back up (embedded:///<data_dir>; default: [redis] of --config)",
+    )
+    sp.add_argument("--namespace", help="whose tasks the manifest counts (default: from "
+                    "--config, or atd)")  # fmt: skip
+    sp.add_argument(
+        "--to", dest="target", type=Path, required=True, metavar="DIR",
+        help="a new (or empty) directory for the backup",
+    )  # fmt: skip
+    sp.add_argument("--timeout", default="10m", help="how long the snapshot may take (default 10m)")
+    js(sp)
+
+    sp = sub.add_parser(
+        "restore",
+        help="lay a backup out in an embedded data dir (daemon stopped)",
+        description="Put the snapshot of a backup into <data_dir>/valkey as the base of a "
+        "fresh AOF, which the embedded server loads at the daemon's next start. Refuses "
+        "while a daemon holds the data dir, and when it holds data (unless --force, "
+        "which moves that aside). docs/deploy.md, section 10.",
+    )
+    sp.add_argument(
+        "--from", dest="source", type=Path, required=True, metavar="DIR",
+        help="the backup's directory (from asynctaskd backup)",
+    )  # fmt: skip
+    sp.add_argument(
+        "--data-dir", type=Path, help="the daemon's redis.data_dir (default: from --config)"
+    )
+    sp.add_argument("--config", type=Path, help="the daemon's config (for redis.data_dir)")
+    sp.add_argument(
+        "--force",
+        action="store_true",
+        help="restore over existing data, moved aside to valkey/before-restore-<time>",
     )
     js(sp)
     return p
