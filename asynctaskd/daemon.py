@@ -70,10 +70,26 @@ async def redis_url(config: Config) -> AsyncIterator[str]:
         server.data_dir,
         root,
     )
+    server.watch(_embedded_server_died)
     try:
         yield server.url
     finally:
         await anyio.to_thread.run_sync(server.stop)
+
+
+def _embedded_server_died(why: str) -> None:
+    """The embedded server exited under the daemon (a full disk: Valkey stops when it
+    cannot append to its AOF): exit at once with status 1, as a crash would, so that the
+    service manager restarts the daemon with a new server once the cause is gone. A drain
+    could not hand anything back without a server; what was acknowledged is in the AOF,
+    and leases and call marks let the next daemon take over, as after a kill."""
+    logger.critical(
+        "the embedded valkey server exited (%s): stopping the daemon; a full disk under "
+        "redis.data_dir is the usual cause (docs/deploy.md, section 10)",
+        why,
+    )
+    logging.shutdown()
+    os._exit(1)
 
 
 async def _check_server(store: Store) -> None:

@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from importlib.resources import files
@@ -225,6 +226,7 @@ class EmbeddedServer:
         self.data_dir = data_dir
         self.server: ServerProcess | None = None
         self._lock: int | None = None
+        self._stopping = threading.Event()
 
     @property
     def url(self) -> str:
@@ -289,7 +291,35 @@ class EmbeddedServer:
         if Path(f"/proc/{pid}").exists():
             os.kill(pid, signal.SIGKILL)
 
+    def watch(self, on_exit: Callable[[str], None], interval: float = 0.5) -> None:
+        """Call `on_exit(why)` from a thread of its own if the server exits while it should
+        run (not through `stop`): `why` is the end of its log. Valkey with `appendfsync
+        always` exits when it cannot write its AOF (a full disk), and a daemon that kept
+        running on a dead server would only retry, not ready, until someone looked."""
+        server = self.server
+        assert server is not None and server.process is not None
+        process = server.process
+
+        def run() -> None:
+            while not self._stopping.wait(interval):
+                if process.poll() is not None:
+                    if not self._stopping.is_set():
+                        on_exit(self._log_tail(process.returncode))
+                    return
+
+        threading.Thread(target=run, name="embedded-server-watch", daemon=True).start()
+
+    def _log_tail(self, code: int | None) -> str:
+        log = self.data_dir / "server.log"
+        try:
+            lines = log.read_text(errors="replace").splitlines()
+        except OSError:
+            lines = []
+        problems = [line for line in lines[-20:] if " # " in line]  # Valkey's warnings
+        return f"exit status {code}: " + (" | ".join(problems[-3:]) or "see " + str(log))
+
     def stop(self) -> None:
+        self._stopping.set()
         if self.server is not None:
             self.server.stop()
             self.server = None
