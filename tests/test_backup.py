@@ -7,8 +7,11 @@ everything acknowledged before the backup began is there with its status.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -23,9 +26,10 @@ from asynctaskd import Client, Status
 from asynctaskd.cli import EXIT_REFUSED
 from asynctaskd.devtools.fakevendor import Behaviour, FakeVendorProcess
 from asynctaskd.embedded import EmbeddedServer, require_valkey_binary
+from asynctaskd.errors import StoreUnavailable
 from tests.configs import demo_handler, write_daemon_config
 from tests.conftest import wait_until_sync
-from tests.test_embedded import serving
+from tests.test_embedded import reachable, serving, start_daemon
 
 pytestmark = pytest.mark.slow
 STARTED = {Status.SUBMITTED, Status.RUNNING}
@@ -193,3 +197,88 @@ def test_a_damaged_backup_is_not_restored(tmp_path: Path) -> None:
                  str(tmp_path / "new"), check=1)  # fmt: skip
     assert "does not match the sha256" in failed.stderr
     assert not (tmp_path / "new" / "valkey" / "appendonlydir").exists()
+
+
+@contextlib.contextmanager
+def small_filesystem(where: Path, size: str = "16m") -> Iterator[Path]:
+    """A tmpfs of `size` mounted at `where`, for as long as the test needs it."""
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                             capture_output=True, text=True)  # fmt: skip
+    if mounted.returncode != 0:
+        pytest.skip(f"this container may not mount a filesystem: {mounted.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def fill(path: Path) -> None:
+    """Write zeros to `path` until the filesystem has no space left."""
+    block = b"\0" * 65536
+    with path.open("wb", buffering=0) as f:
+        while True:
+            try:
+                f.write(block)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                return
+
+
+def test_a_full_disk_stops_the_daemon_clearly_and_loses_nothing_acknowledged(
+    tmp_path: Path, vendor: FakeVendorProcess
+) -> None:
+    with contextlib.ExitStack() as stack:
+        disk = stack.enter_context(small_filesystem(tmp_path / "disk"))
+        data_dir = disk / "data"
+        url = f"embedded://{data_dir}"
+        config = write_daemon_config(
+            tmp_path / "daemon.toml", "embedded", vendor.url,
+            redis={"data_dir": str(data_dir)},
+            worker={"lease": "1s", "shutdown_grace": "2s"},
+            log={"format": "json", "level": "warning"},
+            # a call in flight when the server died is resubmitted, not SUBMIT_UNKNOWN
+            handlers=[demo_handler(vendor.url, idempotent=True)],
+        )  # fmt: skip
+        log = tmp_path / "daemon.log"
+        daemon = start_daemon(config, log)
+
+        @stack.callback
+        def _kill() -> None:  # whatever daemon is left if the test fails half-way
+            if daemon.poll() is None:
+                daemon.kill()
+                daemon.wait(timeout=10)
+
+        wait_until_sync(lambda: reachable(url), "the daemon", 30)
+        with Client.from_url(url) as c:
+            acked = [c.submit("demo", {"n": i}, tracking_timeout=600).id for i in range(10)]
+            fill(disk / "filler")
+            refused: Exception | None = None
+            for _ in range(200):  # the first write that needs the disk fails
+                try:
+                    acked.append(c.submit("demo", {"pad": "x" * 4000}, tracking_timeout=600).id)
+                except StoreUnavailable as exc:
+                    refused = exc
+                    break
+            assert refused is not None, "every submit was acknowledged on a full disk"
+        # Valkey with appendfsync always exits when it cannot append; the daemon follows
+        # at once, saying why, so that systemd restarts it (Restart=on-failure).
+        assert daemon.wait(timeout=15) == 1, log.read_text()
+        text = log.read_text()
+        assert "the embedded valkey server exited" in text and "AOF" in text, text
+        (disk / "filler").unlink()  # space is back
+        daemon = start_daemon(config, log)
+        try:
+            wait_until_sync(lambda: reachable(url), "the restarted daemon", 30)
+            with Client.from_url(url) as c:
+
+                def settled() -> bool:
+                    return all((t := c.get(i)) is not None and t.status.is_settled for i in acked)
+
+                wait_until_sync(settled, "every acknowledged task to settle", 60)
+                assert {c.get(i).status for i in acked} == {Status.SUCCEEDED}  # type: ignore[union-attr]
+        finally:
+            daemon.send_signal(signal.SIGTERM)
+            daemon.wait(timeout=30)
+        assert daemon.returncode == 0, log.read_text()
