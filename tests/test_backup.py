@@ -11,6 +11,7 @@ import contextlib
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -282,3 +283,29 @@ def test_a_full_disk_stops_the_daemon_clearly_and_loses_nothing_acknowledged(
             daemon.send_signal(signal.SIGTERM)
             daemon.wait(timeout=30)
         assert daemon.returncode == 0, log.read_text()
+
+
+UNITS = Path(__file__).resolve().parent.parent / "systemd"
+
+
+def test_the_backup_units_and_the_embedded_drop_in_verify(tmp_path: Path) -> None:
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed")
+    # verify insists that ExecStart exists: point it at this venv's entry point.
+    entry = str(Path(sys.executable).parent / "asynctaskd")
+    for name in ("asynctaskd.service", "asynctaskd-backup.service", "asynctaskd-backup.timer"):
+        text = (UNITS / name).read_text().replace("/opt/asynctaskd/venv/bin/asynctaskd", entry)
+        (tmp_path / name).write_text(text)
+    # a drop-in next to its unit is read by verify: a mistake in it shows
+    shutil.copytree(UNITS / "asynctaskd.service.d", tmp_path / "asynctaskd.service.d")
+    names = ["asynctaskd.service", "asynctaskd-backup.service", "asynctaskd-backup.timer"]
+    proc = subprocess.run([analyze, "verify", *(str(tmp_path / n) for n in names)],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    problems = [line for line in (proc.stdout + proc.stderr).splitlines()
+                if "asynctaskd" in line or str(tmp_path) in line]  # fmt: skip
+    assert proc.returncode == 0 and not problems, proc.stdout + proc.stderr
+    drop_in = (UNITS / "asynctaskd.service.d" / "embedded.conf").read_text()
+    assert "UMask=0027" in drop_in and "StateDirectoryMode=0750" in drop_in
+    backup = (UNITS / "asynctaskd-backup.service").read_text()
+    assert "User=asynctaskd" in backup and " backup --config " in backup
