@@ -172,8 +172,10 @@ def _snapshot(
             _wait_saved(client, before, True, deadline)
     say("asynctaskd: the server is writing its snapshot (BGSAVE)")
     started = "started" in str(reply).lower() or reply is True
-    if not _wait_saved(client, before, started, deadline):
-        persistence = client.info("persistence")
+    # rdb_saves counts saves begun, failed ones too: the status tells (it is ours, the last).
+    _wait_saved(client, before, started, deadline)
+    persistence = client.info("persistence")
+    if persistence.get("rdb_last_bgsave_status") != "ok":
         raise BackupFailed(
             "the server's BGSAVE failed (INFO persistence rdb_last_bgsave_status: "
             f"{persistence.get('rdb_last_bgsave_status')}): see its log; a full disk is "
@@ -200,18 +202,16 @@ def _snapshot(
     return source, {"saved_at": saved_at, "server": {"name": name, "version": version}}
 
 
-def _wait_saved(client: redis.Redis, before: int, started: bool, deadline: float) -> bool:
+def _wait_saved(client: redis.Redis, before: int, started: bool, deadline: float) -> None:
     """Wait for the save asked for (`started`: it runs already; else it is scheduled after
-    an AOF rewrite) to end: True when it succeeded (`rdb_saves`, which counts successful
-    saves only, went past `before`), False when it failed."""
+    an AOF rewrite) to end: `rdb_saves` past `before`, or a save seen running, and none
+    running now."""
     while True:
         persistence: dict[str, Any] = client.info("persistence")
         if int(persistence.get("rdb_bgsave_in_progress", 0)):
             started = True
-        elif int(persistence.get("rdb_saves", 0)) > before:
-            return True
-        elif started:
-            return False
+        elif started or int(persistence.get("rdb_saves", 0)) > before:
+            return
         if time.monotonic() > deadline:
             raise BackupTimedOut("the server's BGSAVE did not finish in time (--timeout)")
         time.sleep(0.05)

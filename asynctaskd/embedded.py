@@ -315,7 +315,8 @@ class EmbeddedServer:
             lines = log.read_text(errors="replace").splitlines()
         except OSError:
             lines = []
-        problems = [line for line in lines[-20:] if " # " in line]  # Valkey's warnings
+        # Valkey's errors (" # "), without the advisories it prints at start (overcommit...)
+        problems = [line for line in lines[-20:] if " # " in line and "# WARNING" not in line]
         return f"exit status {code}: " + (" | ".join(problems[-3:]) or "see " + str(log))
 
     def stop(self) -> None:

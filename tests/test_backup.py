@@ -268,6 +268,11 @@ def test_a_full_disk_stops_the_daemon_clearly_and_loses_nothing_acknowledged(
         assert daemon.wait(timeout=15) == 1, log.read_text()
         text = log.read_text()
         assert "the embedded valkey server exited" in text and "AOF" in text, text
+        # A backup now fails, saying so (the snapshot cannot be written, or the server not
+        # even started), and leaves nothing behind.
+        failed = cli("backup", "--config", str(config), "--to", str(tmp_path / "bk"), check=1)
+        assert "backup failed" in failed.stderr, failed.stderr
+        assert not (tmp_path / "bk").exists()
         (disk / "filler").unlink()  # space is back
         daemon = start_daemon(config, log)
         try:

@@ -51,6 +51,9 @@ def _backup(args: argparse.Namespace) -> int:
     except RedisError as exc:
         _say(f"asynctaskd: backup failed ({_shown_url(source)}): {type(exc).__name__}: {exc}")
         return EXIT_FAILED
+    except OSError as exc:  # a full disk, a directory it may not write
+        _say(f"asynctaskd: backup failed: {exc}")
+        return EXIT_FAILED
     m = report.manifest
     if args.json:
         _out(json.dumps({"directory": str(report.directory), **m}))
@@ -80,7 +83,7 @@ def _restore(args: argparse.Namespace) -> int:
     except BackupRefused as exc:
         _say(f"asynctaskd: refused: {exc}; nothing was written")
         return EXIT_REFUSED
-    except BackupFailed as exc:
+    except (BackupFailed, OSError) as exc:
         _say(f"asynctaskd: restore failed: {exc}")
         return EXIT_FAILED
     m = report.manifest
