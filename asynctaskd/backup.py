@@ -280,6 +280,11 @@ def restore(source: Path, data_dir: Path, *, force: bool = False) -> RestoreRepo
     valkey = data_dir.absolute() / VALKEY_DIR
     valkey.mkdir(parents=True, exist_ok=True, mode=0o750)
     with _locked(valkey):
+        # A server left running by a daemon that died without it (no parent-death signal)
+        # would go on writing appendonlydir: stopped first, as the daemon's start does.
+        from .embedded import EmbeddedServer
+
+        EmbeddedServer(Path("valkey-server"), valkey)._stop_leftover()
         existing = [p for p in (valkey / AOF_DIR, valkey / RDB_NAME) if _holds_data(p)]
         replaced = None
         if existing and not force:

@@ -26,7 +26,7 @@ from redis import Redis as SyncRedis
 from asynctaskd import Client, Status
 from asynctaskd.cli import EXIT_REFUSED
 from asynctaskd.devtools.fakevendor import Behaviour, FakeVendorProcess
-from asynctaskd.embedded import EmbeddedServer, require_valkey_binary
+from asynctaskd.embedded import EmbeddedServer, ServerProcess, require_valkey_binary
 from asynctaskd.errors import StoreUnavailable
 from tests.configs import demo_handler, write_daemon_config
 from tests.conftest import wait_until_sync
@@ -314,3 +314,21 @@ def test_the_backup_units_and_the_embedded_drop_in_verify(tmp_path: Path) -> Non
     assert "UMask=0027" in drop_in and "StateDirectoryMode=0750" in drop_in
     backup = (UNITS / "asynctaskd-backup.service").read_text()
     assert "User=asynctaskd" in backup and " backup --config " in backup
+
+
+def test_restore_stops_a_server_left_by_a_dead_daemon_before_it_writes(tmp_path: Path) -> None:
+    binary = require_valkey_binary("this test")
+    source = tmp_path / "source"
+    EmbeddedServer(binary, source / "valkey").start().stop()
+    cli("backup", "--from", f"embedded://{source}", "--to", str(tmp_path / "bk"))
+    # A server working in the data dir, its pid recorded, but no daemon holding the lock.
+    data = tmp_path / "data"
+    leftover = ServerProcess(binary, data_dir=data / "valkey", aof=True).start()
+    try:
+        (data / "valkey" / "server.pid").write_text(f"{leftover.process.pid}\n")  # type: ignore[union-attr]
+        # Reaped as it exits: not a child of restore's, as a real leftover would not be.
+        threading.Thread(target=leftover.process.wait, daemon=True).start()  # type: ignore[union-attr]
+        cli("restore", "--from", str(tmp_path / "bk"), "--data-dir", str(data), "--force")
+        assert leftover.process.poll() is not None  # type: ignore[union-attr]
+    finally:
+        leftover.stop()
