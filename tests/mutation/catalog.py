@@ -421,15 +421,15 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "poll-saved-in-a-claim-round-slept-through",
         "a poll saved while the claim loop is in a round wakes the loop in time",
-        "asynctaskd/worker.py",
-        "        next_due = min(next_due, self._due_hint)",
+        "asynctaskd/worker/claiming.py",
+        "        next_due = min(next_due, self.due_hint)",
         "        next_due = next_due",
         t("tests/test_worker.py", "test_a_poll_saved_during_a_claim_round_is_not_slept_through"),
     ),
     Mutant(
         "vendor-delays-uncapped",
         "a vendor's Retry-After is capped at max_error_delay and the deadline",
-        "asynctaskd/worker.py",
+        "asynctaskd/worker/vendor.py",
         "        return clamp_delay(delay, time.time(), task.deadline_at, cap=most)",
         "        return delay",
         t(
@@ -440,7 +440,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "throttles-never-back-off",
         "each vendor throttle in a row waits longer than the last",
-        "asynctaskd/worker.py",
+        "asynctaskd/worker/vendor.py",
         "            # jitter, up to max_error_delay), or what the vendor asked for if longer.\n            throttles = task.throttles + 1",
         "            # jitter, up to max_error_delay), or what the vendor asked for if longer.\n            throttles = 1",
         t(
@@ -451,9 +451,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "full-claim-rounds-linger",
         "a claim round that filled its batch claims again at once",
-        "asynctaskd/worker.py",
-        "            if got and not more and self.claim_linger:",
-        "            if got and self.claim_linger:",
+        "asynctaskd/worker/core.py",
+        "            if found.got and not found.more and self.claim_linger:",
+        "            if found.got and self.claim_linger:",
         t("tests/test_worker.py", "test_full_claim_rounds_claim_again_at_once"),
     ),
     # --- vendor data ----------------------------------------------------------------------------
