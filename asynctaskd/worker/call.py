@@ -1,8 +1,44 @@
-"""One call in flight (`Call`), and the calls a worker holds (`InFlight`)."""
+"""One call in flight (`Call`), the state it is in, and the calls a worker holds.
+
+A call's state says what it still owes its lease: whether renewal may report it lost,
+whether it gives the lease back when it ends (and how), and whether a cut means the
+lease is gone or the task's deadline passed. Every move is checked against `MOVES`.
+
+    CLAIMED ──begin──> CALLING ──mark──> MARKED ──start──> STARTED
+       │                  │                │                  │  └─lose (NO_LEASE)─> LATE
+       └──────────────────┴──── lose ──────┴──────────────────┴─────────> LOST
+    CALLING | MARKED | STARTED | LATE | LOST ──save──> SAVING | LANDING
+    SAVING | LANDING ──landed or refused──> DONE;  ──gave up──> back where it began
+    MARKED | LOST ──start refused──> DONE
+    CLAIMED | CALLING | MARKED | STARTED ──end──> RELEASING ──lose──> LOST
+
+- CLAIMED: leased; the call has not begun (it has not entered its `cut`).
+- CALLING: the call runs: a query or find, a submit before its start mark, a remote
+  cancel. A cut now is the task's deadline (only a query arms one).
+- MARKED: a submit sent its start mark with this call's token; the vendor was not
+  called. Given back, the lease withdraws the mark (`withdraw`), not just the lease.
+- STARTED: the vendor's submit began: cancelling it would make its outcome unknown, so
+  the outcome must land (saves from here on are landing saves).
+- LATE: a started submit whose lease is gone (NO_LEASE): it goes on, since the late-save
+  rule may still accept its handle under the same fence; it gives nothing back.
+- LOST: the lease is gone (renewal said so) and the call is cut at its next wait. Moves
+  that only mark progress (`mark`, `start`) leave a lost call lost; it gives nothing back.
+- SAVING: a save runs in the call's own task. Renewal ignores a NO_LEASE now (it may be
+  this very save giving the lease back). A save that gives up returns to where it began.
+- LANDING: a must-land save runs in the landing group and outlives the call: a call
+  cancelled now ends without giving the lease back (the save still holds it). If the
+  call ended meanwhile, a save that gives up ends in DONE (the lease is left to expire).
+- DONE: an outcome landed, or there is nothing left to give back (a refused write).
+- RELEASING: the call ended owing its lease: it is being given back (`Leases.release`).
+
+Renewal renews every lease but DONE ones, and only CLAIMED, CALLING, MARKED, STARTED and
+RELEASING calls can be found lost (`LOSABLE`).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import math
 from typing import Literal
 
@@ -14,8 +50,53 @@ from asynctaskd.store import Lease
 CallPhase = Phase | Literal["find"]  # "find": a vendor lookup of a parked task
 
 
+class CallState(enum.Enum):
+    CLAIMED = "claimed"
+    CALLING = "calling"
+    MARKED = "marked"
+    STARTED = "started"
+    LATE = "late"
+    LOST = "lost"
+    SAVING = "saving"
+    LANDING = "landing"
+    DONE = "done"
+    RELEASING = "releasing"
+
+
+CLAIMED = CallState.CLAIMED
+CALLING = CallState.CALLING
+MARKED = CallState.MARKED
+STARTED = CallState.STARTED
+LATE = CallState.LATE
+LOST = CallState.LOST
+SAVING = CallState.SAVING
+LANDING = CallState.LANDING
+DONE = CallState.DONE
+RELEASING = CallState.RELEASING
+
+_SAVES_FROM = frozenset({CALLING, MARKED, STARTED, LATE, LOST})  # where a save may begin
+MOVES: dict[CallState, frozenset[CallState]] = {
+    CLAIMED: frozenset({CALLING, LOST, RELEASING}),
+    CALLING: frozenset({MARKED, SAVING, LOST, RELEASING}),
+    MARKED: frozenset({STARTED, SAVING, LANDING, DONE, LOST, RELEASING}),
+    STARTED: frozenset({SAVING, LANDING, LATE, LOST, RELEASING}),
+    LATE: frozenset({SAVING, LANDING}),
+    LOST: frozenset({SAVING, LANDING, DONE}),
+    SAVING: frozenset({DONE} | _SAVES_FROM),
+    LANDING: frozenset({DONE} | _SAVES_FROM),
+    DONE: frozenset(),
+    RELEASING: frozenset({LOST}),
+}
+LOSABLE = frozenset({CLAIMED, CALLING, MARKED, STARTED, RELEASING})
+_IN_CUT = frozenset({CALLING, MARKED, STARTED})  # states of a call inside its `cut`
+
+
+class IllegalMove(RuntimeError):
+    """A call state moved in a way the state diagram does not allow: a bug."""
+
+
 class Call:
-    """A call in flight: the lease it holds and the timeout that cuts it short.
+    """A call in flight: the lease it holds, its state, and the timeout that cuts it short.
 
     The call runs inside `cut`, an asyncio timeout that has no deadline except while a
     query runs (the task's deadline). The renewal loop makes it expire at once when the
@@ -25,19 +106,14 @@ class Call:
     """
 
     __slots__ = (
+        "_resume",
         "cut",
-        "cut_now",
         "deadline",
         "handler",
-        "landing",
         "lease",
         "lookups",
-        "lost",
         "phase",
-        "running",
-        "saved",
-        "saving",
-        "started",
+        "state",
         "token",
     )
 
@@ -45,23 +121,72 @@ class Call:
         self.lease = lease
         self.phase = phase
         self.handler = handler  # metric label: a registered key, or "other"
-        self.saved = False  # an outcome landed, or there is nothing left to give back
-        self.saving = False  # a save is in flight: a NO_LEASE from renew may be that save
-        self.landing = False  # a must-land save runs in the landing group
+        self.state = CLAIMED
+        self._resume = CLAIMED  # where a save that gives up returns to
         self.cut = asyncio.timeout(None)
         self.deadline: float | None = None  # loop time the running query is cut at
-        self.running = False  # inside `cut` (it can only be rescheduled then)
-        self.cut_now = False  # the lease is gone: the call must stop
-        self.lost = False
-        self.started = False  # submit marked started: cancelling now would be ambiguous
         self.token = ""  # this call's start token (withdraw takes back only its own mark)
         self.lookups = 0  # a lookup: the parked task's lookups so far, this one included
 
-    def cancel(self) -> None:
-        """Stop the call as soon as it next waits (at once if it is waiting now)."""
-        self.cut_now = True
-        if self.running and not self.cut.expired():
+    def _move(self, to: CallState) -> None:
+        if to not in MOVES[self.state]:
+            raise IllegalMove(f"call of {self.lease.task_id}: {self.state.name} -> {to.name}")
+        self.state = to
+
+    # --- the moves ------------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """The call entered its `cut`; one lost before it began is cut at once."""
+        if self.state is LOST:
+            self.cut.reschedule(0.0)
+        else:
+            self._move(CALLING)
+
+    def mark(self, token: str) -> None:
+        """A submit sends its start mark with `token`."""
+        self.token = token
+        if self.state is not LOST:
+            self._move(MARKED)
+
+    def start(self) -> None:
+        """The vendor's submit begins."""
+        if self.state is not LOST:
+            self._move(STARTED)
+
+    def refused(self) -> None:
+        """The start mark was refused for good: nothing is left to give back."""
+        self._move(DONE)
+
+    def lose(self, no_lease: bool) -> None:
+        """Renewal found the lease gone (`no_lease`: NO_LEASE, not a newer fence): stop the
+        call as soon as it next waits, unless a started submit may still land late."""
+        was = self.state
+        if was is STARTED and no_lease:
+            self._move(LATE)
+            return
+        self._move(LOST)
+        if was in _IN_CUT and not self.cut.expired():
             self.cut.reschedule(0.0)  # in the past: fires on the next loop iteration
+
+    def save_begins(self, landing: bool = False) -> None:
+        self._resume = self.state
+        self._move(LANDING if landing else SAVING)
+
+    def save_ends(self, landed: bool, call_over: bool = False) -> None:
+        """A save ended: `landed` (or refused: either way its lease is settled), or gave
+        up; `call_over`: a landing save whose call has ended (it owes nothing more)."""
+        self._move(DONE if landed or call_over else self._resume)
+
+    def end(self) -> bool | None:
+        """The call is over: None if it owes its lease nothing, else it moves to RELEASING
+        and says whether giving the lease back withdraws a start mark (MARKED)."""
+        was = self.state
+        if was not in _IN_CUT and was is not CLAIMED:
+            return None
+        self._move(RELEASING)
+        return was is MARKED
+
+    # --- the deadline ---------------------------------------------------------------------
 
     def set_deadline(self, when: float | None, arm_by: float = math.inf) -> None:
         """Cut the call at loop time `when` (None: no deadline), unless it is being cut.
@@ -71,7 +196,7 @@ class Call:
         disarming the timeout costs ~3 us, over 2% of a poll.
         """
         self.deadline = when
-        if self.cut_now or self.cut.expired():
+        if self.state is LOST or self.cut.expired():
             return
         if when is None:
             if self.cut.when() is not None:

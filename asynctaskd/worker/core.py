@@ -22,7 +22,7 @@ from asynctaskd.handlers import HandlerEntry
 from asynctaskd.metrics import Metrics
 from asynctaskd.store import Batcher, Claimed, Gate, Store
 
-from .call import Call, InFlight
+from .call import CALLING, Call, InFlight
 from .claiming import Claimer, Round
 from .leases import Leases
 from .saving import Saver
@@ -226,9 +226,7 @@ class Worker:
         try:
             try:
                 async with active.cut:
-                    active.running = True
-                    if active.cut_now:  # cancelled before it began
-                        active.cut.reschedule(0.0)
+                    active.begin()  # a call lost before it began is cut at once
                     if entry is None:
                         await vendor.unknown_handler(active, task)
                     else:
@@ -247,11 +245,9 @@ class Worker:
             except TimeoutError:
                 if not active.cut.expired():
                     raise  # not ours
-                if not active.cut_now:
+                if active.state is CALLING:  # not LOST: the cut is the task's deadline
                     # The query ran past the task's deadline: the save times the task out.
                     await self.saver.save(active, task.status, delay=0)
-            finally:
-                active.running = False
         except StoreUnavailable as exc:
             self.metrics.store_errors.labels("call").inc()
             logger.warning(
@@ -268,6 +264,7 @@ class Worker:
         finally:
             self.calls.forget(active)
             self.completed += 1
-            if not active.lost and not active.saved and not active.landing:
-                await self.leases.release(active)
+            withdraw = active.end()
+            if withdraw is not None:  # the call owes its lease: give it back
+                await self.leases.release(active, withdraw=withdraw)
             self.calls.slot_freed.set()

@@ -12,7 +12,7 @@ import anyio
 from asynctaskd.metrics import Metrics
 from asynctaskd.store import Code, Store
 
-from .call import Call, InFlight
+from .call import DONE, LOSABLE, Call, InFlight
 
 logger = logging.getLogger(__package__)
 
@@ -35,7 +35,7 @@ class Leases:
             arm_by = asyncio.get_running_loop().time() + self.lease_ms / 1000
             for call in active.values():
                 call.arm_near(arm_by)
-            held = [c for c in active.values() if not c.saved]
+            held = [c for c in active.values() if c.state is not DONE]
             try:
                 codes = await self.store.renew(self.lease_ms, [c.lease for c in held])
             except Exception as exc:  # the renewal loop must outlive any one failure
@@ -44,11 +44,11 @@ class Leases:
                 continue
             for call in held:
                 code = codes.get(call.lease.task_id, Code.OK)
-                # Skip calls that saved (and gave the lease back) while renew was in flight.
-                if code is Code.OK or call.saved or call.saving or call.lost:
+                # Skip calls that saved (and gave the lease back) while renew was in flight,
+                # that are saving (a NO_LEASE may be that save), or were found lost before.
+                if code is Code.OK or call.state not in LOSABLE:
                     continue
                 task_id = call.lease.task_id
-                call.lost = True
                 self.metrics.leases_lost.inc()
                 logger.warning(
                     "lease lost (%s), cancelling the call",
@@ -57,16 +57,16 @@ class Leases:
                 )
                 # A started submit may still return a handle that the late-save rule
                 # accepts (same fence); only a newer fence makes it pointless.
-                if not (call.started and code is Code.NO_LEASE):
-                    call.cancel()
+                call.lose(no_lease=code is Code.NO_LEASE)
 
-    async def release(self, call: Call) -> None:
+    async def release(self, call: Call, *, withdraw: bool) -> None:
         """Give back a lease without an outcome (shielded, capped): peers take it at once.
         A submit cut off after its vendor call started is parked by the script itself; one
-        cut off before (its start sent, the vendor not called) takes its mark back."""
+        cut off before (`withdraw`: its start sent, the vendor not called) takes its mark
+        back."""
         with anyio.move_on_after(2.0, shield=True):
             try:
-                if call.token and not call.started:
+                if withdraw:
                     fields: dict[str, Any] = {
                         "error_code": "INTERRUPTED_BEFORE_SUBMIT",
                         "error_message": "",

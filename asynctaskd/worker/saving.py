@@ -58,11 +58,13 @@ class Saver:
             return await self._save_landing(
                 active, status, delay=delay, fields=fields, withdraw=withdraw
             )
-        active.saving = True
+        active.save_begins()
+        result = None
         try:
-            return await self._save_once(active, status, delay=delay, fields=fields)
+            result = await self._save_once(active, status, delay=delay, fields=fields)
+            return result
         finally:
-            active.saving = False
+            active.save_ends(landed=result is not None)
 
     async def save_started(
         self,
@@ -100,13 +102,18 @@ class Saver:
         is cancelled meanwhile (drain, lost lease), the save still runs to the end. The
         call waits for it, so it keeps its slot and its lease stays renewed."""
         if self.landing is None:  # not running under run(): nothing to outlive
-            return await self._save_once(
-                active, status, delay=delay, fields=fields, must_land=True, withdraw=withdraw
-            )
+            active.save_begins()
+            result = None
+            try:
+                result = await self._save_once(
+                    active, status, delay=delay, fields=fields, must_land=True, withdraw=withdraw
+                )
+                return result
+            finally:
+                active.save_ends(landed=result is not None)
         landed: asyncio.Future[Result | None] = asyncio.get_running_loop().create_future()
 
         async def land() -> None:
-            active.saving = True
             result = None
             try:
                 result = await self._save_once(
@@ -119,12 +126,12 @@ class Saver:
                     "saving %s failed", status, extra={"task_id": active.lease.task_id}
                 )
             finally:
-                active.saving = False
-                active.landing = False
-                if not landed.done():  # a cancelled wait cancels the future
+                over = landed.done()  # a cancelled wait cancels the future: the call ended
+                active.save_ends(landed=result is not None, call_over=over)
+                if not over:
                     landed.set_result(result)
 
-        active.landing = True
+        active.save_begins(landing=True)
         self.landing.create_task(land())
         return await landed
 
@@ -174,8 +181,7 @@ class Saver:
                     return None
                 await anyio.sleep(min(2.0, 0.05 * 2 ** min(attempt, 6)))
                 continue
-            if result.ok:
-                active.saved = True
+            if result.ok:  # the call moves to DONE when this returns
                 self.inflight.forget(active)
                 final = result.status or status
                 self.metrics.transitions.labels(active.handler, final.value).inc()
@@ -196,5 +202,4 @@ class Saver:
                 result.code.name,
                 extra={"task_id": active.lease.task_id, "fence": active.lease.fence},
             )
-            active.saved = True  # nothing more to do with this lease
-            return result
+            return result  # nothing more to do with this lease: DONE

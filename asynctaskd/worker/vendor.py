@@ -39,7 +39,7 @@ from asynctaskd.retry import (
 )
 from asynctaskd.store import Batcher, Code, Lease, Reconciled, Store
 
-from .call import Call, InFlight
+from .call import CALLING, Call, InFlight
 from .claiming import Claimer
 from .saving import Saver
 
@@ -112,7 +112,7 @@ class Vendor:
 
     async def submit(self, entry: HandlerEntry, task: Task, active: Call) -> None:
         idem = entry.idempotent
-        active.token = f"{self._token_prefix}{next(self._token_serial)}"
+        active.mark(f"{self._token_prefix}{next(self._token_serial)}")
         try:
             result, durable = await self.batcher.call(
                 self.store.ops.start(active.lease, idem, active.token, entry.find_visible_ms),
@@ -139,14 +139,15 @@ class Vendor:
             return
         if not result.ok:
             self.metrics.rejected_writes.labels("start", result.code.name.lower()).inc()
-            active.saved = result.code is not Code.ILLEGAL  # ILLEGAL: release it
+            if result.code is not Code.ILLEGAL:  # ILLEGAL: release it (withdraw the mark)
+                active.refused()
             return
         active.lease = Lease(active.lease.task_id, active.lease.fence, result.version)
         if not durable:
             # The started mark might not survive a failover: do not call the vendor.
             await self.saver.withdraw(active, "DURABILITY_TIMEOUT", "", delay=0.5)
             return
-        active.started = True
+        active.start()
         ctx = self.ctx(entry, task, active.lease)
         ctx.submit_attempt = task.submit_attempts + 1
         t0 = time.perf_counter()
@@ -317,17 +318,17 @@ class Vendor:
             handle_json=handle,
             message=message,
         )
-        active.saving = True
+        active.save_begins()
+        done: Reconciled | None = None
         try:
-            done: Reconciled = (await self.batcher.call(call))[0]
+            done = (await self.batcher.call(call))[0]
         except StoreUnavailable as exc:
             self.metrics.store_errors.labels("reconcile").inc()
             logger.warning("reconcile failed; the lookup's lease will expire: %s", exc,
                            extra={"task_id": task.id})  # fmt: skip
             return
         finally:
-            active.saving = False
-        active.saved = True
+            active.save_ends(landed=done is not None)
         self.inflight.forget(active)
         if not done.ok:
             self.metrics.rejected_writes.labels("reconcile", done.code.name.lower()).inc()
@@ -360,7 +361,7 @@ class Vendor:
         try:
             out = await entry.handler.query(query_handle, ctx)
         except anyio.get_cancelled_exc_class():
-            if active.cut.expired() and not active.cut_now:
+            if active.cut.expired() and active.state is CALLING:  # not LOST: the deadline
                 outcome = "deadline"
             raise
         except BaseException as exc:
