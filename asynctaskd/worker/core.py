@@ -25,6 +25,7 @@ from asynctaskd.store import Batcher, Claimed, Gate, Store
 from .call import CALLING, Call, InFlight
 from .claiming import Claimer, Round
 from .leases import Leases
+from .outcomes import timed_out
 from .saving import Saver
 from .vendor import Vendor
 
@@ -247,7 +248,8 @@ class Worker:
                     raise  # not ours
                 if active.state is CALLING:  # not LOST: the cut is the task's deadline
                     # The query ran past the task's deadline: the save times the task out.
-                    await self.saver.save(active, task.status, delay=0)
+                    out = timed_out(task)
+                    await self.saver.save(active, out.status, delay=out.delay)
         except StoreUnavailable as exc:
             self.metrics.store_errors.labels("call").inc()
             logger.warning(

@@ -1,5 +1,6 @@
 """The vendor calls: submit, query (cut at the task's deadline) and find, each with its
-handler context; what each returns or raises becomes one save (see `Saver`)."""
+handler context. What each returns or raises is mapped by `Outcomes` (pure) to a `Save`
+(or a `Reconcile`), which this module reports, logs and hands to `Saver`."""
 
 from __future__ import annotations
 
@@ -14,38 +15,20 @@ from typing import Any
 import anyio
 import httpx
 
-from asynctaskd.codec import check_json_like, encode_json
 from asynctaskd.config import Config
-from asynctaskd.crashes import Crashes, describe
-from asynctaskd.errors import HandlerError, InvalidTask, PermanentError, StoreUnavailable
-from asynctaskd.handlers import (
-    Failed,
-    HandlerContext,
-    HandlerEntry,
-    Running,
-    Submitted,
-    Succeeded,
-    valid_progress,
-)
+from asynctaskd.crashes import Crashes
+from asynctaskd.errors import StoreUnavailable
+from asynctaskd.handlers import HandlerContext, HandlerEntry, Succeeded
 from asynctaskd.metrics import Metrics
 from asynctaskd.model import Status, Task
-from asynctaskd.retry import (
-    SubmitFailure,
-    backoff,
-    clamp_delay,
-    classify_submit_error,
-    delay_ms,
-    retry_after,
-)
 from asynctaskd.store import Batcher, Code, Lease, Reconciled, Store
 
 from .call import CALLING, Call, InFlight
 from .claiming import Claimer
+from .outcomes import MAX_TEXT, Outcomes, Save, canceled
 from .saving import Saver
 
 logger = logging.getLogger(__package__)
-
-_MAX_TEXT = 1000  # stage/message stored at most this long
 
 
 class Vendor:
@@ -75,12 +58,11 @@ class Vendor:
         self.inflight = inflight
         self.claimer = claimer
         self.saver = saver
+        self.outcomes = Outcomes(config.retry, rng)
         self.id = worker_id
         self.lease_ms = lease_ms
         self.http = http
         self.handler_http = handler_http  # handlers with a proxy or size limit of their own
-        self.rng = rng
-        self.poll_jitter = config.retry.poll_jitter
         self._loggers: dict[str, logging.Logger] = {}
         # Start tokens: unique to each start of this worker, and across workers and restarts.
         self._token_prefix = f"{secrets.token_hex(6)}-"
@@ -108,6 +90,18 @@ class Vendor:
             metadata=task.metadata,
         )
 
+    def _account(self, save: Save, task: Task, active: Call) -> None:
+        """Report the failure a save records (a handler's bug, counted and logged at a
+        rate) and log its note, before saving it."""
+        if save.failure is not None:
+            attempt = task.submit_attempts + 1 if active.phase == "submit" else task.poll_count + 1
+            phase = "submit" if active.phase == "submit" else "query"
+            self.crashes.report(task.handler, task.id, phase, attempt, save.failure)
+        if save.note is not None:
+            level, text = save.note
+            extra = {"task_id": task.id, "handler": task.handler, "fence": active.lease.fence}
+            logger.log(level, text, extra=extra)
+
     # --- submit phase -----------------------------------------------------------------------
 
     async def submit(self, entry: HandlerEntry, task: Task, active: Call) -> None:
@@ -127,7 +121,7 @@ class Vendor:
                 exc,
                 extra={"task_id": task.id, "fence": active.lease.fence},
             )
-            await self.saver.withdraw(active, "START_UNCONFIRMED", str(exc)[:_MAX_TEXT], delay=0.5)
+            await self.saver.withdraw(active, "START_UNCONFIRMED", str(exc)[:MAX_TEXT], delay=0.5)
             return
         if self.batcher.gate is not None:
             self.metrics.durability_gate.labels("ok" if durable else "timeout").observe(
@@ -158,94 +152,18 @@ class Vendor:
             raise
         except BaseException as exc:
             outcome = "error"
-            await self._submit_failed(entry, task, active, exc)
-            return
+            save = self.outcomes.submit_failed(exc, task, idempotent=idem, now=time.time())
+        else:
+            poll = entry.poll_interval or float(self.config.retry.poll_interval)
+            save = self.outcomes.submitted(out, task, poll=poll, idempotent=idem, now=time.time())
         finally:
             self.metrics.calls.labels(task.handler, "submit", outcome).observe(
                 time.perf_counter() - t0
             )
-        if (
-            not isinstance(out, Submitted)
-            or not isinstance(out.external_id, str)
-            or not out.external_id
-        ):
-            await self._submit_failed(
-                entry,
-                task,
-                active,
-                InvalidTask(f"submit() returned {type(out).__name__}, not Submitted(external_id)"),
-            )
-            return
-        try:
-            handle = encode_json({"external_id": out.external_id, "query": out.query})
-            check_json_like(out.query, "Submitted.query")
-        except (InvalidTask, TypeError) as exc:
-            handle = encode_json({"external_id": out.external_id, "query": {}})
-            logger.error(
-                "Submitted.query is not JSON data, dropped: %s", exc, extra={"task_id": task.id}
-            )
-        poll = entry.poll_interval or float(self.config.retry.poll_interval)
+        self._account(save, task, active)
         await self.saver.save(
-            active,
-            Status.SUBMITTED,
-            delay=clamp_delay(self._jittered(poll), time.time(), task.deadline_at),
-            fields={
-                "external_id": out.external_id[:512],
-                "handle": handle,
-                "error_code": "",
-                "error_message": "",
-                "throttles": "",
-            },
-            must_land=True,
+            active, save.status, delay=save.delay, fields=save.fields, must_land=save.must_land
         )
-
-    async def _submit_failed(
-        self, entry: HandlerEntry, task: Task, active: Call, exc: BaseException
-    ) -> None:
-        kind = classify_submit_error(exc)
-        code, message = describe(exc)
-        retry = self.config.retry
-        attempts = task.submit_attempts + 1
-        self.crashes.report(task.handler, task.id, "submit", attempts, exc)
-        log_extra = {"task_id": task.id, "handler": task.handler, "fence": active.lease.fence}
-        if kind is SubmitFailure.AMBIGUOUS and entry.idempotent:
-            kind = SubmitFailure.NEVER_SENT  # the vendor dedups on the idempotency key
-        if kind is SubmitFailure.PERMANENT:
-            await self.saver.save_started(
-                active, Status.FAILED, fields={"error_code": code, "error_message": message}
-            )
-        elif kind is SubmitFailure.AMBIGUOUS:
-            logger.warning("submit outcome unknown: %s", message, extra=log_extra)
-            await self.saver.save_started(
-                active, Status.SUBMIT_UNKNOWN, fields={"error_code": code, "error_message": message}
-            )
-        elif kind is SubmitFailure.THROTTLED:
-            throttles = task.throttles + 1
-            await self.saver.save_started(
-                active,
-                Status.PENDING_SUBMIT,
-                delay=self._retry_delay(exc, throttles, task),
-                fields={"error_code": code, "error_message": message, "throttles": throttles},
-            )
-        elif attempts > retry.max_submit_retries:
-            await self.saver.save_started(
-                active,
-                Status.FAILED,
-                fields={
-                    "error_code": "SUBMIT_RETRIES_EXHAUSTED",
-                    "error_message": (
-                        f"{attempts} submit attempts never reached the vendor; last: {message}"
-                    ),
-                },
-            )
-        else:
-            delay = self._retry_delay(exc, attempts, task)
-            await self.saver.save_started(
-                active,
-                Status.PENDING_SUBMIT,
-                delay=delay,
-                fields={"error_code": code, "error_message": message},
-            )
 
     # --- lookups of parked tasks -----------------------------------------------------------
 
@@ -256,7 +174,6 @@ class Vendor:
         assert find is not None  # lookup hands out tasks of handlers with find only
         ctx = self.ctx(entry, task, active.lease)
         t0 = time.perf_counter()
-        result = "none"
         found: Any = None
         failure: BaseException | None = None
         try:
@@ -265,58 +182,24 @@ class Vendor:
             raise
         except BaseException as exc:
             failure = exc
-        if failure is None and found is not None:
-            if (
-                not isinstance(found, Submitted)
-                or not isinstance(found.external_id, str)
-                or not found.external_id
-            ):
-                failure = InvalidTask(
-                    f"find() returned {type(found).__name__}, not Submitted(external_id) or None"
-                )
-            else:
-                result = "found"
-        if failure is not None:
-            result = "error"
-        self.metrics.calls.labels(
-            task.handler, "find", "ok" if failure is None else "error"
-        ).observe(time.perf_counter() - t0)
-        self.metrics.lookups.labels(task.handler, result).inc()
-        retry = self.config.retry
-        retry_s = backoff(
-            active.lookups,
-            float(retry.first_error_delay),
-            float(retry.max_error_delay),
-            retry.jitter,
-            self.rng,
+        answer = self.outcomes.found(
+            found, failure, lookups=active.lookups, max_lookups=entry.find_max_tries
         )
-        max_lookups = entry.find_max_tries
-        message = ""
-        handle = b""
-        external_id = ""
-        if failure is not None:
-            code, message = describe(failure)
-            message = f"{code}: {message}"[:_MAX_TEXT]
-            self.crashes.report(task.handler, task.id, "find", active.lookups, failure)
-            if isinstance(failure, PermanentError):
-                max_lookups = 1  # the vendor cannot answer this: an operator decides now
-            retry_s = max(retry_after(failure) or 0.0, retry_s)
-        elif isinstance(found, Submitted):
-            external_id = found.external_id[:512]
-            try:
-                check_json_like(found.query, "Submitted.query")
-                handle = encode_json({"external_id": found.external_id, "query": found.query})
-            except (InvalidTask, TypeError):
-                handle = encode_json({"external_id": found.external_id, "query": {}})
+        self.metrics.calls.labels(
+            task.handler, "find", "ok" if answer.failure is None else "error"
+        ).observe(time.perf_counter() - t0)
+        self.metrics.lookups.labels(task.handler, answer.result).inc()
+        if answer.failure is not None:
+            self.crashes.report(task.handler, task.id, "find", active.lookups, answer.failure)
         call = self.store.ops.reconcile(
             active.lease,
-            result,
-            retry_ms=delay_ms(retry_s),
-            max_lookups=max_lookups,
+            answer.result,
+            retry_ms=answer.retry_ms,
+            max_lookups=answer.max_lookups,
             give_up_ms=entry.find_give_up_ms,
-            external_id=external_id,
-            handle_json=handle,
-            message=message,
+            external_id=answer.external_id,
+            handle_json=answer.handle_json,
+            message=answer.message,
         )
         active.save_begins()
         done: Reconciled | None = None
@@ -348,12 +231,12 @@ class Vendor:
         query_handle = _query_handle(task)
         if task.cancel_requested:
             await self._cancel_remote(entry, task, query_handle, ctx)
-            await self.saver.save(active, Status.CANCELED)
+            await self.saver.save(active, canceled().status)
             return
         t0 = time.perf_counter()
         outcome = "ok"
-        # The call's timeout cuts the query at the task's deadline (_run_call then saves);
-        # it is lifted before any save, so only the vendor call is cut.
+        # The call's timeout cuts the query at the task's deadline (Worker._run_call then
+        # saves); it is lifted before any save, so only the vendor call is cut.
         budget = max(0.0, task.deadline_at - time.time()) + 0.05
         now = asyncio.get_running_loop().time()
         active.set_deadline(now + budget, now + self.lease_ms / 1000)  # see set_deadline
@@ -372,77 +255,23 @@ class Vendor:
             self.metrics.calls.labels(task.handler, "query", outcome).observe(
                 time.perf_counter() - t0
             )
+        outcomes = self.outcomes
         if failure is not None:
-            await self._query_failed(task, active, failure)
-            return
-        now = time.time()
-        poll = entry.poll_interval or float(self.config.retry.poll_interval)
-        if isinstance(out, Running):
-            hint = out.next_poll  # a handler's own hint is kept exact (not NaN, not < 0)...
-            if hint is not None and hint >= 0:
-                # ...within what the config would ever wait: it may come from a vendor.
-                delay = min(float(hint), max(poll, float(self.config.retry.max_error_delay)))
-            else:
-                delay = self._jittered(poll)
-            fields: dict[str, Any] = {
-                "poll_count": task.poll_count + 1,
-                "consecutive_errors": "",
-                "throttles": "",
-            }
-            progress = valid_progress(out.progress)
-            if progress is not None:
-                fields["progress"] = repr(progress)
-            if isinstance(out.stage, str):
-                fields["stage"] = out.stage[:_MAX_TEXT]
-            if isinstance(out.message, str):
-                fields["message"] = out.message[:_MAX_TEXT]
-            if isinstance(out.handle, dict):
-                try:
-                    check_json_like(out.handle, "Running.handle")
-                    fields["handle"] = encode_json(
-                        {"external_id": task.external_id, "query": out.handle}
-                    )
-                except InvalidTask as exc:
-                    logger.error(
-                        "ignoring a replacement handle: %s", exc, extra={"task_id": task.id}
-                    )
-            await self.saver.save(
-                active,
-                Status.RUNNING,
-                delay=clamp_delay(delay, now, task.deadline_at),
-                fields=fields,
-            )
-        elif isinstance(out, Succeeded):
-            await self._succeeded(entry, task, active, ctx, out.result)
-        elif isinstance(out, Failed):
-            code = out.code if isinstance(out.code, str) and out.code else "VENDOR_FAILED"
-            fields = {
-                "error_code": code[:200],
-                "error_message": str(out.message)[:_MAX_TEXT],
-                "poll_count": task.poll_count + 1,
-                "throttles": "",
-            }
-            if out.result is not None:  # what the job made before it failed
-                try:
-                    check_json_like(out.result, "Failed.result")
-                    fields["result"] = encode_json(out.result)
-                except InvalidTask as exc:
-                    logger.error(
-                        "Failed.result is not JSON data, dropped: %s",
-                        exc,
-                        extra={"task_id": task.id},
-                    )
-            await self.saver.save(active, Status.FAILED, fields=fields)
+            save = outcomes.query_failed(failure, task, now=time.time())
         else:
-            await self._query_failed(
-                task,
-                active,
-                InvalidTask(f"query() returned {type(out).__name__}, not Running/Succeeded/Failed"),
-            )
+            poll = entry.poll_interval or float(self.config.retry.poll_interval)
+            mapped = outcomes.queried(out, task, poll=poll, now=time.time())
+            if isinstance(mapped, Succeeded):
+                save = await self._finalized(entry, task, ctx, mapped.result)
+            else:
+                save = mapped
+        self._account(save, task, active)
+        await self.saver.save(active, save.status, delay=save.delay, fields=save.fields)
 
-    async def _succeeded(
-        self, entry: HandlerEntry, task: Task, active: Call, ctx: HandlerContext, result: Any
-    ) -> None:
+    async def _finalized(
+        self, entry: HandlerEntry, task: Task, ctx: HandlerContext, result: Any
+    ) -> Save:
+        """A job's result through the handler's finalize hook, if it has one."""
         finalize = entry.hook("finalize")
         if finalize is not None:
             try:
@@ -450,90 +279,8 @@ class Vendor:
             except anyio.get_cancelled_exc_class():
                 raise
             except BaseException as exc:
-                await self._query_failed(task, active, exc)
-                return
-        try:
-            check_json_like(result, "result")
-            blob = encode_json(result)
-        except InvalidTask as exc:
-            await self.saver.save(
-                active,
-                Status.FAILED,
-                fields={"error_code": "INVALID_RESULT", "error_message": str(exc)[:_MAX_TEXT]},
-            )
-            return
-        await self.saver.save(
-            active,
-            Status.SUCCEEDED,
-            fields={
-                "result": blob,
-                "poll_count": task.poll_count + 1,
-                "progress": "1.0",
-                "throttles": "",
-            },
-        )
-
-    async def _query_failed(self, task: Task, active: Call, exc: BaseException) -> None:
-        retry = self.config.retry
-        code, message = describe(exc)
-        self.crashes.report(task.handler, task.id, "query", task.poll_count + 1, exc)
-        if isinstance(exc, PermanentError):
-            await self.saver.save(
-                active, Status.FAILED, fields={"error_code": code, "error_message": message}
-            )
-            return
-        if getattr(exc, "throttled", False):
-            # No error budget spent, but each throttle in a row waits twice as long (with
-            # jitter, up to max_error_delay), or what the vendor asked for if longer.
-            throttles = task.throttles + 1
-            await self.saver.save(
-                active,
-                task.status,
-                delay=self._retry_delay(exc, throttles, task),
-                fields={"error_code": code, "error_message": message, "throttles": throttles},
-            )
-            return
-        errors = task.consecutive_errors + 1
-        if errors >= retry.max_consecutive_errors:
-            await self.saver.save(
-                active,
-                Status.FAILED,
-                fields={
-                    "error_code": "QUERY_ERRORS",
-                    "error_message": f"{errors} query errors in a row; last: {code}: {message}"[
-                        :_MAX_TEXT
-                    ],
-                    "consecutive_errors": errors,
-                },
-            )
-            return
-        await self.saver.save(
-            active,
-            task.status,
-            delay=self._retry_delay(exc, errors, task),
-            fields={"consecutive_errors": errors, "error_code": code, "error_message": message},
-        )
-
-    def _jittered(self, poll: float) -> float:
-        """A scheduled poll's delay: `poll` times a random factor in [1 - j, 1 + j].
-
-        A claim takes due tasks together and their saves land together, so tasks submitted
-        (or recovered after a crash) in one burst would stay in lockstep for good: the
-        vendor would see bursts instead of a steady rate, and the burst's last tasks would
-        wait behind the rest on every poll. A little jitter spreads them within a few polls.
-        A handler's own `next_poll` hint is kept exact (within bounds: see `_query`)."""
-        if not self.poll_jitter:
-            return poll
-        return poll * (1.0 + self.rng.uniform(-self.poll_jitter, self.poll_jitter))
-
-    def _retry_delay(self, exc: BaseException, failures: int, task: Task) -> float:
-        """Backoff for the n-th failure in a row, but never sooner than a Retry-After; and
-        never later than `max_error_delay` or the task's deadline, whatever it asked for."""
-        r = self.config.retry
-        most = float(r.max_error_delay)
-        wait = backoff(failures, float(r.first_error_delay), most, r.jitter, self.rng)
-        delay = max(retry_after(exc) or 0.0, wait)
-        return clamp_delay(delay, time.time(), task.deadline_at, cap=most)
+                return self.outcomes.query_failed(exc, task, now=time.time())
+        return self.outcomes.succeeded(result, task)
 
     async def _cancel_remote(
         self, entry: HandlerEntry, task: Task, query_handle: dict[str, Any], ctx: HandlerContext
@@ -550,16 +297,9 @@ class Vendor:
                 logger.warning("remote cancel failed: %s", exc, extra={"task_id": task.id})
 
     async def unknown_handler(self, active: Call, task: Task) -> None:
-        message = f"no handler {task.handler!r} is registered in daemon {self.id}"
-        if active.phase == "submit":
-            # Nothing was sent: the task cannot run anywhere that lacks the handler.
-            await self.saver.save(
-                active,
-                Status.FAILED,
-                fields={"error_code": "UNKNOWN_HANDLER", "error_message": message},
-            )
-        else:
-            await self._query_failed(task, active, HandlerError(message, code="UNKNOWN_HANDLER"))
+        save = self.outcomes.unknown_handler(task, active.phase, self.id, now=time.time())
+        self._account(save, task, active)
+        await self.saver.save(active, save.status, delay=save.delay, fields=save.fields)
 
 
 def _query_handle(task: Task) -> dict[str, Any]:

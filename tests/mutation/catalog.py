@@ -429,23 +429,29 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "vendor-delays-uncapped",
         "a vendor's Retry-After is capped at max_error_delay and the deadline",
-        "asynctaskd/worker/vendor.py",
-        "        return clamp_delay(delay, time.time(), task.deadline_at, cap=most)",
+        "asynctaskd/worker/outcomes.py",
+        "        return clamp_delay(delay, now, task.deadline_at, cap=most)",
         "        return delay",
-        t(
-            "tests/test_http_handler.py",
-            "test_a_huge_retry_after_is_clamped_and_the_task_stays_readable",
+        (
+            "tests/test_outcomes.py::test_query_failures",
+            *t(
+                "tests/test_http_handler.py",
+                "test_a_huge_retry_after_is_clamped_and_the_task_stays_readable",
+            ),
         ),
     ),
     Mutant(
         "throttles-never-back-off",
         "each vendor throttle in a row waits longer than the last",
-        "asynctaskd/worker/vendor.py",
+        "asynctaskd/worker/outcomes.py",
         "            # jitter, up to max_error_delay), or what the vendor asked for if longer.\n            throttles = task.throttles + 1",
         "            # jitter, up to max_error_delay), or what the vendor asked for if longer.\n            throttles = 1",
-        t(
-            "tests/test_http_handler.py",
-            "test_throttles_in_a_row_wait_longer_each_time_and_a_success_resets_them",
+        (
+            "tests/test_outcomes.py::test_query_failures",
+            *t(
+                "tests/test_http_handler.py",
+                "test_throttles_in_a_row_wait_longer_each_time_and_a_success_resets_them",
+            ),
         ),
     ),
     Mutant(
