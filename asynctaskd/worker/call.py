@@ -51,6 +51,10 @@ CallPhase = Phase | Literal["find"]  # "find": a vendor lookup of a parked task
 
 
 class CallState(enum.Enum):
+    # Hashed by identity (members are singletons): Enum's own __hash__ is Python code,
+    # and each move looks its state up in MOVES (4x cheaper; a call moves ~5 times).
+    __hash__ = object.__hash__
+
     CLAIMED = "claimed"
     CALLING = "calling"
     MARKED = "marked"
@@ -74,7 +78,6 @@ LANDING = CallState.LANDING
 DONE = CallState.DONE
 RELEASING = CallState.RELEASING
 
-_SAVES_FROM = frozenset({CALLING, MARKED, STARTED, LATE, LOST})  # where a save may begin
 MOVES: dict[CallState, frozenset[CallState]] = {
     CLAIMED: frozenset({CALLING, LOST, RELEASING}),
     CALLING: frozenset({MARKED, SAVING, LOST, RELEASING}),
@@ -82,8 +85,8 @@ MOVES: dict[CallState, frozenset[CallState]] = {
     STARTED: frozenset({SAVING, LANDING, LATE, LOST, RELEASING}),
     LATE: frozenset({SAVING, LANDING}),
     LOST: frozenset({SAVING, LANDING, DONE}),
-    SAVING: frozenset({DONE} | _SAVES_FROM),
-    LANDING: frozenset({DONE} | _SAVES_FROM),
+    SAVING: frozenset({DONE}),  # or back where it began (save_ends)
+    LANDING: frozenset({DONE}),  # or back where it began (save_ends)
     DONE: frozenset(),
     RELEASING: frozenset({LOST}),
 }
@@ -175,7 +178,12 @@ class Call:
     def save_ends(self, landed: bool, call_over: bool = False) -> None:
         """A save ended: `landed` (or refused: either way its lease is settled), or gave
         up; `call_over`: a landing save whose call has ended (it owes nothing more)."""
-        self._move(DONE if landed or call_over else self._resume)
+        if landed or call_over:
+            self._move(DONE)
+        elif self.state is SAVING or self.state is LANDING:
+            self.state = self._resume  # a legal state: save_begins moved from it
+        else:
+            raise IllegalMove(f"call of {self.lease.task_id}: no save in {self.state.name}")
 
     def end(self) -> bool | None:
         """The call is over: None if it owes its lease nothing, else it moves to RELEASING
