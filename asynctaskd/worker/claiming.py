@@ -7,7 +7,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +26,7 @@ logger = logging.getLogger(__package__)
 _LOOKUP_BATCH = 32  # lookups claimed per shard and round at most
 _LOOKUP_POLL = 1.0  # seconds between looks at due:find when nothing told us more
 
-Spawn = Callable[[asyncio.TaskGroup, Claimed, Call], None]
+RunCall = Callable[[Claimed, Call], Coroutine[Any, Any, None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +39,7 @@ class Round:
 
 
 class Claimer:
-    """Claims due work into free slots and launches a call for each task (`spawn`)."""
+    """Claims due work into free slots and launches a call for each task (`run_call`)."""
 
     def __init__(
         self,
@@ -52,7 +52,7 @@ class Claimer:
         lease_ms: int,
         handlers: Collection[str],
         finders: list[str],
-        spawn: Spawn,
+        run_call: RunCall,
     ) -> None:
         self.store = store
         self.config = config
@@ -61,7 +61,7 @@ class Claimer:
         self.id = worker_id
         self.lease_ms = lease_ms
         self.handlers = handlers
-        self.spawn = spawn
+        self.run_call = run_call  # Worker._run_call: one call, to the end
         self.shards = range(store.keys.shards)
         # Rate lanes (asynctaskd.admission): tasks waiting per (shard, phase) and lane, as
         # the last claim reported, and when a lane's next token is expected.
@@ -176,7 +176,7 @@ class Claimer:
         self.inflight.active[claimed.lease.task_id] = call
         if task.due_at is not None:
             due_lag.observe(max(0.0, now - task.due_at))
-        self.spawn(calls, claimed, call)
+        calls.create_task(self.run_call(claimed, call))
 
     async def _claim_lookups(self, calls: asyncio.TaskGroup) -> int:
         """Claim and launch the due vendor lookups of parked tasks (bounded per shard and
@@ -201,7 +201,7 @@ class Claimer:
                 call = Call(claimed.lease, "find", claimed.task.handler)
                 call.lookups = lookups
                 self.inflight.active[claimed.lease.task_id] = call
-                self.spawn(calls, claimed, call)
+                calls.create_task(self.run_call(claimed, call))
             got += len(batch.claimed)
             self.lookups_due = self.lookups_due or bool(batch.claimed or batch.next_due_ms)
             if len(batch.claimed) >= n:

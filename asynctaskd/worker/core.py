@@ -22,7 +22,7 @@ from asynctaskd.handlers import HandlerEntry
 from asynctaskd.metrics import Metrics
 from asynctaskd.store import Batcher, Claimed, Gate, Store
 
-from .call import CALLING, Call, InFlight
+from .call import CALLING, DONE, Call, InFlight
 from .claiming import Claimer, Round
 from .leases import Leases
 from .outcomes import timed_out
@@ -77,7 +77,7 @@ class Worker:
             lease_ms=self.lease_ms,
             handlers=handlers,
             finders=sorted(key for key, e in handlers.items() if e.finds),
-            spawn=self._spawn,
+            run_call=self._run_call,
         )
         self.leases = Leases(store, self.metrics, self.calls, self.lease_ms)
         self.saver = Saver(
@@ -217,9 +217,6 @@ class Worker:
 
     # --- one call -------------------------------------------------------------------------
 
-    def _spawn(self, calls: asyncio.TaskGroup, claimed: Claimed, call: Call) -> None:
-        calls.create_task(self._run_call(claimed, call))
-
     async def _run_call(self, claimed: Claimed, active: Call) -> None:
         task = claimed.task
         entry = self.handlers.get(task.handler)
@@ -266,7 +263,8 @@ class Worker:
         finally:
             self.calls.forget(active)
             self.completed += 1
-            withdraw = active.end()
+            # DONE, the common case (an outcome landed), owes nothing: not even a call.
+            withdraw = None if active.state is DONE else active.end()
             if withdraw is not None:  # the call owes its lease: give it back
                 await self.leases.release(active, withdraw=withdraw)
             self.calls.slot_freed.set()

@@ -167,49 +167,46 @@ class Outcomes:
 
     def queried(self, out: Any, task: Task, *, poll: float, now: float) -> Save | Succeeded:
         """What query() returned; a Succeeded comes back as it is (finalize runs first)."""
-        if isinstance(out, Running):
-            return self.running(out, task, poll=poll, now=now)
+        if isinstance(out, Running):  # the common case, inline: it runs on every poll
+            hint = out.next_poll  # a handler's own hint is kept exact (not NaN, not < 0)...
+            if hint is not None and hint >= 0:
+                # ...within what the config would ever wait: it may come from a vendor.
+                delay = min(float(hint), max(poll, float(self.retry.max_error_delay)))
+            else:
+                delay = self.jittered(poll)
+            fields: dict[str, Any] = {
+                "poll_count": task.poll_count + 1,
+                "consecutive_errors": "",
+                "throttles": "",
+            }
+            progress = valid_progress(out.progress)
+            if progress is not None:
+                fields["progress"] = repr(progress)
+            if isinstance(out.stage, str):
+                fields["stage"] = out.stage[:MAX_TEXT]
+            if isinstance(out.message, str):
+                fields["message"] = out.message[:MAX_TEXT]
+            note = None
+            if isinstance(out.handle, dict):
+                try:
+                    check_json_like(out.handle, "Running.handle")
+                    fields["handle"] = encode_json(
+                        {"external_id": task.external_id, "query": out.handle}
+                    )
+                except InvalidTask as exc:
+                    note = (logging.ERROR, f"ignoring a replacement handle: {exc}")
+            return Save(
+                Status.RUNNING,
+                delay=clamp_delay(delay, now, task.deadline_at),
+                fields=fields,
+                note=note,
+            )
         if isinstance(out, Succeeded):
             return out
         if isinstance(out, Failed):
             return self.failed(out, task)
         bad = InvalidTask(f"query() returned {type(out).__name__}, not Running/Succeeded/Failed")
         return self.query_failed(bad, task, now=now)
-
-    def running(self, out: Running, task: Task, *, poll: float, now: float) -> Save:
-        hint = out.next_poll  # a handler's own hint is kept exact (not NaN, not < 0)...
-        if hint is not None and hint >= 0:
-            # ...within what the config would ever wait: it may come from a vendor.
-            delay = min(float(hint), max(poll, float(self.retry.max_error_delay)))
-        else:
-            delay = self.jittered(poll)
-        fields: dict[str, Any] = {
-            "poll_count": task.poll_count + 1,
-            "consecutive_errors": "",
-            "throttles": "",
-        }
-        progress = valid_progress(out.progress)
-        if progress is not None:
-            fields["progress"] = repr(progress)
-        if isinstance(out.stage, str):
-            fields["stage"] = out.stage[:MAX_TEXT]
-        if isinstance(out.message, str):
-            fields["message"] = out.message[:MAX_TEXT]
-        note = None
-        if isinstance(out.handle, dict):
-            try:
-                check_json_like(out.handle, "Running.handle")
-                fields["handle"] = encode_json(
-                    {"external_id": task.external_id, "query": out.handle}
-                )
-            except InvalidTask as exc:
-                note = (logging.ERROR, f"ignoring a replacement handle: {exc}")
-        return Save(
-            Status.RUNNING,
-            delay=clamp_delay(delay, now, task.deadline_at),
-            fields=fields,
-            note=note,
-        )
 
     def failed(self, out: Failed, task: Task) -> Save:
         code = out.code if isinstance(out.code, str) and out.code else "VENDOR_FAILED"

@@ -64,7 +64,7 @@ class Saver:
             result = await self._save_once(active, status, delay=delay, fields=fields)
             return result
         finally:
-            active.save_ends(landed=result is not None)
+            active.save_ends(result is not None)
 
     async def save_started(
         self,
@@ -110,7 +110,7 @@ class Saver:
                 )
                 return result
             finally:
-                active.save_ends(landed=result is not None)
+                active.save_ends(result is not None)
         landed: asyncio.Future[Result | None] = asyncio.get_running_loop().create_future()
 
         async def land() -> None:

@@ -160,7 +160,8 @@ class Vendor:
             self.metrics.calls.labels(task.handler, "submit", outcome).observe(
                 time.perf_counter() - t0
             )
-        self._account(save, task, active)
+        if save.failure is not None or save.note is not None:
+            self._account(save, task, active)
         await self.saver.save(
             active, save.status, delay=save.delay, fields=save.fields, must_land=save.must_land
         )
@@ -265,7 +266,8 @@ class Vendor:
                 save = await self._finalized(entry, task, ctx, mapped.result)
             else:
                 save = mapped
-        self._account(save, task, active)
+        if save.failure is not None or save.note is not None:
+            self._account(save, task, active)
         await self.saver.save(active, save.status, delay=save.delay, fields=save.fields)
 
     async def _finalized(
@@ -298,7 +300,8 @@ class Vendor:
 
     async def unknown_handler(self, active: Call, task: Task) -> None:
         save = self.outcomes.unknown_handler(task, active.phase, self.id, now=time.time())
-        self._account(save, task, active)
+        if save.failure is not None or save.note is not None:
+            self._account(save, task, active)
         await self.saver.save(active, save.status, delay=save.delay, fields=save.fields)
 
 
