@@ -783,7 +783,7 @@ async def _saved(store: Store, task_id: str) -> bool:
 
 
 async def _true_after_idle(worker: Worker) -> bool:
-    return worker.last_claim_at > 0 and worker._sleep_until != float("inf")
+    return worker.last_claim_at > 0 and worker.claimer.sleep_until != float("inf")
 
 
 async def test_a_poll_saved_during_a_claim_round_is_not_slept_through(store: Store) -> None:

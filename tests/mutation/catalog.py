@@ -422,39 +422,45 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "poll-saved-in-a-claim-round-slept-through",
         "a poll saved while the claim loop is in a round wakes the loop in time",
-        "asynctaskd/worker.py",
-        "        next_due = min(next_due, self._due_hint)",
+        "asynctaskd/worker/claiming.py",
+        "        next_due = min(next_due, self.due_hint)",
         "        next_due = next_due",
         t("tests/test_worker.py", "test_a_poll_saved_during_a_claim_round_is_not_slept_through"),
     ),
     Mutant(
         "vendor-delays-uncapped",
         "a vendor's Retry-After is capped at max_error_delay and the deadline",
-        "asynctaskd/worker.py",
-        "        return clamp_delay(delay, time.time(), task.deadline_at, cap=most)",
+        "asynctaskd/worker/outcomes.py",
+        "        return clamp_delay(delay, now, task.deadline_at, cap=most)",
         "        return delay",
-        t(
-            "tests/test_http_handler.py",
-            "test_a_huge_retry_after_is_clamped_and_the_task_stays_readable",
+        (
+            "tests/test_outcomes.py::test_query_failures",
+            *t(
+                "tests/test_http_handler.py",
+                "test_a_huge_retry_after_is_clamped_and_the_task_stays_readable",
+            ),
         ),
     ),
     Mutant(
         "throttles-never-back-off",
         "each vendor throttle in a row waits longer than the last",
-        "asynctaskd/worker.py",
+        "asynctaskd/worker/outcomes.py",
         "            # jitter, up to max_error_delay), or what the vendor asked for if longer.\n            throttles = task.throttles + 1",
         "            # jitter, up to max_error_delay), or what the vendor asked for if longer.\n            throttles = 1",
-        t(
-            "tests/test_http_handler.py",
-            "test_throttles_in_a_row_wait_longer_each_time_and_a_success_resets_them",
+        (
+            "tests/test_outcomes.py::test_query_failures",
+            *t(
+                "tests/test_http_handler.py",
+                "test_throttles_in_a_row_wait_longer_each_time_and_a_success_resets_them",
+            ),
         ),
     ),
     Mutant(
         "full-claim-rounds-linger",
         "a claim round that filled its batch claims again at once",
-        "asynctaskd/worker.py",
-        "            if got and not more and self.claim_linger:",
-        "            if got and self.claim_linger:",
+        "asynctaskd/worker/core.py",
+        "            if found.got and not found.more and self.claim_linger:",
+        "            if found.got and self.claim_linger:",
         t("tests/test_worker.py", "test_full_claim_rounds_claim_again_at_once"),
     ),
     # --- vendor data ----------------------------------------------------------------------------

@@ -1,0 +1,125 @@
+"""A call's state (asynctaskd.worker.call): the legal moves, and what each state owes its
+lease. No Redis: a Call needs only a running event loop (its asyncio timeout)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+
+from asynctaskd.store import Lease
+from asynctaskd.worker.call import (
+    LOSABLE,
+    MOVES,
+    Call,
+    CallState,
+    IllegalMove,
+)
+
+pytestmark = pytest.mark.anyio
+
+S = CallState
+
+
+@contextlib.asynccontextmanager
+async def running(*path: str) -> AsyncIterator[Call]:
+    """A submit call inside its cut, as Worker._run_call runs it, taken along `path`."""
+    c = Call(Lease("t1", 1, 1), "submit", "h")
+    async with c.cut:  # a lost call's cut is rescheduled: the body must not wait
+        walk(c, *path)
+        yield c
+
+
+def state_of(c: Call) -> CallState:  # what mypy does not narrow across moves
+    return c.state
+
+
+def walk(c: Call, *path: str) -> None:
+    """Take `c` along `path` (method names; "lose"/"lose_nl" for lose())."""
+    for step in path:
+        if step == "lose":
+            c.lose(no_lease=False)
+        elif step == "lose_nl":
+            c.lose(no_lease=True)
+        elif step == "mark":
+            c.mark("tok")
+        elif step == "save_ends":
+            c.save_ends(landed=False)
+        else:
+            getattr(c, step)()
+
+
+@pytest.mark.parametrize(
+    ("path", "state", "gives_back"),
+    [
+        # (moves, state after them, what end() says: None, or withdraw the mark or not)
+        (("begin",), S.CALLING, False),
+        (("begin", "mark"), S.MARKED, True),  # the vendor was not called: withdraw
+        (("begin", "mark", "start"), S.STARTED, False),  # release: the script parks it
+        (("begin", "mark", "refused"), S.DONE, None),
+        (("begin", "lose"), S.LOST, None),
+        (("lose", "begin"), S.LOST, None),  # lost before it began: cut at once
+        (("begin", "lose", "mark", "start"), S.LOST, None),  # lost absorbs progress
+        (("begin", "mark", "start", "lose_nl"), S.LATE, None),  # may still land late
+        (("begin", "mark", "start", "lose"), S.LOST, None),  # a newer fence: pointless
+        (("begin", "mark", "lose_nl"), S.LOST, None),  # not started: NO_LEASE cuts it
+    ],
+)
+async def test_paths(path: tuple[str, ...], state: CallState, gives_back: bool | None) -> None:
+    async with running(*path) as c:
+        assert c.state is state
+        assert c.end() == gives_back
+        assert c.state is (S.RELEASING if gives_back is not None else state)
+
+
+@pytest.mark.parametrize(
+    "path", [("begin",), ("begin", "mark"), ("begin", "mark", "start"), ("begin", "lose")]
+)
+@pytest.mark.parametrize("landing", [False, True])
+async def test_a_save_that_gives_up_returns_to_where_it_began(
+    path: tuple[str, ...], landing: bool
+) -> None:
+    async with running(*path) as c:
+        before = c.state
+        if landing and before is S.CALLING:
+            with pytest.raises(IllegalMove):  # only a submit's outcome lands
+                c.save_begins(landing=True)
+            return
+        c.save_begins(landing=landing)
+        assert c.state is (S.LANDING if landing else S.SAVING)
+        assert c.state not in LOSABLE  # a NO_LEASE now may be this very save
+        assert c.end() is None  # no release while a save (a landing one) holds the lease
+        c.save_ends(landed=False)
+        assert c.state is before
+        c.save_begins(landing=landing)
+        c.save_ends(landed=True)
+        assert state_of(c) is S.DONE and c.end() is None
+
+
+async def test_a_landing_save_whose_call_ended_settles_in_done() -> None:
+    async with running("begin", "mark", "start") as c:
+        c.save_begins(landing=True)
+        assert c.end() is None
+    c.save_ends(landed=False, call_over=True)
+    assert state_of(c) is S.DONE
+
+
+async def test_illegal_moves_raise() -> None:
+    for path in [
+        ("start",),  # CLAIMED -> STARTED
+        ("begin", "start"),  # a vendor call without a start mark
+        ("begin", "mark", "refused", "begin"),
+        ("begin", "mark", "refused", "save_begins"),  # DONE is final
+        ("begin", "save_begins", "lose"),  # renewal never finds a saving call lost
+        ("begin", "save_ends"),  # no save to end
+    ]:
+        with pytest.raises(IllegalMove):
+            async with running(*path):
+                pass
+
+
+def test_every_state_has_its_moves_and_done_is_final() -> None:
+    assert set(MOVES) == set(CallState)
+    assert MOVES[S.DONE] == frozenset()
+    assert {S.CLAIMED, S.CALLING, S.MARKED, S.STARTED, S.RELEASING} == LOSABLE
