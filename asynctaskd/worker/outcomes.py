@@ -30,7 +30,7 @@ from asynctaskd.retry import (
 MAX_TEXT = 1000  # stage/message stored at most this long
 
 
-@dataclass(slots=True)  # not frozen: that costs ~1 us per save (object.__setattr__)
+@dataclass(slots=True)  # not frozen: a frozen one sets each field through object.__setattr__
 class Save:
     """One save: the task's next status, the fields it sets, and when it comes due."""
 
