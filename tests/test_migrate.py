@@ -197,7 +197,7 @@ _STARTED = {Status.SUBMITTED, Status.RUNNING}
 
 
 @contextlib.contextmanager
-def daemon(config: Path, url: str, log: Path) -> Iterator[None]:
+def daemon(config: Path, url: str, log: Path, shards: int = 2) -> Iterator[None]:
     with log.open("ab") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "asynctaskd", "run", "--config", str(config)],
@@ -208,7 +208,7 @@ def daemon(config: Path, url: str, log: Path) -> Iterator[None]:
 
         def registered() -> bool:
             try:
-                with Client.from_url(url, shards=2) as client:
+                with Client.from_url(url, shards=shards) as client:
                     return bool(client.stats().daemons)
             except Exception:  # not up yet
                 return False
@@ -278,7 +278,9 @@ def test_an_embedded_deployment_moves_to_a_redis_server_and_runs_on(
 
 
 @pytest.mark.slow
-def test_a_cluster_target_gets_each_key_on_its_slot(source: ServerProcess, tmp_path: Path) -> None:
+def test_a_cluster_target_gets_each_key_on_its_slot_and_a_daemon_carries_on_there(
+    source: ServerProcess, tmp_path: Path, vendor: FakeVendorProcess
+) -> None:
     from tests.cluster import LocalCluster
 
     binary = find_binary("redis-server")
@@ -297,3 +299,16 @@ def test_a_cluster_target_gets_each_key_on_its_slot(source: ServerProcess, tmp_p
         with Client.from_url(cluster.url, shards=3) as reader:
             for task_id in ids[:-1]:
                 assert reader.get(task_id).status is Status.PENDING_SUBMIT  # type: ignore[union-attr]
+        # the daemons continue there: the tasks due now (every other one, and the request
+        # no daemon had taken in) complete; the delayed ones wait for their time
+        config = write_daemon_config(
+            tmp_path / "cluster.toml", cluster.url, vendor.url, redis={"shards": 3},
+            worker={"lease": "2s", "shutdown_grace": "1s"}, handlers=[demo_handler(vendor.url)],
+        )  # fmt: skip
+        due = [*ids[:-1:2], ids[-1]]
+        with daemon(config, cluster.url, tmp_path / "cluster.log", shards=3):
+            with Client.from_url(cluster.url, shards=3) as c:
+                for task_id in due:
+                    assert c.wait(task_id, timeout=30).status is Status.SUCCEEDED
+                delayed = {c.get(i).status for i in ids[1:-1:2]}  # type: ignore[union-attr]
+                assert delayed == {Status.PENDING_SUBMIT}
