@@ -306,9 +306,12 @@ def test_a_cluster_target_gets_each_key_on_its_slot_and_a_daemon_carries_on_ther
             worker={"lease": "2s", "shutdown_grace": "1s"}, handlers=[demo_handler(vendor.url)],
         )  # fmt: skip
         due = [*ids[:-1:2], ids[-1]]
-        with daemon(config, cluster.url, tmp_path / "cluster.log", shards=3):
-            with Client.from_url(cluster.url, shards=3) as c:
-                for task_id in due:
-                    assert c.wait(task_id, timeout=30).status is Status.SUCCEEDED
-                delayed = {c.get(i).status for i in ids[1:-1:2]}  # type: ignore[union-attr]
-                assert delayed == {Status.PENDING_SUBMIT}
+        log = tmp_path / "cluster.log"
+        with (
+            daemon(config, cluster.url, log, shards=3),
+            Client.from_url(cluster.url, shards=3) as c,
+        ):
+            for task_id in due:
+                assert c.wait(task_id, timeout=30).status is Status.SUCCEEDED
+            delayed = {c.get(i).status for i in ids[1:-1:2]}  # type: ignore[union-attr]
+            assert delayed == {Status.PENDING_SUBMIT}
