@@ -98,18 +98,22 @@ local function check_request(id, packed)
       return nil, 'its dedup key does not name it'
     end
   end
-  return f, nil
+  return f, nil, flat
 end
 
 local FRESH = nil  -- id -> the fields of a fresh task (see above), when a claim asked
 local FRESH_MOST = 0  -- how many the claim may take: the ones after it are written at once
 
-local function write_new(id, f, wake_others)
+-- `flat`: the request's field, value pairs as checked (each field once), when at hand
+local function write_new(id, f, wake_others, flat)
   local tk = task_key(id)
-  local fields = {}
-  for name, value in pairs(f) do
-    fields[#fields + 1] = name
-    fields[#fields + 1] = value
+  local fields = flat
+  if not fields then
+    fields = {}
+    for name, value in pairs(f) do
+      fields[#fields + 1] = name
+      fields[#fields + 1] = value
+    end
   end
   redis.call('HSET', tk, unpack(fields))  -- status PENDING_SUBMIT among them
   move_status(tk, id, nil, 'PENDING_SUBMIT', f.handler, true)
@@ -127,11 +131,10 @@ end
 
 local function ingest_create(id, wake_others, fresh)
   local nk = P .. 'new:' .. id
-  local packed = redis.call('GET', nk)
+  local packed = redis.call('GETDEL', nk)
   if not packed then return nil end  -- taken in already, or never stored
-  redis.call('DEL', nk)
   local tk = task_key(id)
-  local f, why = check_request(id, packed)
+  local f, why, flat = check_request(id, packed)
   if f and redis.call('EXISTS', tk) == 1 then f, why = nil, 'the task id is taken' end
   if not f then
     -- free the dedup key if it names this request, so the same key can be used again
@@ -153,7 +156,7 @@ local function ingest_create(id, wake_others, fresh)
     fresh[#fresh + 1] = id
     return nil
   end
-  write_new(id, f, wake_others)
+  write_new(id, f, wake_others, flat)
   return nil
 end
 
