@@ -637,3 +637,150 @@ def test_a_bad_web_section_is_refused_naming_the_key(text: str, key: str) -> Non
 def test_the_web_section_defaults_to_loopback() -> None:
     web_config = parse_config("").web
     assert web_config.listen == "127.0.0.1:8080" and web_config.max_body == 1024 * 1024
+
+
+# Operators' runtime controls: pause, limits, groups, purge.
+
+
+async def test_pause_and_resume(api: Api) -> None:
+    op = await api.token("operator")
+    r = await api.http.post(f"{API}/pause", headers=op, json={"tenant": "t1", "note": "vendor"})
+    assert r.status_code == 200 and r.json() == {"dimension": "tenant:t1", "newly_paused": True}
+    again = await api.http.post(f"{API}/pause", headers=op, json={"tenant": "t1"})
+    assert again.json()["newly_paused"] is False
+    assert "tenant:t1" in await api.client.paused()
+    r = await api.http.get(f"{API}/pause", headers=op)
+    assert r.status_code == 200 and r.json()["paused"]["tenant:t1"]["note"] == "vendor"
+    r = await api.http.post(f"{API}/resume", headers=op, json={"tenant": "t1"})
+    assert r.status_code == 200 and r.json() == {"dimension": "tenant:t1", "moved": 0}
+    assert await api.client.paused() == {}
+
+
+async def test_limits_set_show_and_clear(api: Api) -> None:
+    op = await api.token("operator")
+    body = {"provider": "openai", "submit_rate": 5, "quota_period": "1h", "note": "n"}
+    r = await api.http.put(f"{API}/limits", headers=op, json=body)
+    assert r.status_code == 200, r.text
+    entry = r.json()
+    assert entry["scope"] == "provider:openai" and entry["source"] == "runtime"
+    assert entry["limit"]["submit_rate"] == 5 and entry["limit"]["quota_period"] == 3600
+    assert (await api.client.limits())["provider:openai"].limit.submit_rate == 5
+    r = await api.http.get(f"{API}/limits", headers=op)
+    assert [e["scope"] for e in r.json()["limits"]] == ["provider:openai"]
+    r = await api.http.delete(f"{API}/limits", headers=op, params={"scope": "provider:openai"})
+    assert r.status_code == 200 and r.json() == {"scope": "provider:openai", "cleared": True}
+    r = await api.http.delete(f"{API}/limits", headers=op, params={"scope": "provider:openai"})
+    assert r.status_code == 404 and error_code(r) == "not_found"
+    assert await api.client.limits() == {}
+
+
+async def test_groups_define_read_and_delete(api: Api) -> None:
+    op = await api.token("operator")
+    body = {"policy": "weighted", "members": ["a", {"handler": "b", "weight": 3}]}
+    r = await api.http.put(f"{API}/groups/g1", headers=op, json=body)
+    assert r.status_code == 200, r.text
+    shown = {"name": "g1", "policy": "weighted",
+             "members": [{"handler": "a", "weight": 1}, {"handler": "b", "weight": 3}]}  # fmt: skip
+    assert r.json() == shown
+    assert (await api.client.groups())["g1"].policy == "weighted"
+    assert (await api.http.get(f"{API}/groups/g1", headers=op)).json() == shown
+    assert (await api.http.get(f"{API}/groups", headers=op)).json() == {"groups": [shown]}
+    assert (await api.http.delete(f"{API}/groups/g1", headers=op)).status_code == 204
+    r = await api.http.delete(f"{API}/groups/g1", headers=op)
+    assert r.status_code == 404 and error_code(r) == "not_found"
+    assert (await api.http.get(f"{API}/groups/g1", headers=op)).status_code == 404
+
+
+async def test_purge_deletes_finished_tasks(api: Api, store: Store) -> None:
+    producer, op = await api.token("producer", "t1"), await api.token("operator")
+    task_id = (await api.submit(producer)).json()["id"]
+    live_id = (await api.submit(producer)).json()["id"]
+    await api.http.post(f"{API}/tasks/{task_id}/cancel", headers=producer)
+    await ingest(store)
+    r = await api.http.post(f"{API}/purge", headers=op, json={"older_than": 0, "limit": 10})
+    assert r.status_code == 200 and r.json() == {"purged": 1}
+    assert await api.client.get(task_id) is None and await api.client.get(live_id) is not None
+
+
+_OPERATOR_CALLS: list[tuple[str, str, Any]] = [
+    ("GET", "/pause", None),
+    ("POST", "/pause", {"tenant": "t1"}),
+    ("POST", "/resume", {"tenant": "t1"}),
+    ("GET", "/limits", None),
+    ("PUT", "/limits", {"provider": "openai", "submit_rate": 5}),
+    ("DELETE", "/limits?scope=provider:openai", None),
+    ("GET", "/groups", None),
+    ("GET", "/groups/g1", None),
+    ("PUT", "/groups/g1", {"policy": "round_robin", "members": ["a"]}),
+    ("DELETE", "/groups/g1", None),
+    ("POST", "/purge", {"older_than": 0}),
+]
+
+
+async def test_operator_controls_refuse_other_roles_and_bad_input_writing_nothing(
+    api: Api, redis_client: redis.asyncio.Redis
+) -> None:
+    op = await api.token("operator")
+    producer, viewer = await api.token("producer", "t1"), await api.token("viewer", "t1")
+    python = api.client
+    bad: list[tuple[str, str, Any, Any]] = [
+        # (method, path, body, the client's call that refuses the same input)
+        ("POST", "/pause", {}, lambda: python.pause()),
+        ("POST", "/pause", {"tenant": "t1", "handler": "h"},
+         lambda: python.pause(tenant="t1", handler="h")),
+        ("POST", "/pause", {"tenant": "no spaces"}, lambda: python.pause(tenant="no spaces")),
+        ("POST", "/pause", {"tenant": "t1", "note": "n" * 201},
+         lambda: python.pause(tenant="t1", note="n" * 201)),
+        ("POST", "/resume", {"provider": "a b"}, lambda: python.resume(provider="a b")),
+        ("PUT", "/limits", {"provider": "p", "submit_rate": -1},
+         lambda: python.set_limit(provider="p", submit_rate=-1)),
+        ("PUT", "/limits", {"provider": "p", "speed": 1},
+         lambda: python.set_limit(provider="p", speed=1)),
+        ("PUT", "/limits", {}, lambda: python.set_limit()),
+        ("DELETE", "/limits?scope=nowhere", None, lambda: python.clear_limit("nowhere")),
+        ("PUT", "/groups/g1", {"policy": "random", "members": ["a"]},
+         lambda: python.set_group("g1", "random", ["a"])),
+        ("PUT", "/groups/g1", {"policy": "weighted", "members": [{"handler": "a", "weight": 0}]},
+         lambda: python.set_group("g1", "weighted", [("a", 0)])),
+        ("PUT", "/groups/no%20spaces", {"policy": "round_robin", "members": ["a"]},
+         lambda: python.set_group("no spaces", "round_robin", ["a"])),
+        ("POST", "/purge", {"older_than": -1}, lambda: python.purge(-1)),
+        ("POST", "/purge", {"older_than": 0, "limit": 0}, lambda: python.purge(0, limit=0)),
+    ]  # fmt: skip
+    before = await _snapshot(redis_client)
+    for method, path, body in _OPERATOR_CALLS:
+        for who in (producer, viewer):
+            r = await api.http.request(method, API + path, headers=who, json=body)
+            assert (r.status_code, error_code(r)) == (403, "forbidden"), (method, path, r.text)
+        r = await api.http.request(method, API + path, json=body)
+        assert r.status_code == 401, (method, path)
+    for method, path, body, call in bad:
+        with pytest.raises(InvalidTask) as raised:
+            await call()
+        r = await api.http.request(method, API + path, headers=op, json=body)
+        assert (r.status_code, error_code(r)) == (422, "invalid"), (method, path, r.text)
+        assert r.json()["error"]["message"] == str(raised.value), (method, path)
+    typed: list[tuple[str, str, Any]] = [
+        ("POST", "/pause", {"tenant": 5}),
+        ("POST", "/pause", {"tenant": "t1", "why": "x"}),
+        ("POST", "/resume", {"tenant": "t1", "note": "x"}),
+        ("PUT", "/limits", ["provider"]),
+        ("PUT", "/groups/g1", {"policy": "round_robin"}),
+        ("PUT", "/groups/g1", {"policy": "round_robin", "members": [{"handler": "a", "w": 1}]}),
+        ("POST", "/purge", {"older_than": "old"}),
+        ("DELETE", "/limits", None),
+        ("DELETE", "/limits?scope=tenant:t1&x=1", None),
+    ]
+    for method, path, body in typed:
+        r = await api.http.request(method, API + path, headers=op, json=body)
+        assert (r.status_code, error_code(r)) == (422, "invalid"), (method, path, r.text)
+    r = await api.http.request("POST", f"{API}/pause", headers=op, content=b"{")
+    assert r.status_code == 415
+    assert await _snapshot(redis_client) == before
+
+
+def test_the_limit_body_documents_every_field_of_a_limits_table() -> None:
+    from asynctaskd.config.tables import LimitConfig
+    from asynctaskd.web.schemas import LimitBody
+
+    assert LimitBody.__struct_fields__ == LimitConfig.__struct_fields__

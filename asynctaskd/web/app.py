@@ -6,7 +6,8 @@ client's, and so are its error messages. Roles (docs/api.md):
 
 - producer (bound to a tenant): submit, read, list, watch and cancel that tenant's tasks;
 - viewer (bound to a tenant): read, list and watch that tenant's tasks;
-- operator: everything, for every tenant, plus stats, resolve and requeue.
+- operator: everything, for every tenant, plus stats, resolve, requeue, pauses, limits,
+  handler groups and purge.
 
 Another tenant's task is answered exactly as a missing one (404), so a token cannot learn
 whether an id exists. A request is authenticated before its body is read, and its body is
@@ -40,7 +41,15 @@ from asynctaskd.errors import (
 from asynctaskd.keys import Keys
 
 from .replay import missed_events
-from .schemas import ResolveBody, SubmitBody, openapi, public_task
+from .schemas import (
+    GroupBody,
+    PauseBody,
+    PurgeBody,
+    ResolveBody,
+    SubmitBody,
+    openapi,
+    public_task,
+)
 from .tokens import Role, TokenCache, TokenRecord
 
 __all__ = ["ApiError", "WebSettings", "make_app"]
@@ -276,6 +285,113 @@ async def _requeue(request: web.Request) -> web.Response:
     return _json(200, public_task(await request.app[_CLIENT].requeue(_task_id(request))))
 
 
+# Operators' runtime controls: each is one AsyncClient operator call, which checks its
+# input before it writes (so its InvalidTask is a 422 and nothing is written).
+
+
+def _plain(value: Any) -> Any:
+    return msgspec.to_builtins(value, enc_hook=float)  # a limit's Duration is a float
+
+
+def _dimension_of(body: PauseBody) -> dict[str, str]:
+    named = {"handler": body.handler, "provider": body.provider, "tenant": body.tenant,
+             "account": body.account}  # fmt: skip
+    return {k: v for k, v in named.items() if v is not None}
+
+
+async def _paused(request: web.Request) -> web.Response:
+    await _auth(request, _OPERATOR)
+    return _json(200, {"paused": await request.app[_CLIENT].paused()})
+
+
+async def _pause(request: web.Request) -> web.Response:
+    await _auth(request, _OPERATOR)
+    body: PauseBody = await _body(request, PauseBody)
+    which = _dimension_of(body)
+    newly = await request.app[_CLIENT].pause(**which, note=body.note)
+    dimension = ",".join(f"{k}:{v}" for k, v in which.items())
+    return _json(200, {"dimension": dimension, "newly_paused": newly})
+
+
+async def _resume(request: web.Request) -> web.Response:
+    await _auth(request, _OPERATOR)
+    body: PauseBody = await _body(request, PauseBody)
+    if body.note:
+        raise ApiError(422, "invalid", "note is for pause only")
+    which = _dimension_of(body)
+    moved = await request.app[_CLIENT].resume(**which)
+    dimension = ",".join(f"{k}:{v}" for k, v in which.items())
+    return _json(200, {"dimension": dimension, "moved": moved})
+
+
+async def _limits(request: web.Request) -> web.Response:
+    await _auth(request, _OPERATOR)
+    entries = await request.app[_CLIENT].limits()
+    return _json(200, {"limits": [_plain(e) for e in entries.values()]})
+
+
+async def _set_limit(request: web.Request) -> web.Response:
+    await _auth(request, _OPERATOR)
+    # A plain object: AsyncClient.set_limit checks the keys and values, in its words.
+    options: dict[str, Any] = await _body(request, dict[str, Any])
+    return _json(200, _plain(await request.app[_CLIENT].set_limit(**options)))
+
+
+async def _clear_limit(request: web.Request) -> web.Response:
+    await _auth(request, _OPERATOR)
+    unknown = set(request.query) - {"scope"}
+    if unknown or "scope" not in request.query:
+        raise ApiError(422, "invalid", "give exactly the query parameter scope, e.g. "
+                       "?scope=provider:openai")  # fmt: skip
+    scope = request.query["scope"]
+    if not await request.app[_CLIENT].clear_limit(scope):
+        raise ApiError(404, "not_found", f"no runtime or config limits for {scope!r:.80}")
+    return _json(200, {"scope": scope, "cleared": True})
+
+
+def _group_json(name: str, group: Any) -> dict[str, Any]:
+    return {"name": name, **msgspec.to_builtins(group)}
+
+
+async def _groups(request: web.Request) -> web.Response:
+    await _auth(request, _OPERATOR)
+    groups = await request.app[_CLIENT].groups()
+    return _json(200, {"groups": [_group_json(n, g) for n, g in groups.items()]})
+
+
+async def _group(request: web.Request) -> web.Response:
+    await _auth(request, _OPERATOR)
+    name = request.match_info["name"]
+    group = (await request.app[_CLIENT].groups()).get(name)
+    if group is None:
+        raise ApiError(404, "not_found", f"no handler group {name!r:.80}")
+    return _json(200, _group_json(name, group))
+
+
+async def _set_group(request: web.Request) -> web.Response:
+    await _auth(request, _OPERATOR)
+    body: GroupBody = await _body(request, GroupBody)
+    name = request.match_info["name"]
+    members = [m if isinstance(m, str) else (m.handler, m.weight) for m in body.members]
+    group = await request.app[_CLIENT].set_group(name, body.policy, members)
+    return _json(200, _group_json(name, group))
+
+
+async def _delete_group(request: web.Request) -> web.Response:
+    await _auth(request, _OPERATOR)
+    name = request.match_info["name"]
+    if not await request.app[_CLIENT].delete_group(name):
+        raise ApiError(404, "not_found", f"no handler group {name!r:.80}")
+    return web.Response(status=204, headers={"Cache-Control": "no-store"})
+
+
+async def _purge(request: web.Request) -> web.Response:
+    await _auth(request, _OPERATOR)
+    body: PurgeBody = await _body(request, PurgeBody)
+    purged = await request.app[_CLIENT].purge(body.older_than, limit=body.limit)
+    return _json(200, {"purged": purged})
+
+
 def _last_event_id(request: web.Request) -> int:
     text = request.headers.get("Last-Event-ID", "").strip()
     if not text:
@@ -413,6 +529,17 @@ def make_app(client: AsyncClient, settings: WebSettings) -> web.Application:
     app.router.add_post(f"{p}/tasks/{{id}}/resolve", _resolve)
     app.router.add_post(f"{p}/tasks/{{id}}/requeue", _requeue)
     app.router.add_get(f"{p}/stats", _stats, allow_head=False)
+    app.router.add_get(f"{p}/pause", _paused, allow_head=False)
+    app.router.add_post(f"{p}/pause", _pause)
+    app.router.add_post(f"{p}/resume", _resume)
+    app.router.add_get(f"{p}/limits", _limits, allow_head=False)
+    app.router.add_put(f"{p}/limits", _set_limit)
+    app.router.add_delete(f"{p}/limits", _clear_limit)
+    app.router.add_get(f"{p}/groups", _groups, allow_head=False)
+    app.router.add_get(f"{p}/groups/{{name}}", _group, allow_head=False)
+    app.router.add_put(f"{p}/groups/{{name}}", _set_group)
+    app.router.add_delete(f"{p}/groups/{{name}}", _delete_group)
+    app.router.add_post(f"{p}/purge", _purge)
     app.router.add_get(f"{p}/openapi.json", _openapi, allow_head=False)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
