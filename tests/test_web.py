@@ -784,3 +784,90 @@ def test_the_limit_body_documents_every_field_of_a_limits_table() -> None:
     from asynctaskd.web.schemas import LimitBody
 
     assert LimitBody.__struct_fields__ == LimitConfig.__struct_fields__
+
+
+# Bulk actions by filter.
+
+
+async def _fail_all(store: Store, n: int) -> None:
+    """Claim `n` submits and save each as FAILED (as a worker would)."""
+    batch = await store.claim(0, "submit", n, 30_000, "w1")
+    assert len(batch.claimed) == n, batch
+    for claimed in batch.claimed:
+        assert (await store.save(claimed.lease, Status.FAILED)).ok
+
+
+async def _bulk(api: Api, auth: dict[str, str], **body: Any) -> httpx.Response:
+    return await api.http.post(f"{API}/tasks/bulk", headers=auth, json=body)
+
+
+async def test_bulk_requeue_counts_first_then_acts_within_the_limit(
+    api: Api, store: Store, redis_client: redis.asyncio.Redis
+) -> None:
+    p1, p2 = await api.token("producer", "t1"), await api.token("producer", "t2")
+    op = await api.token("operator")
+    for auth in (p1, p1, p1, p2):
+        assert (await api.submit(auth)).status_code == 201
+    await ingest(store)
+    await _fail_all(store, 4)
+    before = await _snapshot(redis_client)
+    r = await _bulk(api, op, action="requeue", filter={"tenant": "t1"}, dry_run=True)
+    assert r.status_code == 200 and r.json()["matched"] == 3 and r.json()["acted"] is None
+    r = await _bulk(api, op, action="requeue", filter={"status": "FAILED"}, dry_run=True)
+    assert r.json()["matched"] == 4
+    assert await _snapshot(redis_client) == before  # a dry run writes nothing
+    r = await _bulk(api, op, action="requeue", filter={"tenant": "t1"}, limit=2)
+    assert r.status_code == 200, r.text
+    assert {k: r.json()[k] for k in ("matched", "capped", "acted", "failed")} == {
+        "matched": 2, "capped": True, "acted": 2, "failed": 0,
+    }  # fmt: skip
+    page = await api.client.list(status="FAILED")
+    assert sorted(t.tenant for t in page.tasks) == ["t1", "t2"]
+    r = await _bulk(api, op, action="requeue", filter={"status": "CANCELED"})
+    assert r.status_code == 422 and "FAILED, TRACKING_TIMED_OUT" in r.json()["error"]["message"]
+
+
+async def test_bulk_cancel_respects_roles_and_tenants(
+    api: Api, store: Store, redis_client: redis.asyncio.Redis
+) -> None:
+    p1, p2 = await api.token("producer", "t1"), await api.token("producer", "t2")
+    viewer, op = await api.token("viewer", "t1"), await api.token("operator")
+    mine = [(await api.submit(p1)).json()["id"] for _ in range(3)]
+    theirs = (await api.submit(p2)).json()["id"]
+    await ingest(store)
+    before = await _snapshot(redis_client)
+    refused = [
+        (viewer, {"action": "cancel"}, 403),
+        (viewer, {"action": "cancel", "dry_run": True}, 403),
+        (p1, {"action": "requeue", "dry_run": True}, 403),
+        (p1, {"action": "cancel", "filter": {"tenant": "t2"}}, 403),
+        (p1, {"action": "cancel", "filter": {"tenant": "t2"}, "dry_run": True}, 403),
+        ({}, {"action": "cancel"}, 401),
+        (op, {"action": "delete"}, 422),
+        (op, {"action": "cancel", "filter": {"status": "DONE"}}, 422),
+        (op, {"action": "cancel", "filter": {"status": "SUCCEEDED"}}, 422),
+        (op, {"action": "cancel", "filter": {"owner": "x"}}, 422),
+        (op, {"action": "cancel", "limit": 0}, 422),
+        (op, {"action": "cancel", "limit": 10_001}, 422),
+        (op, {"action": "cancel", "dry_run": "yes"}, 422),
+    ]
+    for who, body, status in refused:
+        r = await api.http.post(f"{API}/tasks/bulk", headers=who, json=body)
+        assert r.status_code == status, (body, r.text)
+        error_code(r)
+    assert await _snapshot(redis_client) == before
+    r = await _bulk(api, p1, action="cancel", dry_run=True)
+    assert r.json()["matched"] == 3  # only its own tenant's, without naming it
+    assert await _snapshot(redis_client) == before
+    r = await _bulk(api, p1, action="cancel", filter={"tenant": "t1", "handler": "demo"})
+    assert r.status_code == 200 and (r.json()["acted"], r.json()["failed"]) == (3, 0)
+    await ingest(store)
+    for task_id in mine:
+        task = await api.client.get(task_id)
+        assert task is not None and task.status is Status.CANCELED
+    other = await api.client.get(theirs)
+    assert other is not None and other.status is Status.PENDING_SUBMIT
+    r = await _bulk(api, op, action="cancel", dry_run=True)
+    assert r.json()["matched"] == 1
+    r = await _bulk(api, op, action="cancel")
+    assert (r.json()["matched"], r.json()["acted"]) == (1, 1)

@@ -39,9 +39,12 @@ from asynctaskd.errors import (
     UnknownHandler,
 )
 from asynctaskd.keys import Keys
+from asynctaskd.model import Status
 
 from .replay import missed_events
 from .schemas import (
+    BulkBody,
+    BulkResult,
     GroupBody,
     PauseBody,
     PurgeBody,
@@ -392,6 +395,86 @@ async def _purge(request: web.Request) -> web.Response:
     return _json(200, {"purged": purged})
 
 
+# Bulk actions: the tasks are found with the client's list paging, then each is one
+# client call, as a request per task would be.
+
+_REQUEUABLE: Final = (Status.FAILED, Status.TRACKING_TIMED_OUT)  # AsyncClient.requeue's
+_CANCELABLE: Final = tuple(s for s in Status if not s.is_settled)
+_COUNT_CAP: Final = 100_000  # a dry run stops counting here (and says so)
+_BULK_CONCURRENCY: Final = 32
+_BULK_ERRORS_SHOWN: Final = 10
+
+
+async def _matching(
+    client: AsyncClient, statuses: tuple[Status, ...], handler: str | None,
+    tenant: str | None, upto: int,
+) -> tuple[list[str], bool]:  # fmt: skip
+    """Ids of up to `upto` tasks with one of `statuses`, and whether there were more."""
+    ids: list[str] = []
+    for status in statuses:
+        cursor: str | None = None
+        while True:
+            page = await client.list(status=status, handler=handler, tenant=tenant,
+                                     limit=1000, cursor=cursor)  # fmt: skip
+            for task in page.tasks:
+                if len(ids) == upto:
+                    return ids, True
+                ids.append(task.id)
+            cursor = page.cursor
+            if cursor is None:
+                break
+    return ids, False
+
+
+async def _bulk(request: web.Request) -> web.Response:
+    """POST /tasks/bulk: requeue (operators) or cancel (operators; producers, their own
+    tenant's tasks only) what a filter matches, or with dry_run only count it."""
+    record = await _auth(request, _WRITERS)
+    body: BulkBody = await _body(request, BulkBody)
+    tenant = _scope(record)
+    if body.action == "requeue" and tenant is not None:
+        raise ApiError(403, "forbidden", "a producer token may not requeue; needs operator")
+    if tenant is not None and body.filter.tenant not in (None, tenant):
+        raise ApiError(403, "forbidden", f"this token acts on tenant {tenant!r} only")
+    allowed = _REQUEUABLE if body.action == "requeue" else _CANCELABLE
+    wanted = body.filter.status
+    if wanted is not None and wanted not in allowed:
+        raise ApiError(422, "invalid", f"{body.action} acts on {', '.join(allowed)} tasks, "
+                       f"not {wanted}")  # fmt: skip
+    statuses = allowed if wanted is None else (wanted,)
+    client = request.app[_CLIENT]
+    ids, more = await _matching(
+        client, statuses, body.filter.handler,
+        tenant if tenant is not None else body.filter.tenant,
+        _COUNT_CAP if body.dry_run else body.limit,
+    )  # fmt: skip
+    if body.dry_run:
+        return _json(200, BulkResult(matched=len(ids), capped=more))
+    errors: list[dict[str, str]] = []
+    acted = 0
+    gate = asyncio.Semaphore(_BULK_CONCURRENCY)
+
+    async def act(task_id: str) -> None:
+        nonlocal acted
+        async with gate:
+            try:
+                if body.action == "requeue":
+                    await client.requeue(task_id)
+                elif not await client.cancel(task_id, tenant):
+                    raise ApiError(409, "already_finished", f"task {task_id} had finished")
+                acted += 1
+            except (ApiError, AsyncTaskdError) as exc:
+                err = exc if isinstance(exc, ApiError) else _translate(exc)
+                errors.append({"id": task_id, "code": err.code, "message": err.message})
+
+    await asyncio.gather(*(act(i) for i in ids))
+    errors.sort(key=lambda e: e["id"])
+    shown = errors[:_BULK_ERRORS_SHOWN]
+    result = BulkResult(matched=len(ids), capped=more, acted=acted, failed=len(errors),
+                        errors=shown)  # fmt: skip
+    return _json(200, result)
+
+
 def _last_event_id(request: web.Request) -> int:
     text = request.headers.get("Last-Event-ID", "").strip()
     if not text:
@@ -523,6 +606,7 @@ def make_app(client: AsyncClient, settings: WebSettings) -> web.Application:
     p = PREFIX
     app.router.add_post(f"{p}/tasks", _submit)
     app.router.add_get(f"{p}/tasks", _list, allow_head=False)
+    app.router.add_post(f"{p}/tasks/bulk", _bulk)
     app.router.add_get(f"{p}/tasks/{{id}}", _get, allow_head=False)
     app.router.add_post(f"{p}/tasks/{{id}}/cancel", _cancel)
     app.router.add_get(f"{p}/tasks/{{id}}/events", _events, allow_head=False)

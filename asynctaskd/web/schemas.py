@@ -9,7 +9,7 @@ messages the API returns as they are.
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
@@ -18,6 +18,9 @@ from asynctaskd.model import Status, Task
 
 __all__ = [
     "INTERNALS",
+    "BulkBody",
+    "BulkFilter",
+    "BulkResult",
     "ErrorBody",
     "ErrorDetail",
     "GroupBody",
@@ -110,6 +113,38 @@ class PurgeBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
     older_than: int | float
     limit: int = 1000
+
+
+class BulkFilter(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Which tasks a bulk action is for; a producer's tenant is its token's."""
+
+    status: Status | None = None
+    handler: str | None = None
+    tenant: str | None = None
+
+
+class BulkBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """POST /tasks/bulk: `dry_run` only counts; otherwise acts on at most `limit` tasks.
+
+    `requeue` (operators) runs FAILED and TRACKING_TIMED_OUT tasks again; `cancel`
+    (operators; producers for their own tenant) cancels tasks that have not settled."""
+
+    action: Literal["requeue", "cancel"]
+    filter: BulkFilter = msgspec.field(default_factory=BulkFilter)
+    dry_run: bool = False
+    limit: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 1000
+
+
+class BulkResult(msgspec.Struct, frozen=True, kw_only=True):
+    """`matched`: tasks the filter found (a dry run counts up to 100000, `capped` beyond);
+    without dry_run, `acted` + `failed` = the tasks tried, at most `limit`; `errors` are
+    the first few failures."""
+
+    matched: int
+    capped: bool = False
+    acted: int | None = None
+    failed: int | None = None
+    errors: list[dict[str, str]] = msgspec.field(default_factory=list)
 
 
 class ErrorDetail(msgspec.Struct, frozen=True):
@@ -234,6 +269,19 @@ def openapi(version: str) -> dict[str, Any]:
                         **_AUTH,
                     },
                 },
+            },
+            "/tasks/bulk": {
+                "post": {
+                    "summary": "Requeue or cancel the tasks a filter matches; dry_run counts "
+                    "(operators; producers may cancel their own tenant's)",
+                    "requestBody": _body_of("BulkBody"),
+                    "responses": {
+                        "200": _ok("what matched, and what was done", "BulkResult"),
+                        "400": _err("malformed JSON"),
+                        "422": _err("bad action, filter or limit"),
+                        **_AUTH,
+                    },
+                }
             },
             "/tasks/{id}": {
                 "get": {
