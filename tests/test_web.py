@@ -7,6 +7,7 @@ import contextlib
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -871,3 +872,40 @@ async def test_bulk_cancel_respects_roles_and_tenants(
     assert r.json()["matched"] == 1
     r = await _bulk(api, op, action="cancel")
     assert (r.json()["matched"], r.json()["acted"]) == (1, 1)
+
+
+# Per-token request rates.
+
+
+async def test_a_token_over_its_rate_gets_429_and_writes_nothing(
+    api: Api, redis_client: redis.asyncio.Redis
+) -> None:
+    token, record = mint("producer", "t1", rate=0.01, burst=2)  # 1 per 100 s after 2
+    await api.redis.hset(tokens_key("atd"), record.id, msgspec.json.encode(record))
+    limited = {"Authorization": f"Bearer {token}"}
+    free = await api.token("producer", "t1")
+    assert (await api.submit(limited)).status_code == 201
+    assert (await api.http.get(f"{API}/tasks", headers=limited)).status_code == 200
+    before = await _snapshot(redis_client)
+    r = await api.submit(limited)
+    assert r.status_code == 429 and error_code(r) == "rate_limited"
+    assert 1 <= int(r.headers["Retry-After"]) <= 100
+    assert "0.01 requests per second" in r.json()["error"]["message"]
+    assert await _snapshot(redis_client) == before
+    assert (await api.http.get(f"{API}/tasks", headers=limited)).status_code == 429
+    assert (await api.http.get(f"{API}/tasks", headers=free)).status_code == 200  # per token
+
+
+def test_the_rate_limiter_refills_at_the_rate() -> None:
+    from asynctaskd.web.tokens import RateLimiter
+
+    _, record = mint("viewer", "t1", rate=0.5, burst=1)
+    limiter = RateLimiter()
+    assert limiter.take(record) == 0.0
+    assert 0 < limiter.take(record) <= 2.0
+    limiter._buckets[record.id] = (0.0, time.monotonic() - 2.0)  # as if 2 s had passed
+    assert limiter.take(record) == 0.0
+    _, unlimited = mint("viewer", "t1")
+    assert all(limiter.take(unlimited) == 0.0 for _ in range(100))
+    with pytest.raises(ValueError, match="burst needs a rate"):
+        mint("viewer", "t1", burst=3)

@@ -53,7 +53,7 @@ from .schemas import (
     openapi,
     public_task,
 )
-from .tokens import Role, TokenCache, TokenRecord
+from .tokens import RateLimiter, Role, TokenCache, TokenRecord
 
 __all__ = ["ApiError", "WebSettings", "make_app"]
 
@@ -150,6 +150,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 _CLIENT: Final = web.AppKey("client", AsyncClient)
 _TOKENS: Final = web.AppKey("tokens", TokenCache)
 _SETTINGS: Final = web.AppKey("settings", WebSettings)
+_RATES: Final = web.AppKey("rates", RateLimiter)
 _KEYS: Final = web.AppKey("keys", Keys)
 # The queues of the open event streams: a shutdown ends each one (a None) at once.
 _STREAMS: Final = web.AppKey("streams", set[asyncio.Queue[TaskEvent | None]])
@@ -165,6 +166,12 @@ async def _auth(request: web.Request, roles: tuple[Role, ...]) -> TokenRecord:
     if record is None:
         raise ApiError(401, "unauthorized", "the token is unknown or revoked",
                        **{"WWW-Authenticate": 'Bearer error="invalid_token"'})  # fmt: skip
+    wait = request.app[_RATES].take(record)
+    if wait > 0:
+        raise ApiError(429, "rate_limited",
+                       f"this token may make {record.rate:g} requests per second "
+                       f"(bursts of {record.burst}); try again in {wait:.2f} s",
+                       **{"Retry-After": str(max(1, math.ceil(wait)))})  # fmt: skip
     if record.role not in roles:
         needs = " or ".join(roles)
         raise ApiError(403, "forbidden", f"a {record.role} token may not do this; needs {needs}")
@@ -603,6 +610,7 @@ def make_app(client: AsyncClient, settings: WebSettings) -> web.Application:
     app[_STREAMS] = set()
     app.on_shutdown.append(_end_streams)
     app[_TOKENS] = TokenCache(client.redis, settings.namespace, settings.token_cache)
+    app[_RATES] = RateLimiter()
     p = PREFIX
     app.router.add_post(f"{p}/tasks", _submit)
     app.router.add_get(f"{p}/tasks", _list, allow_head=False)
