@@ -2,7 +2,9 @@
 
 W1 bench/lifecycle.py (child process), W2 bench/w2_poll.py (asynctaskd vs arq and SAQ from
 the bench-only venv, bench/peers/setup.sh), W3 bench/w3_due_lag.py, W4 bench/w4_wakeup.py,
-W5 bench/w5_memory.py, admission on/off bench/admission.py. The Redis ceiling
+W5 bench/w5_memory.py, W6 bench/w6_web.py (HTTP submits vs the Python client), W7
+bench/w7_sse.py (5,000 SSE watchers on one web process), admission on/off
+bench/admission.py. The Redis ceiling
 (redis-benchmark EVALSHA of a claim-shaped script) is measured first, on a fresh
 redis-server, and handed to every bench. Each bench prints its table and its JSON line;
 all JSON lines also go to bench/results/<time>.jsonl.
@@ -13,6 +15,8 @@ all JSON lines also go to bench/results/<time>.jsonl.
     W3          10,000 tasks, 15 s window         10,000 tasks, 60 s window
     W4          200 submits, 1 run                200 submits, 3 runs
     W5          100,000 stored                    1,000,000 stored
+    W6          5,000 POSTs, 32 clients           20,000 POSTs, 32 clients
+    W7          5,000 watchers, 200 changes       5,000 watchers, 1,000 changes
     adm         5,000 tasks, 20,000 paused        20,000 tasks, 100,000 paused
     cost        with --only cost                  instructions under callgrind: Redis per
                                                   script operation (2,000 tasks), the daemon
@@ -44,7 +48,7 @@ from bench import (
     table,
 )
 
-ALL = ("w1", "w2", "w3", "w4", "w5", "adm")  # and "cost": run by --full, or asked for
+ALL = ("w1", "w2", "w3", "w4", "w5", "w6", "w7", "adm")  # and "cost": run by --full, or asked for
 
 
 def run_w1(full: bool, ceiling: dict[str, Any]) -> dict[str, Any]:
@@ -103,7 +107,7 @@ def run_w1(full: bool, ceiling: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="the long versions (~10 minutes)")
-    parser.add_argument("--only", default=",".join(ALL), help="comma list of w1..w5, adm, cost")
+    parser.add_argument("--only", default=",".join(ALL), help="comma list of w1..w7, adm, cost")
     parser.add_argument("--profile", type=Path, help="directory for py-spy profiles (W2, W3)")
     args = parser.parse_args(argv)
     only = [x.strip().lower() for x in args.only.split(",") if x.strip()]
@@ -185,6 +189,22 @@ def main(argv: list[str] | None = None) -> int:
         w5_memory.report(r)
         emit("w5_memory", r)
         record("w5_memory", r)
+    if "w6" in only:
+        from bench import w6_web
+
+        say("\n== W6 HTTP API submits vs the Python client")
+        r = w6_web.run(20_000 if full else 5_000, 32)
+        w6_web.report(r)
+        emit("w6_web", r)
+        record("w6_web", r)
+    if "w7" in only:
+        from bench import w7_sse
+
+        say("\n== W7 SSE watchers on one web process")
+        r = w7_sse.run(5_000, 1_000 if full else 200)
+        w7_sse.report(r)
+        emit("w7_sse", r)
+        record("w7_sse", r)
 
     if "adm" in only:
         say("\n== Admission: claim throughput with limits on and off")

@@ -7,6 +7,7 @@ import contextlib
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -637,3 +638,274 @@ def test_a_bad_web_section_is_refused_naming_the_key(text: str, key: str) -> Non
 def test_the_web_section_defaults_to_loopback() -> None:
     web_config = parse_config("").web
     assert web_config.listen == "127.0.0.1:8080" and web_config.max_body == 1024 * 1024
+
+
+# Operators' runtime controls: pause, limits, groups, purge.
+
+
+async def test_pause_and_resume(api: Api) -> None:
+    op = await api.token("operator")
+    r = await api.http.post(f"{API}/pause", headers=op, json={"tenant": "t1", "note": "vendor"})
+    assert r.status_code == 200 and r.json() == {"dimension": "tenant:t1", "newly_paused": True}
+    again = await api.http.post(f"{API}/pause", headers=op, json={"tenant": "t1"})
+    assert again.json()["newly_paused"] is False
+    assert "tenant:t1" in await api.client.paused()
+    r = await api.http.get(f"{API}/pause", headers=op)
+    assert r.status_code == 200 and r.json()["paused"]["tenant:t1"]["note"] == "vendor"
+    r = await api.http.post(f"{API}/resume", headers=op, json={"tenant": "t1"})
+    assert r.status_code == 200 and r.json() == {"dimension": "tenant:t1", "moved": 0}
+    assert await api.client.paused() == {}
+
+
+async def test_limits_set_show_and_clear(api: Api) -> None:
+    op = await api.token("operator")
+    body = {"provider": "openai", "submit_rate": 5, "quota_period": "1h", "note": "n"}
+    r = await api.http.put(f"{API}/limits", headers=op, json=body)
+    assert r.status_code == 200, r.text
+    entry = r.json()
+    assert entry["scope"] == "provider:openai" and entry["source"] == "runtime"
+    assert entry["limit"]["submit_rate"] == 5 and entry["limit"]["quota_period"] == 3600
+    assert (await api.client.limits())["provider:openai"].limit.submit_rate == 5
+    r = await api.http.get(f"{API}/limits", headers=op)
+    assert [e["scope"] for e in r.json()["limits"]] == ["provider:openai"]
+    r = await api.http.delete(f"{API}/limits", headers=op, params={"scope": "provider:openai"})
+    assert r.status_code == 200 and r.json() == {"scope": "provider:openai", "cleared": True}
+    r = await api.http.delete(f"{API}/limits", headers=op, params={"scope": "provider:openai"})
+    assert r.status_code == 404 and error_code(r) == "not_found"
+    assert await api.client.limits() == {}
+
+
+async def test_groups_define_read_and_delete(api: Api) -> None:
+    op = await api.token("operator")
+    body = {"policy": "weighted", "members": ["a", {"handler": "b", "weight": 3}]}
+    r = await api.http.put(f"{API}/groups/g1", headers=op, json=body)
+    assert r.status_code == 200, r.text
+    shown = {"name": "g1", "policy": "weighted",
+             "members": [{"handler": "a", "weight": 1}, {"handler": "b", "weight": 3}]}  # fmt: skip
+    assert r.json() == shown
+    assert (await api.client.groups())["g1"].policy == "weighted"
+    assert (await api.http.get(f"{API}/groups/g1", headers=op)).json() == shown
+    assert (await api.http.get(f"{API}/groups", headers=op)).json() == {"groups": [shown]}
+    assert (await api.http.delete(f"{API}/groups/g1", headers=op)).status_code == 204
+    r = await api.http.delete(f"{API}/groups/g1", headers=op)
+    assert r.status_code == 404 and error_code(r) == "not_found"
+    assert (await api.http.get(f"{API}/groups/g1", headers=op)).status_code == 404
+
+
+async def test_purge_deletes_finished_tasks(api: Api, store: Store) -> None:
+    producer, op = await api.token("producer", "t1"), await api.token("operator")
+    task_id = (await api.submit(producer)).json()["id"]
+    live_id = (await api.submit(producer)).json()["id"]
+    await api.http.post(f"{API}/tasks/{task_id}/cancel", headers=producer)
+    await ingest(store)
+    r = await api.http.post(f"{API}/purge", headers=op, json={"older_than": 0, "limit": 10})
+    assert r.status_code == 200 and r.json() == {"purged": 1}
+    assert await api.client.get(task_id) is None and await api.client.get(live_id) is not None
+
+
+_OPERATOR_CALLS: list[tuple[str, str, Any]] = [
+    ("GET", "/pause", None),
+    ("POST", "/pause", {"tenant": "t1"}),
+    ("POST", "/resume", {"tenant": "t1"}),
+    ("GET", "/limits", None),
+    ("PUT", "/limits", {"provider": "openai", "submit_rate": 5}),
+    ("DELETE", "/limits?scope=provider:openai", None),
+    ("GET", "/groups", None),
+    ("GET", "/groups/g1", None),
+    ("PUT", "/groups/g1", {"policy": "round_robin", "members": ["a"]}),
+    ("DELETE", "/groups/g1", None),
+    ("POST", "/purge", {"older_than": 0}),
+]
+
+
+async def test_operator_controls_refuse_other_roles_and_bad_input_writing_nothing(
+    api: Api, redis_client: redis.asyncio.Redis
+) -> None:
+    op = await api.token("operator")
+    producer, viewer = await api.token("producer", "t1"), await api.token("viewer", "t1")
+    python = api.client
+    bad: list[tuple[str, str, Any, Any]] = [
+        # (method, path, body, the client's call that refuses the same input)
+        ("POST", "/pause", {}, lambda: python.pause()),
+        ("POST", "/pause", {"tenant": "t1", "handler": "h"},
+         lambda: python.pause(tenant="t1", handler="h")),
+        ("POST", "/pause", {"tenant": "no spaces"}, lambda: python.pause(tenant="no spaces")),
+        ("POST", "/pause", {"tenant": "t1", "note": "n" * 201},
+         lambda: python.pause(tenant="t1", note="n" * 201)),
+        ("POST", "/resume", {"provider": "a b"}, lambda: python.resume(provider="a b")),
+        ("PUT", "/limits", {"provider": "p", "submit_rate": -1},
+         lambda: python.set_limit(provider="p", submit_rate=-1)),
+        ("PUT", "/limits", {"provider": "p", "speed": 1},
+         lambda: python.set_limit(provider="p", speed=1)),
+        ("PUT", "/limits", {}, lambda: python.set_limit()),
+        ("DELETE", "/limits?scope=nowhere", None, lambda: python.clear_limit("nowhere")),
+        ("PUT", "/groups/g1", {"policy": "random", "members": ["a"]},
+         lambda: python.set_group("g1", "random", ["a"])),
+        ("PUT", "/groups/g1", {"policy": "weighted", "members": [{"handler": "a", "weight": 0}]},
+         lambda: python.set_group("g1", "weighted", [("a", 0)])),
+        ("PUT", "/groups/no%20spaces", {"policy": "round_robin", "members": ["a"]},
+         lambda: python.set_group("no spaces", "round_robin", ["a"])),
+        ("POST", "/purge", {"older_than": -1}, lambda: python.purge(-1)),
+        ("POST", "/purge", {"older_than": 0, "limit": 0}, lambda: python.purge(0, limit=0)),
+    ]  # fmt: skip
+    before = await _snapshot(redis_client)
+    for method, path, body in _OPERATOR_CALLS:
+        for who in (producer, viewer):
+            r = await api.http.request(method, API + path, headers=who, json=body)
+            assert (r.status_code, error_code(r)) == (403, "forbidden"), (method, path, r.text)
+        r = await api.http.request(method, API + path, json=body)
+        assert r.status_code == 401, (method, path)
+    for method, path, body, call in bad:
+        with pytest.raises(InvalidTask) as raised:
+            await call()
+        r = await api.http.request(method, API + path, headers=op, json=body)
+        assert (r.status_code, error_code(r)) == (422, "invalid"), (method, path, r.text)
+        assert r.json()["error"]["message"] == str(raised.value), (method, path)
+    typed: list[tuple[str, str, Any]] = [
+        ("POST", "/pause", {"tenant": 5}),
+        ("POST", "/pause", {"tenant": "t1", "why": "x"}),
+        ("POST", "/resume", {"tenant": "t1", "note": "x"}),
+        ("PUT", "/limits", ["provider"]),
+        ("PUT", "/groups/g1", {"policy": "round_robin"}),
+        ("PUT", "/groups/g1", {"policy": "round_robin", "members": [{"handler": "a", "w": 1}]}),
+        ("POST", "/purge", {"older_than": "old"}),
+        ("DELETE", "/limits", None),
+        ("DELETE", "/limits?scope=tenant:t1&x=1", None),
+    ]
+    for method, path, body in typed:
+        r = await api.http.request(method, API + path, headers=op, json=body)
+        assert (r.status_code, error_code(r)) == (422, "invalid"), (method, path, r.text)
+    r = await api.http.request("POST", f"{API}/pause", headers=op, content=b"{")
+    assert r.status_code == 415
+    assert await _snapshot(redis_client) == before
+
+
+def test_the_limit_body_documents_every_field_of_a_limits_table() -> None:
+    from asynctaskd.config.tables import LimitConfig
+    from asynctaskd.web.schemas import LimitBody
+
+    assert LimitBody.__struct_fields__ == LimitConfig.__struct_fields__
+
+
+# Bulk actions by filter.
+
+
+async def _fail_all(store: Store, n: int) -> None:
+    """Claim `n` submits and save each as FAILED (as a worker would)."""
+    batch = await store.claim(0, "submit", n, 30_000, "w1")
+    assert len(batch.claimed) == n, batch
+    for claimed in batch.claimed:
+        assert (await store.save(claimed.lease, Status.FAILED)).ok
+
+
+async def _bulk(api: Api, auth: dict[str, str], **body: Any) -> httpx.Response:
+    return await api.http.post(f"{API}/tasks/bulk", headers=auth, json=body)
+
+
+async def test_bulk_requeue_counts_first_then_acts_within_the_limit(
+    api: Api, store: Store, redis_client: redis.asyncio.Redis
+) -> None:
+    p1, p2 = await api.token("producer", "t1"), await api.token("producer", "t2")
+    op = await api.token("operator")
+    for auth in (p1, p1, p1, p2):
+        assert (await api.submit(auth)).status_code == 201
+    await ingest(store)
+    await _fail_all(store, 4)
+    before = await _snapshot(redis_client)
+    r = await _bulk(api, op, action="requeue", filter={"tenant": "t1"}, dry_run=True)
+    assert r.status_code == 200 and r.json()["matched"] == 3 and r.json()["acted"] is None
+    r = await _bulk(api, op, action="requeue", filter={"status": "FAILED"}, dry_run=True)
+    assert r.json()["matched"] == 4
+    assert await _snapshot(redis_client) == before  # a dry run writes nothing
+    r = await _bulk(api, op, action="requeue", filter={"tenant": "t1"}, limit=2)
+    assert r.status_code == 200, r.text
+    assert {k: r.json()[k] for k in ("matched", "capped", "acted", "failed")} == {
+        "matched": 2, "capped": True, "acted": 2, "failed": 0,
+    }  # fmt: skip
+    page = await api.client.list(status="FAILED")
+    assert sorted(t.tenant for t in page.tasks) == ["t1", "t2"]
+    r = await _bulk(api, op, action="requeue", filter={"status": "CANCELED"})
+    assert r.status_code == 422 and "FAILED, TRACKING_TIMED_OUT" in r.json()["error"]["message"]
+
+
+async def test_bulk_cancel_respects_roles_and_tenants(
+    api: Api, store: Store, redis_client: redis.asyncio.Redis
+) -> None:
+    p1, p2 = await api.token("producer", "t1"), await api.token("producer", "t2")
+    viewer, op = await api.token("viewer", "t1"), await api.token("operator")
+    mine = [(await api.submit(p1)).json()["id"] for _ in range(3)]
+    theirs = (await api.submit(p2)).json()["id"]
+    await ingest(store)
+    before = await _snapshot(redis_client)
+    refused = [
+        (viewer, {"action": "cancel"}, 403),
+        (viewer, {"action": "cancel", "dry_run": True}, 403),
+        (p1, {"action": "requeue", "dry_run": True}, 403),
+        (p1, {"action": "cancel", "filter": {"tenant": "t2"}}, 403),
+        (p1, {"action": "cancel", "filter": {"tenant": "t2"}, "dry_run": True}, 403),
+        ({}, {"action": "cancel"}, 401),
+        (op, {"action": "delete"}, 422),
+        (op, {"action": "cancel", "filter": {"status": "DONE"}}, 422),
+        (op, {"action": "cancel", "filter": {"status": "SUCCEEDED"}}, 422),
+        (op, {"action": "cancel", "filter": {"owner": "x"}}, 422),
+        (op, {"action": "cancel", "limit": 0}, 422),
+        (op, {"action": "cancel", "limit": 10_001}, 422),
+        (op, {"action": "cancel", "dry_run": "yes"}, 422),
+    ]
+    for who, body, status in refused:
+        r = await api.http.post(f"{API}/tasks/bulk", headers=who, json=body)
+        assert r.status_code == status, (body, r.text)
+        error_code(r)
+    assert await _snapshot(redis_client) == before
+    r = await _bulk(api, p1, action="cancel", dry_run=True)
+    assert r.json()["matched"] == 3  # only its own tenant's, without naming it
+    assert await _snapshot(redis_client) == before
+    r = await _bulk(api, p1, action="cancel", filter={"tenant": "t1", "handler": "demo"})
+    assert r.status_code == 200 and (r.json()["acted"], r.json()["failed"]) == (3, 0)
+    await ingest(store)
+    for task_id in mine:
+        task = await api.client.get(task_id)
+        assert task is not None and task.status is Status.CANCELED
+    other = await api.client.get(theirs)
+    assert other is not None and other.status is Status.PENDING_SUBMIT
+    r = await _bulk(api, op, action="cancel", dry_run=True)
+    assert r.json()["matched"] == 1
+    r = await _bulk(api, op, action="cancel")
+    assert (r.json()["matched"], r.json()["acted"]) == (1, 1)
+
+
+# Per-token request rates.
+
+
+async def test_a_token_over_its_rate_gets_429_and_writes_nothing(
+    api: Api, redis_client: redis.asyncio.Redis
+) -> None:
+    token, record = mint("producer", "t1", rate=0.01, burst=2)  # 1 per 100 s after 2
+    await api.redis.hset(tokens_key("atd"), record.id, msgspec.json.encode(record))
+    limited = {"Authorization": f"Bearer {token}"}
+    free = await api.token("producer", "t1")
+    assert (await api.submit(limited)).status_code == 201
+    assert (await api.http.get(f"{API}/tasks", headers=limited)).status_code == 200
+    before = await _snapshot(redis_client)
+    r = await api.submit(limited)
+    assert r.status_code == 429 and error_code(r) == "rate_limited"
+    assert 1 <= int(r.headers["Retry-After"]) <= 100
+    assert "0.01 requests per second" in r.json()["error"]["message"]
+    assert await _snapshot(redis_client) == before
+    assert (await api.http.get(f"{API}/tasks", headers=limited)).status_code == 429
+    assert (await api.http.get(f"{API}/tasks", headers=free)).status_code == 200  # per token
+
+
+def test_the_rate_limiter_refills_at_the_rate() -> None:
+    from asynctaskd.web.tokens import RateLimiter
+
+    _, record = mint("viewer", "t1", rate=0.5, burst=1)
+    limiter = RateLimiter()
+    assert limiter.take(record) == 0.0
+    assert 0 < limiter.take(record) <= 2.0
+    limiter._buckets[record.id] = (0.0, time.monotonic() - 2.0)  # as if 2 s had passed
+    assert limiter.take(record) == 0.0
+    _, unlimited = mint("viewer", "t1")
+    assert all(limiter.take(unlimited) == 0.0 for _ in range(100))
+    with pytest.raises(ValueError, match="burst needs a rate"):
+        mint("viewer", "t1", burst=3)

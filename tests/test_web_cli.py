@@ -116,6 +116,9 @@ def test_tokens_made_and_revoked_at_runtime(
         ["--role", "producer"],  # a producer must be bound to a tenant
         ["--role", "operator", "--tenant", "t1"],  # an operator sees every tenant
         ["--role", "viewer", "--tenant", "no spaces"],
+        ["--role", "producer", "--tenant", "t1", "--burst", "5"],  # a burst needs a rate
+        ["--role", "producer", "--tenant", "t1", "--rate", "0"],
+        ["--role", "producer", "--tenant", "t1", "--rate", "5", "--burst", "0"],
     ],
 )
 def test_token_create_refuses_a_role_without_its_tenant_rule(
@@ -124,6 +127,25 @@ def test_token_create_refuses_a_role_without_its_tenant_rule(
     proc = cli("token", "create", "--config", str(config), *args, check=EXIT_USAGE)
     assert "invalid input" in proc.stderr
     assert sync_redis.hlen("atd:web:tokens") == 0
+
+
+def test_a_token_with_a_rate_gets_429_over_it(
+    config: Path, web_process: tuple[subprocess.Popen[str], str], sync_redis: SyncRedis
+) -> None:
+    _, base = web_process
+    made = json.loads(
+        cli("token", "create", "--config", str(config), "--role", "viewer", "--tenant", "t1",
+            "--rate", "0.01", "--burst", "2", "--json").stdout
+    )  # fmt: skip
+    assert (made["rate"], made["burst"]) == (0.01, 2)
+    listed = cli("token", "list", "--config", str(config)).stdout
+    assert "0.01/2" in listed
+    auth = {"Authorization": f"Bearer {made['token']}"}
+    codes = [httpx.get(f"{base}/api/v1/tasks", headers=auth).status_code for _ in range(3)]
+    assert codes == [200, 200, 429]
+    r = httpx.get(f"{base}/api/v1/tasks", headers=auth)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limited"
+    assert 1 <= int(r.headers["Retry-After"]) <= 100
 
 
 def test_the_unit_runs_asynctaskd_web(tmp_path: Path) -> None:

@@ -28,13 +28,15 @@ def _token(client: Any, args: argparse.Namespace, namespace: str) -> int:
     key = tokens_key(namespace)
     if args.token_command == "create":
         try:
-            token, record = mint(args.role, args.tenant, args.note)
+            token, record = mint(args.role, args.tenant, args.note, rate=args.rate,
+                                 burst=args.burst)  # fmt: skip
         except ValueError as exc:
             raise InvalidTask(str(exc)) from None
         client.redis.hset(key, record.id, msgspec.json.encode(record))
         if args.json:
             _out(json.dumps({"id": record.id, "token": token, "role": record.role,
-                             "tenant": record.tenant or None}))  # fmt: skip
+                             "tenant": record.tenant or None, "rate": record.rate,
+                             "burst": record.burst}))  # fmt: skip
         else:
             _out(token)
             bound = f", tenant {record.tenant}" if record.tenant else ""
@@ -53,10 +55,11 @@ def _token(client: Any, args: argparse.Namespace, namespace: str) -> int:
             _out(json.dumps([{k: v for k, v in msgspec.to_builtins(r).items() if k != "sha256"}
                              for r in records]))  # fmt: skip
         else:
-            _out(f"{'id':<18}{'role':<10}{'tenant':<20}{'created':<22}note")
+            _out(f"{'id':<18}{'role':<10}{'tenant':<20}{'created':<22}{'rate/s':<12}note")
             for r in records:
                 made = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(r.created_at))
-                _out(f"{r.id:<18}{r.role:<10}{r.tenant or '-':<20}{made:<22}{r.note}")
+                rate = "-" if r.rate is None else f"{r.rate:g}/{r.burst}"
+                _out(f"{r.id:<18}{r.role:<10}{r.tenant or '-':<20}{made:<22}{rate:<12}{r.note}")
         return 0
     if not client.redis.hdel(key, args.token_id):
         raise TaskNotFound(f"no token {args.token_id} in namespace {namespace!r}")

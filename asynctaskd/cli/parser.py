@@ -92,6 +92,10 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     tp.add_argument("--tenant", help="the tenant a producer or viewer token is bound to")
     tp.add_argument("--note", default="", help="who or what the token is for")
+    tp.add_argument("--rate", type=float, help="requests per second this token may make "
+                    "(per web process; over it: 429 with Retry-After)")  # fmt: skip
+    tp.add_argument("--burst", type=int, help="requests at once above the rate (default: "
+                    "the rate, rounded up)")  # fmt: skip
     tp = tsub.add_parser("list", help="every token (ids, roles, tenants; never secrets)")
     conn(tp)
     js(tp)

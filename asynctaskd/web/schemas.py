@@ -9,7 +9,7 @@ messages the API returns as they are.
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
@@ -18,8 +18,16 @@ from asynctaskd.model import Status, Task
 
 __all__ = [
     "INTERNALS",
+    "BulkBody",
+    "BulkFilter",
+    "BulkResult",
     "ErrorBody",
     "ErrorDetail",
+    "GroupBody",
+    "GroupMember",
+    "LimitBody",
+    "PauseBody",
+    "PurgeBody",
     "ResolveBody",
     "SubmitBody",
     "openapi",
@@ -57,6 +65,86 @@ class ResolveBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     external_id: str | None = None
     query: dict[str, Any] | None = None
     message: str = ""
+
+
+class PauseBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """POST /pause and POST /resume (operators): exactly one dimension; `note` for pause."""
+
+    handler: str | None = None
+    provider: str | None = None
+    tenant: str | None = None
+    account: str | None = None
+    note: str = ""
+
+
+class LimitBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """PUT /limits (operators): one `[[limits]]` table (asynctaskd.config.LimitConfig).
+
+    Documentation only: the server hands the JSON object to AsyncClient.set_limit, which
+    checks it (a test keeps these fields equal to LimitConfig's)."""
+
+    provider: str = ""
+    account: str = ""
+    tenant: str = ""
+    submit_rate: float | None = None
+    submit_burst: int | None = None
+    query_rate: float | None = None
+    query_burst: int | None = None
+    max_in_flight: int | None = None
+    quota: int | None = None
+    quota_period: float | str = 86400.0
+    note: str = ""
+
+
+class GroupMember(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    handler: str
+    weight: int = 1
+
+
+class GroupBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """PUT /groups/{name} (operators): a member is a handler key or {handler, weight}."""
+
+    policy: str
+    members: list[str | GroupMember]
+
+
+class PurgeBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """POST /purge (operators): delete up to `limit` tasks finished over `older_than` s ago."""
+
+    older_than: int | float
+    limit: int = 1000
+
+
+class BulkFilter(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Which tasks a bulk action is for; a producer's tenant is its token's."""
+
+    status: Status | None = None
+    handler: str | None = None
+    tenant: str | None = None
+
+
+class BulkBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """POST /tasks/bulk: `dry_run` only counts; otherwise acts on at most `limit` tasks.
+
+    `requeue` (operators) runs FAILED and TRACKING_TIMED_OUT tasks again; `cancel`
+    (operators; producers for their own tenant) cancels tasks that have not settled."""
+
+    action: Literal["requeue", "cancel"]
+    filter: BulkFilter = msgspec.field(default_factory=BulkFilter)
+    dry_run: bool = False
+    limit: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 1000
+
+
+class BulkResult(msgspec.Struct, frozen=True, kw_only=True):
+    """`matched`: tasks the filter found (a dry run counts up to 100000, `capped` beyond);
+    without dry_run, `acted` + `failed` = the tasks tried, at most `limit`; `errors` are
+    the first few failures."""
+
+    matched: int
+    capped: bool = False
+    acted: int | None = None
+    failed: int | None = None
+    errors: list[dict[str, str]] = msgspec.field(default_factory=list)
 
 
 class ErrorDetail(msgspec.Struct, frozen=True):
@@ -106,7 +194,19 @@ _TASK_ERRORS = {
 def openapi(version: str) -> dict[str, Any]:
     """The OpenAPI 3.1 document of /api/v1, its schemas generated from the Structs."""
     _, components = msgspec.json.schema_components(
-        [SubmitBody, ResolveBody, ErrorBody, Task, TaskPage, TaskEvent, Stats],
+        [
+            SubmitBody,
+            ResolveBody,
+            ErrorBody,
+            Task,
+            TaskPage,
+            TaskEvent,
+            Stats,
+            PauseBody,
+            LimitBody,
+            GroupBody,
+            PurgeBody,
+        ],
         ref_template="#/components/schemas/{name}",
     )
     task_schema = components["Task"]
@@ -169,6 +269,19 @@ def openapi(version: str) -> dict[str, Any]:
                         **_AUTH,
                     },
                 },
+            },
+            "/tasks/bulk": {
+                "post": {
+                    "summary": "Requeue or cancel the tasks a filter matches; dry_run counts "
+                    "(operators; producers may cancel their own tenant's)",
+                    "requestBody": _body_of("BulkBody"),
+                    "responses": {
+                        "200": _ok("what matched, and what was done", "BulkResult"),
+                        "400": _err("malformed JSON"),
+                        "422": _err("bad action, filter or limit"),
+                        **_AUTH,
+                    },
+                }
             },
             "/tasks/{id}": {
                 "get": {
@@ -242,5 +355,104 @@ def openapi(version: str) -> dict[str, Any]:
                     "responses": {"200": _ok("the counts", "Stats"), **_AUTH},
                 }
             },
+            **_operator_paths(),
+        },
+    }
+
+
+def _body_of(schema: str) -> dict[str, Any]:
+    return {
+        "required": True,
+        "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}},
+    }
+
+
+_INVALID = {"422": _err("invalid input; the message is the Python client's"), **_AUTH}
+
+
+def _operator_paths() -> dict[str, Any]:
+    """Operators' runtime controls: AsyncClient's pause, limits, groups and purge."""
+    name = {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
+    return {
+        "/pause": {
+            "get": {
+                "summary": "Operators: the paused dimensions, with when and note",
+                "responses": {"200": _ok("{paused: {dimension: {at, note}}}", None), **_AUTH},
+            },
+            "post": {
+                "summary": "Operators: hold back new vendor submits of one handler, "
+                "provider, tenant or account (exactly one)",
+                "requestBody": _body_of("PauseBody"),
+                "responses": {"200": _ok("{dimension, newly_paused}", None), **_INVALID},
+            },
+        },
+        "/resume": {
+            "post": {
+                "summary": "Operators: lift a pause; held tasks go back in their order",
+                "requestBody": _body_of("PauseBody"),
+                "responses": {"200": _ok("{dimension, moved}", None), **_INVALID},
+            }
+        },
+        "/limits": {
+            "get": {
+                "summary": "Operators: the admission limits stored in Redis",
+                "responses": {"200": _ok("{limits: [{scope, source, limit}]}", None), **_AUTH},
+            },
+            "put": {
+                "summary": "Operators: set one scope's limits at runtime (replaces its entry)",
+                "requestBody": _body_of("LimitBody"),
+                "responses": {"200": _ok("{scope, source, limit}", None), **_INVALID},
+            },
+            "delete": {
+                "summary": "Operators: delete one scope's limits",
+                "parameters": [
+                    {"name": "scope", "in": "query", "required": True, "schema": {"type": "string"}}
+                ],
+                "responses": {
+                    "200": _ok("{scope, cleared: true}", None),
+                    "404": _err("no limits for that scope"),
+                    **_INVALID,
+                },
+            },
+        },
+        "/groups": {
+            "get": {
+                "summary": "Operators: every handler group",
+                "responses": {"200": _ok("{groups: [{name, policy, members}]}", None), **_AUTH},
+            }
+        },
+        "/groups/{name}": {
+            "get": {
+                "summary": "Operators: one handler group",
+                "parameters": [name],
+                "responses": {
+                    "200": _ok("{name, policy, members}", None),
+                    "404": _err("no such group"),
+                    **_AUTH,
+                },
+            },
+            "put": {
+                "summary": "Operators: define or replace a handler group",
+                "parameters": [name],
+                "requestBody": _body_of("GroupBody"),
+                "responses": {"200": _ok("{name, policy, members}", None), **_INVALID},
+            },
+            "delete": {
+                "summary": "Operators: delete a handler group",
+                "parameters": [name],
+                "responses": {
+                    "204": _ok("deleted", None),
+                    "404": _err("no such group"),
+                    **_INVALID,
+                },
+            },
+        },
+        "/purge": {
+            "post": {
+                "summary": "Operators: delete up to `limit` tasks finished over "
+                "`older_than` seconds ago",
+                "requestBody": _body_of("PurgeBody"),
+                "responses": {"200": _ok("{purged}", None), **_INVALID},
+            }
         },
     }

@@ -6,6 +6,11 @@ secret, never the secret itself. So a copy of Redis lets nobody call the API, an
 finds the record in one HGET without scanning. The secret is 32 random bytes: a fast hash
 is enough, nothing can be guessed.
 
+A token may carry a request rate (`rate` per second, `burst`): the web process keeps a
+token bucket per token in its own memory (`RateLimiter`), so with several web processes
+each allows the rate. Not the admission buckets of lua/take.lua: that script is the
+daemon's (docs/security.md), and the web process connects as a producer.
+
 Any process may create or revoke a token (`asynctaskd token ...`); the web process reads
 records through a cache trusted for `[web] token_cache` seconds, so a new token works at
 once (a miss is read from Redis) and a revoked one stops within that time, no restart.
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import re
 import secrets
 import time
@@ -24,7 +30,7 @@ import msgspec
 
 from asynctaskd.keys import HANDLER_KEY_RE
 
-__all__ = ["ROLES", "Role", "TokenCache", "TokenRecord", "mint", "tokens_key"]
+__all__ = ["ROLES", "RateLimiter", "Role", "TokenCache", "TokenRecord", "mint", "tokens_key"]
 
 Role = Literal["producer", "viewer", "operator"]
 ROLES: Final[tuple[Role, ...]] = ("producer", "viewer", "operator")
@@ -40,6 +46,8 @@ class TokenRecord(msgspec.Struct, frozen=True, kw_only=True):
     note: str = ""
     sha256: str
     created_at: float
+    rate: float | None = None  # requests per second, None: no limit of its own
+    burst: int | None = None
 
 
 def tokens_key(namespace: str) -> str:
@@ -51,9 +59,26 @@ def _digest(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
-def mint(role: Role, tenant: str | None, note: str = "") -> tuple[str, TokenRecord]:
+_MAX_RATE: Final = 1_000_000.0
+
+
+def mint(
+    role: Role, tenant: str | None, note: str = "", *, rate: float | None = None,
+    burst: int | None = None,
+) -> tuple[str, TokenRecord]:  # fmt: skip
     """A new token and the record to store for it. Producers and viewers must be bound to
-    a tenant (they may only see its tasks); operators must not be (they see all)."""
+    a tenant (they may only see its tasks); operators must not be (they see all). With
+    `rate`, at most that many requests per second (bursts of `burst`, default the rate
+    rounded up) are answered; the others get 429."""
+    if rate is not None and not (isinstance(rate, int | float) and 0 < rate <= _MAX_RATE):
+        raise ValueError(f"rate must be a number of requests per second above 0, got {rate!r}")
+    if burst is not None:
+        if rate is None:
+            raise ValueError("a burst needs a rate: give --rate too")
+        if not isinstance(burst, int) or isinstance(burst, bool) or not 1 <= burst <= 1_000_000:
+            raise ValueError(f"burst must be an integer from 1 to 1000000, got {burst!r}")
+    if rate is not None and burst is None:
+        burst = max(1, math.ceil(rate))
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
     if role == "operator" and tenant:
@@ -73,6 +98,8 @@ def mint(role: Role, tenant: str | None, note: str = "") -> tuple[str, TokenReco
         note=note,
         sha256=_digest(secret),
         created_at=time.time(),
+        rate=None if rate is None else float(rate),
+        burst=burst,
     )
     return f"atd_{token_id}_{secret}", record
 
@@ -110,3 +137,24 @@ class TokenCache:
         if record is None or not hmac.compare_digest(record.sha256, _digest(secret)):
             return None
         return record
+
+
+class RateLimiter:
+    """A token bucket per token id, in this process: `take` answers 0 if the request may
+    go on, else the seconds until it may."""
+
+    def __init__(self) -> None:
+        self._buckets: dict[str, tuple[float, float]] = {}  # id -> (tokens, at)
+
+    def take(self, record: TokenRecord) -> float:
+        if record.rate is None:
+            return 0.0
+        burst = float(record.burst or max(1, math.ceil(record.rate)))
+        now = time.monotonic()
+        tokens, at = self._buckets.get(record.id, (burst, now))
+        tokens = min(burst, tokens + (now - at) * record.rate)
+        if tokens >= 1.0:
+            self._buckets[record.id] = (tokens - 1.0, now)
+            return 0.0
+        self._buckets[record.id] = (tokens, now)
+        return (1.0 - tokens) / record.rate
