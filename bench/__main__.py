@@ -16,7 +16,7 @@ all JSON lines also go to bench/results/<time>.jsonl.
     W4          200 submits, 1 run                200 submits, 3 runs
     W5          100,000 stored                    1,000,000 stored
     W6          5,000 POSTs, 32 clients           20,000 POSTs, 32 clients
-    W7          5,000 watchers, 200 changes       5,000 watchers, 1,000 changes
+    W7          1,000 watchers, 100 changes       5,000 watchers, 1,000 changes
     adm         5,000 tasks, 20,000 paused        20,000 tasks, 100,000 paused
     cost        with --only cost                  instructions under callgrind: Redis per
                                                   script operation (2,000 tasks), the daemon
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         from bench import w7_sse
 
         say("\n== W7 SSE watchers on one web process")
-        r = w7_sse.run(5_000, 1_000 if full else 200)
+        r = w7_sse.run(5_000 if full else 1_000, 1_000 if full else 100)
         w7_sse.report(r)
         emit("w7_sse", r)
         record("w7_sse", r)
