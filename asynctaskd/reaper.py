@@ -151,10 +151,17 @@ async def observe(store: Store, metrics: Metrics) -> None:
     counts = await store.counts()
     for status in Status:
         metrics.tasks.labels(status.value).set(counts.get(status.value, 0))
+    by_handler: dict[str, dict[str, int]] = {}
     for name, value in counts.items():
         status_name, sep, handler = name.partition("@")
         if sep:
-            metrics.tasks_by_handler.labels(status_name, handler).set(value)
+            by_handler.setdefault(handler, {})[status_name] = value
+    # Every status of every handler seen, 0 where its counter is absent: a handler whose
+    # tasks never waited in a status (a claim straight from the intake writes no
+    # PENDING_SUBMIT counter) still has that series, as one whose counter went back to 0.
+    for handler, row in by_handler.items():
+        for status in Status:
+            metrics.tasks_by_handler.labels(status.value, handler).set(row.get(status.value, 0))
     backlog = await read_backlog(store)
     for phase in PHASES:
         metrics.oldest_pending_age.labels(phase).set(backlog.oldest_age[phase])

@@ -538,6 +538,21 @@ async def test_backlog_gauges_read_every_priority_band_and_live_daemons(store: S
     assert value("asynctaskd_tasks", {"status": "SUBMIT_UNKNOWN"}) == 0
 
 
+async def test_per_handler_gauges_have_every_status_even_without_its_counter(
+    store: Store,
+) -> None:
+    # tasks claimed straight from the intake never count as PENDING_SUBMIT: no such field
+    await store.redis.hset(store.keys.counts(0), mapping={"SUBMITTING@h": 2, "SUBMITTING": 2})
+    metrics = Metrics()
+    await observe(store, metrics)
+    value = metrics.registry.get_sample_value
+    assert value("asynctaskd_tasks_by_handler", {"status": "SUBMITTING", "handler": "h"}) == 2
+    for status in Status:
+        if status is not Status.SUBMITTING:
+            labels = {"status": status.value, "handler": "h"}
+            assert value("asynctaskd_tasks_by_handler", labels) == 0, status
+
+
 # --- systemd units ---------------------------------------------------------------------------
 
 
