@@ -77,13 +77,15 @@ async def test_a_new_task_claimed_at_intake_ends_as_one_claimed_the_long_way(
     await check_invariants(redis_client, keys)
 
 
+async def _mixed_priorities(store: Store) -> list[Any]:
+    """Four requests, not taken in: priority 0, 9, 0, -3, in that order."""
+    return [await create(store, priority=p, take_in=False) for p in (0, 9, 0, -3)]
+
+
 async def test_new_tasks_are_claimed_in_ready_order_and_the_rest_wait_ready(
     store: Store, redis_client: redis.asyncio.Redis, keys: Keys
 ) -> None:
-    low1 = await create(store, priority=0, take_in=False)
-    high = await create(store, priority=9, take_in=False)
-    low2 = await create(store, priority=0, take_in=False)
-    neg = await create(store, priority=-3, take_in=False)
+    low1, high, low2, neg = await _mixed_priorities(store)
     first = await store.claim(0, "submit", 2, 10_000, "w")
     assert first.taken == 4
     assert [c.lease.task_id for c in first.claimed] == [high.task_id, low1.task_id]
@@ -189,10 +191,7 @@ async def test_ties_go_by_id_in_byte_order_as_in_the_ready_set(
 async def test_new_tasks_claimed_together_come_in_priority_order(
     store: Store, redis_client: redis.asyncio.Redis, keys: Keys
 ) -> None:
-    low1 = await create(store, priority=0, take_in=False)
-    high = await create(store, priority=9, take_in=False)
-    low2 = await create(store, priority=0, take_in=False)
-    neg = await create(store, priority=-3, take_in=False)
+    low1, high, low2, neg = await _mixed_priorities(store)
     batch = await store.claim(0, "submit", 10, 10_000, "w")
     order = [c.lease.task_id for c in batch.claimed]
     assert order == [high.task_id, low1.task_id, low2.task_id, neg.task_id]
