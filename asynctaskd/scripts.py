@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from functools import cache
 from importlib.resources import files
@@ -12,7 +13,15 @@ import msgspec
 
 from .model import LEGAL_TRANSITIONS
 
-__all__ = ["CORE", "SCRIPT_NAMES", "Script", "includes", "legal_table_lua", "load_scripts"]
+__all__ = [
+    "CORE",
+    "SCRIPT_NAMES",
+    "Script",
+    "export_files",
+    "includes",
+    "legal_table_lua",
+    "load_scripts",
+]
 
 SCRIPT_NAMES: Final = (
     "create",
@@ -149,4 +158,29 @@ def load_scripts() -> dict[str, Script]:
         source = f"{head}{parts}\n-- script: {name}\n{body}"
         sha = hashlib.sha1(source.encode()).hexdigest()
         out[name] = Script(name, summary, keys, argv, variadic, body, needs, source, sha)
+    return out
+
+
+def export_files(protocol: int) -> dict[str, bytes]:
+    """What a producer in another language loads the scripts from, file name -> bytes:
+    `<name>.lua` (the exact source Redis runs: its SHA-1 is the script's SHA),
+    `manifest.json` ({"protocol", "scripts": {name: {"sha1", "keys", "argv", "variadic"}}})
+    and `SHA1SUMS` (as `sha1sum -c` reads it). `asynctaskd scripts export` writes them; the
+    copy in protocol/scripts/ is these files, checked by a test (docs/protocol.md, 7)."""
+    scripts = sorted(load_scripts().items())
+    out = {f"{name}.lua": script.source.encode() for name, script in scripts}
+    manifest = {
+        "protocol": protocol,
+        "scripts": {
+            name: {
+                "sha1": script.sha,
+                "keys": list(script.keys),
+                "argv": script.argv_count,
+                "variadic": script.variadic,
+            }
+            for name, script in scripts
+        },
+    }
+    out["manifest.json"] = (json.dumps(manifest, indent=2) + "\n").encode()
+    out["SHA1SUMS"] = "".join(f"{s.sha}  {name}.lua\n" for name, s in scripts).encode()
     return out

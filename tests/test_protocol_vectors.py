@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -14,8 +15,11 @@ from asynctaskd import AsyncClient
 from asynctaskd.errors import ConfigError
 from asynctaskd.keys import PROTOCOL_VERSION, Keys, shard_for_dedup
 from asynctaskd.model import shard_of
+from asynctaskd.scripts import export_files
 from tests.configs import write_daemon_config
 
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = ROOT / "protocol" / "scripts"
 VECTORS = json.loads((Path(__file__).parent / "vectors" / "dedup_shard.json").read_text())
 
 
@@ -85,7 +89,7 @@ def test_exported_scripts_load_under_the_sha_the_manifest_names(
         timeout=60,
         check=True,
     )
-    assert "scripts and manifest.json" in out.stdout
+    assert "manifest.json and SHA1SUMS" in out.stdout
     manifest = json.loads((tmp_path / "lua" / "manifest.json").read_text())
     assert manifest["protocol"] == PROTOCOL_VERSION and manifest["scripts"]
     for name, entry in manifest["scripts"].items():
@@ -101,3 +105,19 @@ def test_exported_scripts_load_under_the_sha_the_manifest_names(
     reply = sync_redis.evalsha(create["sha1"], 3, prefix, keys.task(0, tid),
                                keys.no_dedup(0), *args)  # fmt: skip
     assert reply[0] == 1
+
+
+def test_the_shipped_scripts_are_what_this_code_assembles() -> None:
+    """protocol/scripts/ is what producers in other languages load: it must be the exact
+    text the daemons run, or their EVALSHA names scripts that no daemon loads."""
+    expected = export_files(PROTOCOL_VERSION)
+    shipped = {p.name: p.read_bytes() for p in SHIPPED.iterdir()}
+    fix = "run `asynctaskd scripts export protocol/scripts` and commit the result"
+    assert set(shipped) == set(expected), f"{set(shipped) ^ set(expected)}: {fix}"
+    stale = sorted(name for name, data in expected.items() if shipped[name] != data)
+    assert not stale, f"{stale} differ from lua/: {fix}"
+    manifest = json.loads(shipped["manifest.json"])
+    for line in shipped["SHA1SUMS"].decode().splitlines():  # what `sha1sum -c` checks
+        sha, name = line.split("  ")
+        assert hashlib.sha1(shipped[name]).hexdigest() == sha
+        assert manifest["scripts"][name.removesuffix(".lua")]["sha1"] == sha

@@ -238,25 +238,17 @@ def _stats(client: Any, args: argparse.Namespace, where: tuple[str, str]) -> int
 
 
 def _export_scripts(directory: Path) -> int:
-    """Each script's full source (what EVALSHA runs) as <name>.lua, and manifest.json:
-    {"protocol": 1, "scripts": {name: {"sha1", "keys", "argv"}}}, for loading with SCRIPT
-    LOAD from any language (the SHA is the SHA-1 of the file's bytes)."""
+    """Each script's full source (what EVALSHA runs) as <name>.lua, manifest.json and
+    SHA1SUMS (`scripts.export_files`), for loading with SCRIPT LOAD from any language."""
     from asynctaskd.keys import PROTOCOL_VERSION
-    from asynctaskd.scripts import load_scripts
+    from asynctaskd.scripts import export_files
 
+    files = export_files(PROTOCOL_VERSION)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        manifest: dict[str, Any] = {"protocol": PROTOCOL_VERSION, "scripts": {}}
-        for name, script in sorted(load_scripts().items()):
-            (directory / f"{name}.lua").write_bytes(script.source.encode())
-            manifest["scripts"][name] = {
-                "sha1": script.sha,
-                "keys": list(script.keys),
-                "argv": script.argv_count,
-                "variadic": script.variadic,
-            }
-        (directory / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        for name, content in files.items():
+            (directory / name).write_bytes(content)
     except OSError as exc:
         raise InvalidTask(f"cannot write the scripts to {directory}: {exc}") from None
-    _out(f"wrote {len(manifest['scripts'])} scripts and manifest.json to {directory}")
+    _out(f"wrote {len(files) - 2} scripts, manifest.json and SHA1SUMS to {directory}")
     return 0

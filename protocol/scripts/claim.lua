@@ -1,0 +1,996 @@
+local LEGAL = ' FAILED>PENDING_SUBMIT#O PENDING_SUBMIT>CANCELED#C PENDING_SUBMIT>CANCELED#O PENDING_SUBMIT>CANCELED#W PENDING_SUBMIT>SUBMITTING#W PENDING_SUBMIT>TRACKING_TIMED_OUT#R PENDING_SUBMIT>TRACKING_TIMED_OUT#W RUNNING>CANCELED#W RUNNING>FAILED#R RUNNING>FAILED#W RUNNING>RUNNING#R RUNNING>RUNNING#W RUNNING>SUCCEEDED#W RUNNING>TRACKING_TIMED_OUT#R RUNNING>TRACKING_TIMED_OUT#W SUBMITTED>CANCELED#W SUBMITTED>FAILED#R SUBMITTED>FAILED#W SUBMITTED>RUNNING#W SUBMITTED>SUBMITTED#R SUBMITTED>SUBMITTED#W SUBMITTED>SUCCEEDED#W SUBMITTED>TRACKING_TIMED_OUT#R SUBMITTED>TRACKING_TIMED_OUT#W SUBMITTING>CANCELED#R SUBMITTING>CANCELED#W SUBMITTING>FAILED#W SUBMITTING>PENDING_SUBMIT#R SUBMITTING>PENDING_SUBMIT#W SUBMITTING>SUBMITTED#W SUBMITTING>SUBMIT_UNKNOWN#R SUBMITTING>SUBMIT_UNKNOWN#W SUBMITTING>TRACKING_TIMED_OUT#R SUBMITTING>TRACKING_TIMED_OUT#W SUBMIT_UNKNOWN>CANCELED#C SUBMIT_UNKNOWN>CANCELED#O SUBMIT_UNKNOWN>CANCELED#W SUBMIT_UNKNOWN>FAILED#O SUBMIT_UNKNOWN>FAILED#W SUBMIT_UNKNOWN>PENDING_SUBMIT#O SUBMIT_UNKNOWN>PENDING_SUBMIT#W SUBMIT_UNKNOWN>SUBMITTED#O SUBMIT_UNKNOWN>SUBMITTED#W SUBMIT_UNKNOWN>SUBMIT_UNKNOWN#W SUBMIT_UNKNOWN>TRACKING_TIMED_OUT#W TRACKING_TIMED_OUT>PENDING_SUBMIT#O '
+-- _core: what every script starts with (an include the loader always puts first).
+--
+-- Every script receives KEYS[1] = "<ns>:{s<N>}:", the shard prefix. Keys of that shard
+-- are built from it here, so they all share the {s<N>} hash tag and one cluster slot.
+-- The loader puts LEGAL, the transition table generated from asynctaskd/model.py, before
+-- this, and after it the includes a script declares with `--- @include <name>` lines
+-- (docs/protocol.md, Calling the scripts): each helper is a closure Lua builds again on
+-- every call, so a script carries only those it uses.
+
+local P = KEYS[1]
+local TIME_ = redis.call('TIME')
+local NOW = tonumber(TIME_[1]) * 1000 + math.floor(tonumber(TIME_[2]) / 1000)
+-- Redis 7.0 turns a Lua number argument of redis.call into text with printf's "%.17g",
+-- which costs ~5,000 instructions for a 13-digit time: ~10% of a save. So integers go to
+-- Redis as strings: NOW_S is NOW as text (no printf: the seconds, then the microseconds
+-- zero-padded to 6 digits, cut to milliseconds), and int_s() makes any other integer
+-- of a double's exact range text with '%d', a fraction of that cost (anything else it
+-- leaves a number).
+local function ms_text(sec, usec) return sec .. string.sub('00000' .. usec, -6, -4) end
+local NOW_S = ms_text(TIME_[1], TIME_[2])
+local function int_s(n)
+  if n == math.floor(n) and n > -9007199254740992 and n < 9007199254740992 then
+    return string.format('%d', n)
+  end
+  return n
+end
+local function task_key(id) return P .. 'task:' .. id end
+
+-- A script whose KEYS name a task and whose ARGV its id checks that they agree (or its
+-- writes and its index entries would be about two different tasks), and raises
+-- 'asynctaskd: task <id> field <field> is corrupt' for a task field it depends on that
+-- is not what the scripts write, before anything is written. Both are written out where
+-- needed: a helper function here would cost every script call a closure.
+
+-- include: _settings
+-- _settings: the shard's settings, read and checked before the first write (an include).
+--
+-- Settings (docs/protocol.md section 9). A script calls settings() before its first
+-- write, so a bad value raises before anything is written, never from emit() or finish()
+-- half-way: settings() reads and checks all three in one HMGET (a script that may finish
+-- a task), settings(true) only events_maxlen in one HGET (one that may write an event
+-- but finishes no task: most saves). Absent fields take their defaults, kept as text.
+local EVENTS_MAXLEN, EXPIRY_MS = nil, nil
+local function settings(events_only)
+  if EXPIRY_MS or (events_only and EVENTS_MAXLEN) then return end
+  local s, m
+  if events_only then
+    m = redis.call('HGET', P .. 'settings', 'events_maxlen')
+  else
+    s = redis.call('HMGET', P .. 'settings', 'retention_ms', 'expiry_grace_ms', 'events_maxlen')
+    m = s[3]
+  end
+  local n = m and tonumber(m)
+  if m and not (n and n % 1 == 0 and n >= 1 and n <= 1000000000) then
+    error('asynctaskd: settings events_maxlen must be an integer from 1 to 1000000000, got ' .. m)
+  end
+  EVENTS_MAXLEN = n and int_s(n) or '100000'
+  if events_only then return end
+  local r, g = tonumber(s[1] or 604800000), tonumber(s[2] or 86400000)
+  if not (r and r % 1 == 0 and r >= 1 and r <= 316224000000) then
+    error('asynctaskd: settings retention_ms must be an integer from 1 to 316224000000, got '
+          .. s[1])
+  end
+  if not (g and g % 1 == 0 and g >= 0 and g <= 316224000000) then
+    error('asynctaskd: settings expiry_grace_ms must be an integer from 0 to 316224000000, got '
+          .. s[2])
+  end
+  EXPIRY_MS = (s[1] or s[2]) and int_s(r + g) or '691200000'
+end
+
+-- include: _emit
+-- _emit: appending to the events stream (an include).
+
+--- @include _settings
+
+local function emit(id, status, version, extra)
+  if not EVENTS_MAXLEN then settings(true) end
+  local args = {'XADD', P .. 'events', 'MAXLEN', '~', EVENTS_MAXLEN, '*',
+                'task', id, 'status', status, 'version', int_s(version)}
+  if extra then
+    for i = 1, #extra do args[#args + 1] = extra[i] end
+  end
+  redis.call(unpack(args))
+end
+
+-- include: _int_arg
+-- _int_arg: checking an integer argument (an include).
+--
+-- An integer argument within [lo, hi] (hi: 2^53 - 1 if not given, so a double holds it
+-- and what int_s writes back exactly; this also refuses inf). `n % 1 ~= 0` is true for a
+-- fraction and for NaN. Other spellings Lua's tonumber reads as that integer ('1e3',
+-- '0x10') are that integer: every script writes the number, never the argument's text.
+local function int_arg(v, name, lo, hi)
+  local n = tonumber(v)
+  if not n or n % 1 ~= 0 or (lo and n < lo) or n > (hi or 9007199254740991) then
+    error('asynctaskd: ARGV ' .. name .. ' must be an integer'
+          .. (lo and (' >= ' .. lo) or '') .. ' <= ' .. (hi or '2^53 - 1')
+          .. ', got ' .. tostring(v))
+  end
+  return n
+end
+
+-- include: _int_field
+-- _int_field: checking a stored counter (an include).
+--
+-- A stored counter a script may increment: absent (false), or an integer as Redis itself
+-- writes one (no leading zeros, no "-0") with at most 15 digits, so HINCRBY takes it and
+-- Lua's doubles hold it and its successor exactly (claim and save add 1 in Lua).
+local function int_field(v)
+  if not v then return true end
+  if v == '0' then return true end
+  local digits = string.match(v, '^%-?([1-9]%d*)$')
+  return digits ~= nil and #digits <= 15
+end
+
+-- include: _statuses
+-- _statuses: status sets as tables (an include).
+
+local TERMINAL = {SUCCEEDED = true, FAILED = true, CANCELED = true, TRACKING_TIMED_OUT = true}
+local PHASE = {PENDING_SUBMIT = 'submit', SUBMITTING = 'submit', SUBMITTED = 'query',
+               RUNNING = 'query'}
+local KNOWN = {PENDING_SUBMIT = true, SUBMITTING = true, SUBMITTED = true, RUNNING = true,
+               SUCCEEDED = true, FAILED = true, CANCELED = true, TRACKING_TIMED_OUT = true,
+               SUBMIT_UNKNOWN = true}
+-- The statuses in which a task holds an in-flight slot (admission caps).
+local INFLIGHT = {SUBMITTING = true, SUBMITTED = true, RUNNING = true, SUBMIT_UNKNOWN = true}
+
+-- include: _wake
+-- _wake: waking idle daemons (an include).
+--
+-- The wake list holds at most one element, and daemons pop it only between scripts: a
+-- second wake in one script call would change nothing (a create_many of 32 would push 32).
+-- LLEN, not LTRIM, keeps it at one: a producer may push but not trim.
+local WOKEN = false
+local function wake()
+  if WOKEN then return end
+  WOKEN = true
+  if redis.call('LLEN', P .. 'wake') == 0 then redis.call('LPUSH', P .. 'wake', '1') end
+end
+
+-- include: _schedule
+-- _schedule: where a due task waits: ready, due or held by admission (an include).
+
+--- @include _statuses
+--- @include _wake
+
+local PRIO_SPAN = 4398046511104 -- 2^42 ms: ready score = (100 - priority) * 2^42 + due_ms
+
+-- Admission (docs/architecture.md, Admission). A due task waits in the ready set of its
+-- phase, or, when something holds it back, in the held set of that one thing: held:<dim>
+-- (a ZSET with the ready score, so it keeps its place), with its `held` field naming <dim>:
+--   handler:<k> provider:<p> tenant:<t> account:<a>   a pause (submit phase only)
+--   cap:<scope>                                         an in-flight cap that is full
+--   rate:<phase>|<provider>|<account>                   a token-bucket lane
+-- <prefix>admission is this shard's copy of the limits ('cap:<scope>' -> the shard's share,
+-- 'rate:<phase>:<scope>' -> '1'); when it and <prefix>paused are absent, none of this costs
+-- anything. In-flight caps are sets of task ids, inflight:<scope>, taken by the claim into
+-- SUBMITTING and given back in move_status whenever a task leaves SUBMITTING, SUBMITTED,
+-- RUNNING and SUBMIT_UNKNOWN: every path, once, because SREM is idempotent.
+local PAUSED = nil
+local function paused_on()
+  if PAUSED == nil then
+    PAUSED = false
+    if redis.call('EXISTS', P .. 'paused') == 1 then
+      PAUSED = {}
+      local flat = redis.call('HGETALL', P .. 'paused')
+      for i = 1, #flat, 2 do PAUSED[flat[i]] = true end
+    end
+  end
+  return PAUSED ~= false
+end
+
+local ADMISSION = nil
+local function admission_on()
+  if ADMISSION == nil then ADMISSION = redis.call('EXISTS', P .. 'admission') == 1 end
+  return ADMISSION
+end
+
+-- The helpers below would be closures Lua builds again on every script call, and most
+-- calls never need them (no limits, no pause, not a claim): they are built on first use.
+-- Call admission_helpers() before blocker() or hold().
+local paused_dim, gates, cap_full, provider_of, blocker, hold
+local function admission_helpers()
+  if blocker then return end
+  local GATES, PROVIDER_OF = {}, {}
+
+  function paused_dim(handler, provider, tenant, account)
+    if not paused_on() then return nil end
+    if PAUSED['handler:' .. handler] then return 'handler:' .. handler end
+    if PAUSED['provider:' .. provider] then return 'provider:' .. provider end
+    if tenant and PAUSED['tenant:' .. tenant] then return 'tenant:' .. tenant end
+    if account and PAUSED['account:' .. account] then return 'account:' .. account end
+    return nil
+  end
+
+  -- The limits that apply to a task in a phase:
+  -- {lane = <rate lane or nil>, caps = {{scope, n}}}.
+  function gates(phase, provider, tenant, account)
+    if not admission_on() then return nil end
+    local ck = phase .. '|' .. provider .. '|' .. (account or '') .. '|' .. (tenant or '')
+    local g = GATES[ck]
+    if g then return g end
+    local acct = account and (provider .. '/' .. account) or '-'
+    local f = redis.call('HMGET', P .. 'admission',
+                         'rate:' .. phase .. ':provider:' .. provider,
+                         'rate:' .. phase .. ':account:' .. acct, 'cap:provider:' .. provider,
+                         'cap:account:' .. acct, 'cap:tenant:' .. (tenant or '-'), 'cap:tenant:*')
+    g = {caps = {}}
+    if f[1] or f[2] then g.lane = phase .. '|' .. provider .. '|' .. (account or '') end
+    if phase == 'submit' then
+      if f[3] then g.caps[#g.caps + 1] = {'provider:' .. provider, tonumber(f[3])} end
+      if account and f[4] then g.caps[#g.caps + 1] = {'account:' .. acct, tonumber(f[4])} end
+      local tc = tenant and (f[5] or f[6])
+      if tc then g.caps[#g.caps + 1] = {'tenant:' .. tenant, tonumber(tc)} end
+    end
+    GATES[ck] = g
+    return g
+  end
+
+  -- Whether an in-flight cap has no room. Self-healing: each look at a full cap checks a
+  -- few members and drops ids whose task is gone or no longer in flight.
+  function cap_full(scope, cap)
+    local set = P .. 'inflight:' .. scope
+    local n = redis.call('SCARD', set)
+    if n < cap then return false end
+    for _, m in ipairs(redis.call('SRANDMEMBER', set, 3)) do
+      local st = redis.pcall('HGET', P .. 'task:' .. m, 'status')
+      if type(st) ~= 'string' or not INFLIGHT[st] then
+        redis.call('SREM', set, m)
+        n = n - 1
+      end
+    end
+    return n >= cap
+  end
+
+  -- The provider a task counts against: its own field, else its handler's provider as the
+  -- admission table names it ('provider:<handler>'), else the handler key.
+  function provider_of(handler, provider)
+    if provider then return provider end
+    if not admission_on() then return handler end
+    local p = PROVIDER_OF[handler]
+    if not p then
+      p = redis.call('HGET', P .. 'admission', 'provider:' .. handler) or handler
+      PROVIDER_OF[handler] = p
+    end
+    return p
+  end
+
+  -- What holds a due task back, as a held dimension, or nil; and its gates.
+  -- t = {handler, provider, tenant, account} as read from the hash (false where absent).
+  function blocker(phase, t)
+    local handler, tenant, account = t[1], t[3] or nil, t[4] or nil
+    local provider = provider_of(handler, t[2] or nil)
+    if phase == 'submit' then
+      local d = paused_dim(handler, provider, tenant, account)
+      if d then return d, nil end
+    end
+    local g = gates(phase, provider, tenant, account)
+    if not g then return nil, nil end
+    for _, c in ipairs(g.caps) do
+      if cap_full(c[1], c[2]) then return 'cap:' .. c[1], g end
+    end
+    return nil, g
+  end
+
+  function hold(id, dim, score)
+    redis.call('ZADD', P .. 'held:' .. dim, int_s(score), id)
+    redis.call('HSET', P .. 'task:' .. id, 'held', dim)
+    if string.sub(dim, 1, 5) == 'rate:' then
+      redis.call('SADD', P .. 'lanes', string.sub(dim, 6))
+    elseif string.sub(dim, 1, 4) == 'cap:' then
+      redis.call('SADD', P .. 'capholds', dim)
+    end
+  end
+end
+
+-- Put a due task where it waits: its held set if something holds it back (a rate lane
+-- always: tokens are handed out by claim), else the ready set.
+local function place(id, phase, score)
+  local t = false
+  if admission_on() or (phase == 'submit' and paused_on()) then
+    admission_helpers()
+    t = redis.pcall('HMGET', P .. 'task:' .. id, 'handler', 'provider', 'tenant', 'account')
+  end
+  if type(t) == 'table' and not t.err and t[1] then
+    local dim, g = blocker(phase, t)
+    if not dim and g and g.lane then dim = 'rate:' .. g.lane end
+    if dim then
+      hold(id, dim, score)
+      return dim
+    end
+  end
+  redis.call('ZADD', P .. 'ready:' .. phase, int_s(score), id)
+  return nil
+end
+
+local function schedule(id, phase, due_ms, priority)
+  if not (priority >= -100 and priority <= 100) then priority = 0 end  -- also NaN
+  if due_ms <= NOW then
+    place(id, phase, (100 - priority) * PRIO_SPAN + due_ms)
+  else
+    redis.call('ZADD', P .. 'due:' .. phase, int_s(due_ms), id)
+  end
+  return due_ms
+end
+
+-- Move held tasks of one dimension back to where they wait now (at most `limit`).
+local function unhold(dim, phase, limit)
+  if limit <= 0 then return 0 end
+  local popped = redis.call('ZPOPMIN', P .. 'held:' .. dim, limit)
+  local moved = 0
+  for i = 1, #popped, 2 do
+    local id = popped[i]
+    local tk = P .. 'task:' .. id
+    if redis.pcall('HGET', tk, 'held') == dim then
+      redis.call('HDEL', tk, 'held')
+      place(id, phase, tonumber(popped[i + 1]))
+      moved = moved + 1
+    end
+  end
+  if moved > 0 then wake() end
+  return moved
+end
+
+-- include: _unschedule
+-- _unschedule: taking a task out of every due, ready and held set (an include).
+
+local function unschedule(id)
+  local held = redis.call('HGET', P .. 'task:' .. id, 'held')
+  if held then
+    redis.call('ZREM', P .. 'held:' .. held, id)
+    redis.call('HDEL', P .. 'task:' .. id, 'held')
+  end
+  redis.call('ZREM', P .. 'due:submit', id)
+  redis.call('ZREM', P .. 'due:query', id)
+  redis.call('ZREM', P .. 'ready:submit', id)
+  redis.call('ZREM', P .. 'ready:query', id)
+end
+
+-- include: _move
+-- _move: status moves with exact counters and indexes; finishing; versions (an include).
+
+--- @include _schedule
+--- @include _settings
+--- @include _statuses
+--- @include _unschedule
+
+local function release_slots(tk, id)
+  local slots = redis.call('HGET', tk, 'slots')
+  if not slots then return end
+  redis.call('HDEL', tk, 'slots')
+  for scope in string.gmatch(slots, '%S+') do
+    redis.call('SREM', P .. 'inflight:' .. scope, id)
+    unhold('cap:' .. scope, 'submit', 1)
+  end
+end
+
+-- Move a task's status, keeping the per-status index and counters exact. `written`: the
+-- caller already wrote the new status in an HSET of its own.
+local function move_status(tk, id, old, new, handler, written)
+  if not written then redis.call('HSET', tk, 'status', new) end
+  if old == new then return end
+  if old and INFLIGHT[old] and not INFLIGHT[new] then release_slots(tk, id) end
+  local counts = P .. 'counts'
+  if old then
+    redis.call('HINCRBY', counts, old, '-1')
+    redis.call('HINCRBY', counts, old .. '@' .. handler, '-1')
+    redis.call('ZREM', P .. 'idx:' .. old, id)
+  end
+  redis.call('HINCRBY', counts, new, '1')
+  redis.call('HINCRBY', counts, new .. '@' .. handler, '1')
+  redis.call('ZADD', P .. 'idx:' .. new, NOW_S, id)
+end
+
+-- Everything that happens when a task becomes terminal, in one place. `written`: the
+-- caller (a save, in its own HSET and HDEL) already removed the lease, wrote the status
+-- and finished_ms, and deleted owner, due_ms and started_fence.
+local function finish(tk, id, old, new, handler, written)
+  move_status(tk, id, old, new, handler, written)
+  unschedule(id)
+  if old == 'SUBMIT_UNKNOWN' then redis.call('ZREM', P .. 'due:find', id) end
+  if not written then
+    -- only a leased task has an owner: a producer's cancel never touches the lease index
+    if redis.call('HEXISTS', tk, 'owner') == 1 then redis.call('ZREM', P .. 'leases', id) end
+    redis.call('HSET', tk, 'finished_ms', NOW_S)
+    redis.call('HDEL', tk, 'owner', 'due_ms', 'started_fence')
+  end
+  redis.call('ZREM', P .. 'deadlines', id)
+  local dedup = redis.call('HGET', tk, 'dedup')
+  if dedup then
+    local dk = P .. 'dedup:' .. dedup
+    if redis.call('GET', dk) == id then redis.call('DEL', dk) end
+  end
+  -- purge deletes the hash at retention with exact counters; the expiry is the safety net
+  if not EXPIRY_MS then settings() end
+  redis.call('PEXPIRE', tk, EXPIRY_MS)
+end
+
+local function bump(tk)
+  local v = redis.call('HINCRBY', tk, 'version', '1')
+  redis.call('HSET', tk, 'updated_ms', NOW_S)
+  return v
+end
+
+-- include: _intake
+-- _intake: producers' requests, carried out by a daemon (not a script itself).
+--
+-- A producer may not write a task (docs/security.md: its ACL user has no command that
+-- changes an existing key). Its scripts leave requests instead, with commands that can
+-- only add:
+--   create  SETNX new:<id> = the task's first fields (a cmsgpack array: field, value,
+--           ...), then RPUSH intake 'c:<id>'
+--   cancel  RPUSH intake 'x:<id>'
+--   create, finding a dedup key whose task is gone  RPUSH intake 'd:<dedup suffix>'
+-- ingest(limit, wake_others) pops up to `limit` entries in order and carries each out as
+-- a create or a cancel used to be carried out by the producer itself. Everything in a
+-- request was written by a producer, so it is checked first; a request that is not
+-- exactly what the create script writes is dropped, with its dedup key if it holds one.
+-- Never raises: one bad entry must not stop the daemon's claims.
+-- Returns the number of entries taken, a list {id, reason, ...} of dropped creates, and
+-- (ingest(limit, false, most): a submit claim that may take up to `most` new tasks
+-- straight in) the ids of the fresh tasks, left for the claim to take in or to settle.
+--
+-- Fresh tasks. A create that is due now, within its deadline, can go straight from the
+-- request to SUBMITTING when the claim that takes it in wants it (one of its first
+-- `most` such requests) and nothing waits in the ready set before it: writing it as
+-- PENDING_SUBMIT in the ready set, then popping it, reading it back and moving it on
+-- would cost Redis twice the commands for the same end state. Until the claim decides,
+-- such a task is only FRESH[id] (its checked fields) and its deadline entry; a cancel of
+-- it in the same call settles it first, and a `d:` entry for its dedup key leaves the key
+-- (the task is live). settle_fresh writes it as every other new task: PENDING_SUBMIT,
+-- counted, indexed, scheduled, with its event.
+
+--- @include _emit
+--- @include _int_field
+--- @include _move
+--- @include _schedule
+--- @include _statuses
+--- @include _unschedule
+--- @include _wake
+
+local REQUEST_FIELDS = {id = true, handler = true, status = true, priority = true,
+  created_ms = true, updated_ms = true, deadline_ms = true, timeout_ms = true, due_ms = true,
+  version = true, params = true, provider = false, tenant = false, account = false,
+  metadata = false, dedup = false}
+local REQUIRED = 11  -- the fields above marked true (any other count takes the long check)
+local MAX_MS = 999999999999999  -- 15 digits
+local NAME_PATTERN = '^[%w_.:%-]+$'  -- keys.HANDLER_KEY_RE, at most 64 characters
+
+local function name_ok(v) return type(v) == 'string' and #v <= 64 and string.find(v, NAME_PATTERN) end
+
+-- The task's fields as a table, or nil and why not.
+local function check_request(id, packed)
+  local ok, flat = pcall(cmsgpack.unpack, packed)
+  if not ok or type(flat) ~= 'table' or #flat % 2 ~= 0 or #flat > 32 then
+    return nil, 'not a cmsgpack array of field, value pairs'
+  end
+  local f, required = {}, 0
+  for i = 1, #flat, 2 do
+    local name, value = flat[i], flat[i + 1]
+    local known = REQUEST_FIELDS[name]
+    if known == nil or f[name] ~= nil or type(value) ~= 'string' then
+      return nil, 'unknown, repeated or non-text field ' .. tostring(name)
+    end
+    f[name] = value
+    if known then required = required + 1 end
+  end
+  if required ~= REQUIRED then
+    for name, needed in pairs(REQUEST_FIELDS) do
+      if needed and f[name] == nil then return nil, 'missing ' .. name end
+    end
+  end
+  if f.id ~= id or f.status ~= 'PENDING_SUBMIT' or f.version ~= '1' then
+    return nil, 'id, status or version is not that of a new task'
+  end
+  if not name_ok(f.handler) or (f.provider and not name_ok(f.provider))
+     or (f.tenant and not name_ok(f.tenant)) or (f.account and not name_ok(f.account)) then
+    return nil, 'a handler, provider, tenant or account name is not valid'
+  end
+  -- the times, as create writes them: positive integers without leading zeros, at most 15
+  -- digits (Lua's doubles hold them and their sums exactly), checked in one pattern
+  local times = f.created_ms .. ' ' .. f.deadline_ms .. ' ' .. f.timeout_ms .. ' ' .. f.due_ms
+  if not string.find(times, '^[1-9]%d* [1-9]%d* [1-9]%d* [1-9]%d*$') then
+    return nil, 'a time is not a positive integer'
+  end
+  local created, deadline = tonumber(f.created_ms), tonumber(f.deadline_ms)
+  local timeout, due = tonumber(f.timeout_ms), tonumber(f.due_ms)
+  if created > MAX_MS or deadline > MAX_MS or timeout > MAX_MS or due > MAX_MS then
+    return nil, 'a time has more than 15 digits'
+  end
+  if f.updated_ms ~= f.created_ms or deadline ~= created + timeout or due < created then
+    return nil, 'the times do not fit together'
+  end
+  local priority = tonumber(f.priority)
+  if not string.find(f.priority, '^%-?%d+$') or priority < -100 or priority > 100 then
+    return nil, 'priority is not an integer from -100 to 100'
+  end
+  if f.dedup then
+    -- <len(tenant)>:<tenant>:<key>, the task's own tenant, and the key must name this task
+    local tenant = f.tenant or ''
+    if string.sub(f.dedup, 1, #(#tenant .. ':' .. tenant .. ':')) ~= #tenant .. ':' .. tenant .. ':'
+       or redis.call('GET', P .. 'dedup:' .. f.dedup) ~= id then
+      return nil, 'its dedup key does not name it'
+    end
+  end
+  return f, nil, flat
+end
+
+local FRESH = nil  -- id -> the fields of a fresh task (see above), when a claim asked
+local FRESH_MOST = 0  -- how many the claim may take: the ones after it are written at once
+
+-- `flat`: the request's field, value pairs as checked (each field once), when at hand
+local function write_new(id, f, wake_others, flat)
+  local tk = task_key(id)
+  local fields = flat
+  if not fields then
+    fields = {}
+    for name, value in pairs(f) do
+      fields[#fields + 1] = name
+      fields[#fields + 1] = value
+    end
+  end
+  redis.call('HSET', tk, unpack(fields))  -- status PENDING_SUBMIT among them
+  move_status(tk, id, nil, 'PENDING_SUBMIT', f.handler, true)
+  local due_ms = tonumber(f.due_ms)
+  schedule(id, 'submit', due_ms, tonumber(f.priority))
+  if wake_others and due_ms <= NOW then wake() end
+  emit(id, 'PENDING_SUBMIT', 1)
+end
+
+local function settle_fresh(id)
+  local f = FRESH[id]
+  FRESH[id] = nil
+  write_new(id, f, false)
+end
+
+local function ingest_create(id, wake_others, fresh)
+  local nk = P .. 'new:' .. id
+  local packed = redis.call('GETDEL', nk)
+  if not packed then return nil end  -- taken in already, or never stored
+  local tk = task_key(id)
+  local f, why, flat = check_request(id, packed)
+  if f and redis.call('EXISTS', tk) == 1 then f, why = nil, 'the task id is taken' end
+  if not f then
+    -- free the dedup key if it names this request, so the same key can be used again
+    local ok, flat = pcall(cmsgpack.unpack, packed)
+    if ok and type(flat) == 'table' then
+      for i = 1, #flat - 1, 2 do
+        if flat[i] == 'dedup' and type(flat[i + 1]) == 'string' then
+          local dk = P .. 'dedup:' .. flat[i + 1]
+          if redis.call('GET', dk) == id then redis.call('DEL', dk) end
+        end
+      end
+    end
+    return why
+  end
+  redis.call('ZADD', P .. 'deadlines', f.deadline_ms, id)
+  if FRESH and #fresh < FRESH_MOST and tonumber(f.due_ms) <= NOW
+     and tonumber(f.deadline_ms) > NOW then
+    FRESH[id] = f
+    fresh[#fresh + 1] = id
+    return nil
+  end
+  write_new(id, f, wake_others, flat)
+  return nil
+end
+
+-- A cancel as the producer asked for it (its script checked the tenant): now if nobody
+-- holds the task, else a flag the holder merges at its next write.
+local function ingest_cancel(id)
+  if FRESH and FRESH[id] then settle_fresh(id) end
+  local tk = task_key(id)
+  local t = redis.pcall('HMGET', tk, 'status', 'cancel_requested', 'handler', 'priority',
+                        'version', 'owner')
+  if type(t) ~= 'table' or t.err ~= nil then return end
+  local status = t[1]
+  local unheld = status == 'PENDING_SUBMIT' or status == 'SUBMIT_UNKNOWN'
+  if not status or not KNOWN[status] or TERMINAL[status] or not t[3] or not int_field(t[5])
+     or (t[2] == '1' and not unheld) then
+    return
+  end
+  local v = bump(tk)
+  if unheld then
+    redis.call('HSET', tk, 'cancel_requested', '1')
+    finish(tk, id, status, 'CANCELED', t[3])
+    emit(id, 'CANCELED', v)
+    return
+  end
+  redis.call('HSET', tk, 'cancel_requested', '1', 'cancel_version', v)
+  -- an idle SUBMITTED/RUNNING task is due at once: the cancel does not wait for its poll
+  if (status == 'SUBMITTED' or status == 'RUNNING') and not t[6] then
+    unschedule(id)
+    redis.call('HSET', tk, 'due_ms', schedule(id, 'query', NOW, tonumber(t[4]) or 0))
+    wake()
+  end
+  emit(id, status, v, {'cancel_requested', '1'})
+end
+
+-- A dedup key whose task is gone (deleted by hand, or a dropped request): free it.
+local function ingest_dedup(suffix)
+  local dk = P .. 'dedup:' .. suffix
+  local id = redis.call('GET', dk)
+  if not id then return end
+  if FRESH and FRESH[id] then return end  -- a new task, PENDING_SUBMIT: its key holds
+  local st = redis.pcall('HGET', task_key(id), 'status')
+  if type(st) == 'string' and not TERMINAL[st] then return end
+  if redis.call('EXISTS', P .. 'new:' .. id) == 1 then return end
+  redis.call('DEL', dk)
+end
+
+local function ingest(limit, wake_others, most)
+  local fresh = {}
+  if most and most > 0 then FRESH, FRESH_MOST = {}, most end
+  local entries = redis.call('LPOP', P .. 'intake', limit)
+  if not entries then return 0, {}, fresh end
+  local dropped = {}
+  for _, entry in ipairs(entries) do
+    local kind, rest = string.sub(entry, 1, 2), string.sub(entry, 3)
+    if kind == 'c:' then
+      local why = ingest_create(rest, wake_others, fresh)
+      if why then
+        dropped[#dropped + 1] = rest
+        dropped[#dropped + 1] = why
+      end
+    elseif kind == 'x:' then
+      ingest_cancel(rest)
+    elseif kind == 'd:' then
+      ingest_dedup(rest)
+    end
+  end
+  -- a fresh task settled by a later entry is no longer fresh
+  local still = {}
+  for _, id in ipairs(fresh) do
+    if FRESH[id] then still[#still + 1] = id end
+  end
+  return #entries, dropped, still
+end
+
+-- After a submit claim's promotions, with `fresh` from ingest: when nothing waits in the
+-- ready set, take up to n fresh tasks straight to SUBMITTING, in the order the ready set
+-- would have given them (by ready score, ties by id in byte order), and settle the
+-- others; else settle them all, behind what waits. A task taken so ends as the claim
+-- leaves any task it takes: fence 1, version 2, leased by `owner` until `lease_until`,
+-- counted and indexed as SUBMITTING, with the events of both versions. Returns the claim replies
+-- {id, fence, version, fields} of the tasks taken.
+local function take_fresh(fresh, n, owner, lease_until)
+  local out = {}
+  if #fresh == 0 then return out end
+  if n > 0 and redis.call('ZCARD', P .. 'ready:submit') == 0 then
+    -- By ready score, ties by id byte by byte, as a sorted set orders them. Lua's `<`
+    -- follows the server's locale: for ids of digits and capital letters (what the
+    -- clients make: a ULID and its shard) every locale orders them as bytes; any other id
+    -- gets a key of digits and a-f (the score, then the id in hex), which every locale
+    -- orders as bytes too, at a cost.
+    local score, plain = {}, true
+    for _, id in ipairs(fresh) do
+      local f = FRESH[id]
+      score[id] = (100 - tonumber(f.priority)) * PRIO_SPAN + tonumber(f.due_ms)
+      if plain and not string.find(id, '^[0-9A-Z]+%-?[0-9]*$') then plain = false end
+    end
+    if plain then
+      table.sort(fresh, function(a, b)
+        if score[a] ~= score[b] then return score[a] < score[b] end
+        return a < b
+      end)
+    else
+      local sort_key = {}
+      for _, id in ipairs(fresh) do
+        sort_key[id] = string.format('%016d', score[id])
+                       .. string.format(string.rep('%02x', #id), string.byte(id, 1, -1))
+      end
+      table.sort(fresh, function(a, b) return sort_key[a] < sort_key[b] end)
+    end
+  else
+    n = 0
+  end
+  for _, id in ipairs(fresh) do
+    if #out < n then
+      local f = FRESH[id]
+      FRESH[id] = nil
+      local tk = task_key(id)
+      f.status, f.version, f.fence, f.owner, f.updated_ms = 'SUBMITTING', '2', '1', owner, NOW_S
+      local fields = {}
+      for name, value in pairs(f) do
+        fields[#fields + 1] = name
+        fields[#fields + 1] = value
+      end
+      redis.call('HSET', tk, unpack(fields))
+      move_status(tk, id, nil, 'SUBMITTING', f.handler, true)
+      emit(id, 'PENDING_SUBMIT', 1)
+      emit(id, 'SUBMITTING', 2)
+      redis.call('ZADD', P .. 'leases', lease_until, id)
+      out[#out + 1] = {id, 1, 2, fields}
+    else
+      settle_fresh(id)
+    end
+  end
+  return out
+end
+
+-- include: _roles
+-- _roles: the role guards of daemon and operator scripts (an include).
+--
+-- Roles (docs/security.md). Redis checks each command a script runs against the ACL user
+-- that called the script, so a no-op write (HDEL of a field from a key that never exists)
+-- to a key that only one role may write asks Redis whether the caller has that role.
+-- Daemon and operator scripts call their guard first: a producer (or a daemon running an
+-- operator script) gets NOPERM before anything is written.
+local function daemon_only() redis.call('HDEL', P .. 'role:daemon', '') end
+local function operator_only() redis.call('HDEL', P .. 'role:operator', '') end
+
+-- script: claim
+-- claim: lease up to n due tasks of one phase to a worker, each with a new fence.
+--
+-- KEYS[1] prefix   string  <ns>:{s<N>}:  shard prefix; the script uses, under it:
+--                          due:<phase> ready:<phase> held:<dim> lanes capholds inflight:<scope>
+--                          admission paused leases deadlines counts idx:<status> events
+--                          quarantine settings task:<id>
+-- ARGV[1] phase            'submit' or 'query'
+-- ARGV[2] n                how many tasks at most, integer 0..1000 (0: only report due times)
+-- ARGV[3] lease_ms         lease length, integer > 0
+-- ARGV[4] owner            worker id, recorded in the task, not empty
+-- ARGV[5] promote_limit    how many newly due tasks to move into the ready set at most
+-- ARGV[6..] lane, tokens   token grants the worker took with `take` for rate lanes of this
+--                          phase ('<phase>|<provider>|<account>'), integer 0..100000 each
+--
+-- Returns {next_due_ms, ready_left, dropped, lanes, intake, task, task, ...} where
+--   lanes is {lane, used, waiting, ...} for every rate lane of this phase that has tasks
+--   waiting in this shard or was granted tokens (used: tokens spent; give back the rest),
+--   intake is {taken, task_id, reason, ...}: how many producer requests the claim took in
+--   (submit phase: up to 256, before anything else, lua/_intake.lua) and the creates it
+--   dropped because they were not what the create script writes,
+--   and each task is {task_id, fence, version, {field, value, ...}} (the hash after the claim,
+--   without params in the query phase).
+-- next_due_ms is the earliest due time still waiting in this phase (0 if none), ready_left
+-- how many due tasks (and, submit phase, requests not yet taken in) are still waiting to
+-- be claimed, dropped how many entries were not claimable
+-- (gone, timed out, canceled, set aside by admission, or quarantined because unreadable:
+-- not a hash, unknown status, missing deadline or handler, a counter HINCRBY refuses).
+-- Admission (_schedule): a task held back by a pause or a full cap moves to that held set;
+-- a task in a rate lane is claimed only against a grant, else it waits in its lane. Grants
+-- are served first, from the lanes' held sets in ready order. At most 1000 tasks are set
+-- aside per call, so the work is bounded and a blocked group never stalls the others.
+-- Bad ARGV or settings raise before anything is written (the intake too); a task it
+-- cannot read is quarantined, never a reason to raise.
+-- Invariants: a task is claimed only if its status belongs to the phase, it is not
+-- leased, and its deadline has not passed; a past deadline times the task out here
+-- instead (no vendor call after the deadline); a canceled PENDING_SUBMIT task becomes
+-- CANCELED here; every claim increments the fence, so older holders become stale; a
+-- submit claim adds the task to the in-flight set of every cap it falls under (listed in
+-- its `slots` field), and a rate-lane claim spends exactly one granted token.
+
+--- @include _emit
+--- @include _int_arg
+--- @include _int_field
+--- @include _intake
+--- @include _move
+--- @include _roles
+--- @include _schedule
+--- @include _settings
+--- @include _statuses
+
+daemon_only()
+admission_helpers()
+local phase = ARGV[1]
+if phase ~= 'submit' and phase ~= 'query' then
+  error("asynctaskd: ARGV phase must be 'submit' or 'query', got " .. tostring(phase))
+end
+local n = int_arg(ARGV[2], 'n', 0, 1000)
+local lease_ms = int_arg(ARGV[3], 'lease_ms', 1)
+local owner = ARGV[4]
+if owner == '' then error('asynctaskd: ARGV owner must not be empty') end
+local promote_limit = int_arg(ARGV[5], 'promote_limit', 0, 100000)
+if #ARGV % 2 ~= 1 then error('asynctaskd: claim takes lane, tokens pairs after ARGV[5]') end
+local grants, granted = {}, {}
+for i = 6, #ARGV, 2 do
+  local lane = ARGV[i]
+  if string.sub(lane, 1, #phase + 1) ~= phase .. '|' then
+    error('asynctaskd: ARGV lane must start with ' .. phase .. '|, got ' .. tostring(lane))
+  end
+  grants[lane] = (grants[lane] or 0) + int_arg(ARGV[i + 1], 'tokens', 0, 100000)
+  granted[#granted + 1] = lane
+end
+settings()  -- the last check: nothing is written before this line
+local used = {}
+local due_key = P .. 'due:' .. phase
+local ready_key = P .. 'ready:' .. phase
+local leases = P .. 'leases'
+local quarantine = P .. 'quarantine'
+
+-- Producers' requests first, so that a task created just now can be claimed by this call.
+local reply = {0, 0, 0, {}, {0}}
+local fresh = nil
+if phase == 'submit' then
+  -- Without limits, pauses or grants (tasks waiting in rate lanes go first, as in the long
+  -- way), and with nothing ready, up to n new tasks due now may be claimed straight from
+  -- their requests (_intake). A backlog (something ready) is taken in the long way only:
+  -- the claim could not take the new tasks anyway.
+  local most = 0
+  if n > 0 and #granted == 0 and not admission_on() and not paused_on()
+     and redis.call('ZCARD', ready_key) == 0 then
+    most = n
+  end
+  local taken, rejected
+  taken, rejected, fresh = ingest(256, false, most)
+  reply[5] = {taken, unpack(rejected)}
+end
+
+-- Promote newly due tasks, bounded, to where they wait (the ready set or a held set).
+if promote_limit > 0 then
+  local due = redis.call('ZRANGEBYSCORE', due_key, '-inf', NOW_S, 'WITHSCORES', 'LIMIT', '0',
+                         int_s(promote_limit))
+  for i = 1, #due, 2 do
+    local id = due[i]
+    local pr = redis.pcall('HGET', task_key(id), 'priority')
+    pr = type(pr) == 'string' and tonumber(pr) or 0
+    if pr ~= pr or pr < -100 or pr > 100 then pr = 0 end  -- pr ~= pr: NaN
+    redis.call('ZREM', due_key, id)
+    place(id, phase, (100 - pr) * PRIO_SPAN + tonumber(due[i + 1]))
+  end
+end
+
+local dropped = 0
+local hold_budget = 1000
+local want = (phase == 'submit') and {PENDING_SUBMIT = true} or {SUBMITTED = true, RUNNING = true}
+local got = 0
+
+-- The fields a claim decides on. A task's provider, tenant and account matter only to
+-- limits, or to a pause of submits: without either, they are left out (each field a task
+-- lacks costs HMGET a scan of the whole hash, and most tasks have none of the three).
+-- started_fence is read so that a claim deletes it only where a start left one.
+local READ = {'status', 'deadline_ms', 'cancel_requested', 'handler', 'version', 'fence',
+              'held', 'submit_attempts', 'reclaims', 'started_fence'}
+if admission_on() or (phase == 'submit' and paused_on()) then
+  READ[11], READ[12], READ[13] = 'provider', 'tenant', 'account'
+end
+
+-- Look at one popped entry: claim it, set it aside, or drop it. `from` is the held
+-- dimension it was popped from (nil: the ready set). Returns false when the hold budget
+-- is spent and the entry went back where it came from.
+local function consider(id, score, from)
+  local tk = task_key(id)
+  -- pcall: a key of another type (WRONGTYPE) must not abort the whole claim
+  local t = redis.pcall('HMGET', tk, unpack(READ))
+  local corrupt = type(t) ~= 'table' or t.err ~= nil
+  if corrupt then t = {} end
+  local status, deadline_ms, handler = t[1], tonumber(t[2]), t[4]
+  -- counters this script, start and reap increment must be integers HINCRBY takes, or
+  -- they would fail half-way: such a task is quarantined here, before anyone holds it
+  if not corrupt and status and not (int_field(t[5]) and int_field(t[6])
+                                     and int_field(t[8]) and int_field(t[9])) then
+    corrupt = true
+  end
+  if from and not corrupt and t[7] ~= from then
+    dropped = dropped + 1                       -- stale entry of a held set: ignore it
+    return true
+  end
+  if corrupt then
+    redis.call('ZADD', quarantine, NOW_S, id)   -- unreadable: park it for an operator
+    dropped = dropped + 1
+  elseif not status then
+    dropped = dropped + 1                       -- hash gone: nothing to do
+  elseif not KNOWN[status] or not deadline_ms or not handler then
+    redis.call('ZADD', quarantine, NOW_S, id)   -- unreadable: park it for an operator
+    dropped = dropped + 1
+  elseif not want[status] or redis.call('ZSCORE', leases, id) then
+    dropped = dropped + 1                       -- index disagreed with the hash: the sweep repairs
+  elseif deadline_ms <= NOW then
+    local v = bump(tk)
+    finish(tk, id, status, 'TRACKING_TIMED_OUT', handler)
+    emit(id, 'TRACKING_TIMED_OUT', v)
+    dropped = dropped + 1
+  elseif phase == 'submit' and t[3] == '1' then
+    local v = bump(tk)
+    finish(tk, id, status, 'CANCELED', handler)
+    emit(id, 'CANCELED', v)
+    dropped = dropped + 1
+  else
+    if t[7] then redis.call('HDEL', tk, 'held') end
+    local dim, g = blocker(phase, {handler, t[11] or false, t[12] or false, t[13] or false})
+    local lane = g and g.lane
+    if not dim and lane and (grants[lane] or 0) <= 0 then dim = 'rate:' .. lane end
+    if dim then
+      if hold_budget <= 0 then
+        -- budget spent: leave it where it was for the next call
+        if from then hold(id, from, score) else redis.call('ZADD', ready_key, score, id) end
+        return false
+      end
+      hold(id, dim, score)
+      hold_budget = hold_budget - 1
+      dropped = dropped + 1
+      return true
+    end
+    if lane then
+      grants[lane] = grants[lane] - 1
+      used[lane] = (used[lane] or 0) + 1
+    end
+    -- HINCRBY fence and version (bump()), and a submit's new status, as one write:
+    -- int_field vouched for both counters
+    local fence, v = (tonumber(t[6]) or 0) + 1, (tonumber(t[5]) or 0) + 1
+    if phase == 'submit' then
+      redis.call('HSET', tk, 'fence', int_s(fence), 'version', int_s(v), 'updated_ms', NOW_S,
+                 'owner', owner, 'status', 'SUBMITTING')
+      move_status(tk, id, status, 'SUBMITTING', handler, true)
+      if t[10] then redis.call('HDEL', tk, 'started_fence') end
+      if g and #g.caps > 0 then
+        local slots = {}
+        for _, c in ipairs(g.caps) do
+          redis.call('SADD', P .. 'inflight:' .. c[1], id)
+          slots[#slots + 1] = c[1]
+        end
+        redis.call('HSET', tk, 'slots', table.concat(slots, ' '))
+      end
+      emit(id, 'SUBMITTING', v)
+    else
+      redis.call('HSET', tk, 'fence', int_s(fence), 'version', int_s(v), 'updated_ms', NOW_S,
+                 'owner', owner)
+    end
+    redis.call('ZADD', leases, int_s(NOW + lease_ms), id)
+    got = got + 1
+    local hash = redis.call('HGETALL', tk)
+    if phase == 'query' then
+      -- params are for the submit call only: a poll need not carry (a prompt's) kilobytes
+      for i = 1, #hash, 2 do
+        if hash[i] == 'params' then
+          local n = #hash
+          hash[i], hash[i + 1] = hash[n - 1], hash[n]
+          hash[n], hash[n - 1] = nil, nil
+          break
+        end
+      end
+    end
+    reply[#reply + 1] = {id, fence, v, hash}
+  end
+  return true
+end
+
+-- Fresh tasks, when nothing waits before them (no limits: no grants or holds either).
+if fresh then
+  for _, c in ipairs(take_fresh(fresh, n, owner, int_s(NOW + lease_ms))) do
+    reply[#reply + 1] = c
+    got = got + 1
+  end
+end
+
+-- Grants first: they were taken for tasks already waiting in their lanes.
+for _, lane in ipairs(granted) do
+  local dim = 'rate:' .. lane
+  while got < n and grants[lane] > 0 do
+    local popped = redis.call('ZPOPMIN', P .. 'held:' .. dim)
+    if #popped == 0 then break end
+    if not consider(popped[1], popped[2], dim) then break end
+  end
+end
+-- The ready set: as many as are still wanted in one pop (nothing below adds to it, so
+-- this takes them in the same order as one pop at a time). When the hold budget runs out,
+-- consider() puts its entry back, and the rest of the pop goes back too.
+local spent = false
+while got < n and not spent do
+  local popped = redis.call('ZPOPMIN', ready_key, int_s(n - got))
+  if #popped == 0 then break end
+  for i = 1, #popped, 2 do
+    if not consider(popped[i], popped[i + 1], nil) then
+      for j = i + 2, #popped, 2 do redis.call('ZADD', ready_key, popped[j + 1], popped[j]) end
+      spent = true
+      break
+    end
+  end
+end
+
+-- Report the rate lanes of this phase: tokens used, tasks waiting.
+local lanes = {}
+for _, lane in ipairs(granted) do lanes[lane] = true end
+-- No admission table: no rate lanes to report (sync_limits moves back what waited in
+-- lanes when the limits go), so a deployment without limits pays nothing here.
+if admission_on() then
+  for _, lane in ipairs(redis.call('SMEMBERS', P .. 'lanes')) do
+    if string.sub(lane, 1, #phase + 1) == phase .. '|' then lanes[lane] = true end
+  end
+end
+for lane in pairs(lanes) do
+  local waiting = redis.call('ZCARD', P .. 'held:rate:' .. lane)
+  if waiting == 0 then redis.call('SREM', P .. 'lanes', lane) end
+  local r = reply[4]
+  r[#r + 1] = lane
+  r[#r + 1] = used[lane] or 0
+  r[#r + 1] = waiting
+end
+
+local first = redis.call('ZRANGE', due_key, '0', '0', 'WITHSCORES')
+if #first > 0 then reply[1] = tonumber(first[2]) end
+reply[2] = redis.call('ZCARD', ready_key)
+if phase == 'submit' then reply[2] = reply[2] + redis.call('LLEN', P .. 'intake') end
+reply[3] = dropped
+return reply

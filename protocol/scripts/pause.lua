@@ -1,0 +1,67 @@
+local LEGAL = ' FAILED>PENDING_SUBMIT#O PENDING_SUBMIT>CANCELED#C PENDING_SUBMIT>CANCELED#O PENDING_SUBMIT>CANCELED#W PENDING_SUBMIT>SUBMITTING#W PENDING_SUBMIT>TRACKING_TIMED_OUT#R PENDING_SUBMIT>TRACKING_TIMED_OUT#W RUNNING>CANCELED#W RUNNING>FAILED#R RUNNING>FAILED#W RUNNING>RUNNING#R RUNNING>RUNNING#W RUNNING>SUCCEEDED#W RUNNING>TRACKING_TIMED_OUT#R RUNNING>TRACKING_TIMED_OUT#W SUBMITTED>CANCELED#W SUBMITTED>FAILED#R SUBMITTED>FAILED#W SUBMITTED>RUNNING#W SUBMITTED>SUBMITTED#R SUBMITTED>SUBMITTED#W SUBMITTED>SUCCEEDED#W SUBMITTED>TRACKING_TIMED_OUT#R SUBMITTED>TRACKING_TIMED_OUT#W SUBMITTING>CANCELED#R SUBMITTING>CANCELED#W SUBMITTING>FAILED#W SUBMITTING>PENDING_SUBMIT#R SUBMITTING>PENDING_SUBMIT#W SUBMITTING>SUBMITTED#W SUBMITTING>SUBMIT_UNKNOWN#R SUBMITTING>SUBMIT_UNKNOWN#W SUBMITTING>TRACKING_TIMED_OUT#R SUBMITTING>TRACKING_TIMED_OUT#W SUBMIT_UNKNOWN>CANCELED#C SUBMIT_UNKNOWN>CANCELED#O SUBMIT_UNKNOWN>CANCELED#W SUBMIT_UNKNOWN>FAILED#O SUBMIT_UNKNOWN>FAILED#W SUBMIT_UNKNOWN>PENDING_SUBMIT#O SUBMIT_UNKNOWN>PENDING_SUBMIT#W SUBMIT_UNKNOWN>SUBMITTED#O SUBMIT_UNKNOWN>SUBMITTED#W SUBMIT_UNKNOWN>SUBMIT_UNKNOWN#W SUBMIT_UNKNOWN>TRACKING_TIMED_OUT#W TRACKING_TIMED_OUT>PENDING_SUBMIT#O '
+-- _core: what every script starts with (an include the loader always puts first).
+--
+-- Every script receives KEYS[1] = "<ns>:{s<N>}:", the shard prefix. Keys of that shard
+-- are built from it here, so they all share the {s<N>} hash tag and one cluster slot.
+-- The loader puts LEGAL, the transition table generated from asynctaskd/model.py, before
+-- this, and after it the includes a script declares with `--- @include <name>` lines
+-- (docs/protocol.md, Calling the scripts): each helper is a closure Lua builds again on
+-- every call, so a script carries only those it uses.
+
+local P = KEYS[1]
+local TIME_ = redis.call('TIME')
+local NOW = tonumber(TIME_[1]) * 1000 + math.floor(tonumber(TIME_[2]) / 1000)
+-- Redis 7.0 turns a Lua number argument of redis.call into text with printf's "%.17g",
+-- which costs ~5,000 instructions for a 13-digit time: ~10% of a save. So integers go to
+-- Redis as strings: NOW_S is NOW as text (no printf: the seconds, then the microseconds
+-- zero-padded to 6 digits, cut to milliseconds), and int_s() makes any other integer
+-- of a double's exact range text with '%d', a fraction of that cost (anything else it
+-- leaves a number).
+local function ms_text(sec, usec) return sec .. string.sub('00000' .. usec, -6, -4) end
+local NOW_S = ms_text(TIME_[1], TIME_[2])
+local function int_s(n)
+  if n == math.floor(n) and n > -9007199254740992 and n < 9007199254740992 then
+    return string.format('%d', n)
+  end
+  return n
+end
+local function task_key(id) return P .. 'task:' .. id end
+
+-- A script whose KEYS name a task and whose ARGV its id checks that they agree (or its
+-- writes and its index entries would be about two different tasks), and raises
+-- 'asynctaskd: task <id> field <field> is corrupt' for a task field it depends on that
+-- is not what the scripts write, before anything is written. Both are written out where
+-- needed: a helper function here would cost every script call a closure.
+
+-- include: _roles
+-- _roles: the role guards of daemon and operator scripts (an include).
+--
+-- Roles (docs/security.md). Redis checks each command a script runs against the ACL user
+-- that called the script, so a no-op write (HDEL of a field from a key that never exists)
+-- to a key that only one role may write asks Redis whether the caller has that role.
+-- Daemon and operator scripts call their guard first: a producer (or a daemon running an
+-- operator script) gets NOPERM before anything is written.
+local function daemon_only() redis.call('HDEL', P .. 'role:daemon', '') end
+local function operator_only() redis.call('HDEL', P .. 'role:operator', '') end
+
+-- script: pause
+-- pause: hold back new vendor submits for one dimension on one shard.
+--
+-- KEYS[1] prefix   string  <ns>:{s<N>}:  shard prefix (paused)
+-- ARGV[1] dimension        'handler:<k>', 'provider:<p>', 'tenant:<t>' or 'account:<a>'
+-- ARGV[2] note             who and why, for operators ('' for none)
+--
+-- Returns {1} paused now, or {2} ACCEPTED (it already was; the first note is kept).
+-- Invariants: only the submit phase is held back; tasks already submitted keep being
+-- queried, and held tasks still time out and can be canceled (the sweep and cancel
+-- act on them as on any task nobody holds).
+
+--- @include _roles
+
+operator_only()
+local dim = ARGV[1]
+if not string.find(dim, '^[a-z]+:') then
+  error('asynctaskd: ARGV dimension must look like tenant:<name>, got ' .. tostring(dim))
+end
+local added = redis.call('HSETNX', P .. 'paused', dim, cjson.encode({at = NOW, note = ARGV[2]}))
+return {added == 1 and 1 or 2}

@@ -1,0 +1,297 @@
+local LEGAL = ' FAILED>PENDING_SUBMIT#O PENDING_SUBMIT>CANCELED#C PENDING_SUBMIT>CANCELED#O PENDING_SUBMIT>CANCELED#W PENDING_SUBMIT>SUBMITTING#W PENDING_SUBMIT>TRACKING_TIMED_OUT#R PENDING_SUBMIT>TRACKING_TIMED_OUT#W RUNNING>CANCELED#W RUNNING>FAILED#R RUNNING>FAILED#W RUNNING>RUNNING#R RUNNING>RUNNING#W RUNNING>SUCCEEDED#W RUNNING>TRACKING_TIMED_OUT#R RUNNING>TRACKING_TIMED_OUT#W SUBMITTED>CANCELED#W SUBMITTED>FAILED#R SUBMITTED>FAILED#W SUBMITTED>RUNNING#W SUBMITTED>SUBMITTED#R SUBMITTED>SUBMITTED#W SUBMITTED>SUCCEEDED#W SUBMITTED>TRACKING_TIMED_OUT#R SUBMITTED>TRACKING_TIMED_OUT#W SUBMITTING>CANCELED#R SUBMITTING>CANCELED#W SUBMITTING>FAILED#W SUBMITTING>PENDING_SUBMIT#R SUBMITTING>PENDING_SUBMIT#W SUBMITTING>SUBMITTED#W SUBMITTING>SUBMIT_UNKNOWN#R SUBMITTING>SUBMIT_UNKNOWN#W SUBMITTING>TRACKING_TIMED_OUT#R SUBMITTING>TRACKING_TIMED_OUT#W SUBMIT_UNKNOWN>CANCELED#C SUBMIT_UNKNOWN>CANCELED#O SUBMIT_UNKNOWN>CANCELED#W SUBMIT_UNKNOWN>FAILED#O SUBMIT_UNKNOWN>FAILED#W SUBMIT_UNKNOWN>PENDING_SUBMIT#O SUBMIT_UNKNOWN>PENDING_SUBMIT#W SUBMIT_UNKNOWN>SUBMITTED#O SUBMIT_UNKNOWN>SUBMITTED#W SUBMIT_UNKNOWN>SUBMIT_UNKNOWN#W SUBMIT_UNKNOWN>TRACKING_TIMED_OUT#W TRACKING_TIMED_OUT>PENDING_SUBMIT#O '
+-- _core: what every script starts with (an include the loader always puts first).
+--
+-- Every script receives KEYS[1] = "<ns>:{s<N>}:", the shard prefix. Keys of that shard
+-- are built from it here, so they all share the {s<N>} hash tag and one cluster slot.
+-- The loader puts LEGAL, the transition table generated from asynctaskd/model.py, before
+-- this, and after it the includes a script declares with `--- @include <name>` lines
+-- (docs/protocol.md, Calling the scripts): each helper is a closure Lua builds again on
+-- every call, so a script carries only those it uses.
+
+local P = KEYS[1]
+local TIME_ = redis.call('TIME')
+local NOW = tonumber(TIME_[1]) * 1000 + math.floor(tonumber(TIME_[2]) / 1000)
+-- Redis 7.0 turns a Lua number argument of redis.call into text with printf's "%.17g",
+-- which costs ~5,000 instructions for a 13-digit time: ~10% of a save. So integers go to
+-- Redis as strings: NOW_S is NOW as text (no printf: the seconds, then the microseconds
+-- zero-padded to 6 digits, cut to milliseconds), and int_s() makes any other integer
+-- of a double's exact range text with '%d', a fraction of that cost (anything else it
+-- leaves a number).
+local function ms_text(sec, usec) return sec .. string.sub('00000' .. usec, -6, -4) end
+local NOW_S = ms_text(TIME_[1], TIME_[2])
+local function int_s(n)
+  if n == math.floor(n) and n > -9007199254740992 and n < 9007199254740992 then
+    return string.format('%d', n)
+  end
+  return n
+end
+local function task_key(id) return P .. 'task:' .. id end
+
+-- A script whose KEYS name a task and whose ARGV its id checks that they agree (or its
+-- writes and its index entries would be about two different tasks), and raises
+-- 'asynctaskd: task <id> field <field> is corrupt' for a task field it depends on that
+-- is not what the scripts write, before anything is written. Both are written out where
+-- needed: a helper function here would cost every script call a closure.
+
+-- include: _int_arg
+-- _int_arg: checking an integer argument (an include).
+--
+-- An integer argument within [lo, hi] (hi: 2^53 - 1 if not given, so a double holds it
+-- and what int_s writes back exactly; this also refuses inf). `n % 1 ~= 0` is true for a
+-- fraction and for NaN. Other spellings Lua's tonumber reads as that integer ('1e3',
+-- '0x10') are that integer: every script writes the number, never the argument's text.
+local function int_arg(v, name, lo, hi)
+  local n = tonumber(v)
+  if not n or n % 1 ~= 0 or (lo and n < lo) or n > (hi or 9007199254740991) then
+    error('asynctaskd: ARGV ' .. name .. ' must be an integer'
+          .. (lo and (' >= ' .. lo) or '') .. ' <= ' .. (hi or '2^53 - 1')
+          .. ', got ' .. tostring(v))
+  end
+  return n
+end
+
+-- include: _roles
+-- _roles: the role guards of daemon and operator scripts (an include).
+--
+-- Roles (docs/security.md). Redis checks each command a script runs against the ACL user
+-- that called the script, so a no-op write (HDEL of a field from a key that never exists)
+-- to a key that only one role may write asks Redis whether the caller has that role.
+-- Daemon and operator scripts call their guard first: a producer (or a daemon running an
+-- operator script) gets NOPERM before anything is written.
+local function daemon_only() redis.call('HDEL', P .. 'role:daemon', '') end
+local function operator_only() redis.call('HDEL', P .. 'role:operator', '') end
+
+-- include: _statuses
+-- _statuses: status sets as tables (an include).
+
+local TERMINAL = {SUCCEEDED = true, FAILED = true, CANCELED = true, TRACKING_TIMED_OUT = true}
+local PHASE = {PENDING_SUBMIT = 'submit', SUBMITTING = 'submit', SUBMITTED = 'query',
+               RUNNING = 'query'}
+local KNOWN = {PENDING_SUBMIT = true, SUBMITTING = true, SUBMITTED = true, RUNNING = true,
+               SUCCEEDED = true, FAILED = true, CANCELED = true, TRACKING_TIMED_OUT = true,
+               SUBMIT_UNKNOWN = true}
+-- The statuses in which a task holds an in-flight slot (admission caps).
+local INFLIGHT = {SUBMITTING = true, SUBMITTED = true, RUNNING = true, SUBMIT_UNKNOWN = true}
+
+-- include: _wake
+-- _wake: waking idle daemons (an include).
+--
+-- The wake list holds at most one element, and daemons pop it only between scripts: a
+-- second wake in one script call would change nothing (a create_many of 32 would push 32).
+-- LLEN, not LTRIM, keeps it at one: a producer may push but not trim.
+local WOKEN = false
+local function wake()
+  if WOKEN then return end
+  WOKEN = true
+  if redis.call('LLEN', P .. 'wake') == 0 then redis.call('LPUSH', P .. 'wake', '1') end
+end
+
+-- include: _schedule
+-- _schedule: where a due task waits: ready, due or held by admission (an include).
+
+--- @include _statuses
+--- @include _wake
+
+local PRIO_SPAN = 4398046511104 -- 2^42 ms: ready score = (100 - priority) * 2^42 + due_ms
+
+-- Admission (docs/architecture.md, Admission). A due task waits in the ready set of its
+-- phase, or, when something holds it back, in the held set of that one thing: held:<dim>
+-- (a ZSET with the ready score, so it keeps its place), with its `held` field naming <dim>:
+--   handler:<k> provider:<p> tenant:<t> account:<a>   a pause (submit phase only)
+--   cap:<scope>                                         an in-flight cap that is full
+--   rate:<phase>|<provider>|<account>                   a token-bucket lane
+-- <prefix>admission is this shard's copy of the limits ('cap:<scope>' -> the shard's share,
+-- 'rate:<phase>:<scope>' -> '1'); when it and <prefix>paused are absent, none of this costs
+-- anything. In-flight caps are sets of task ids, inflight:<scope>, taken by the claim into
+-- SUBMITTING and given back in move_status whenever a task leaves SUBMITTING, SUBMITTED,
+-- RUNNING and SUBMIT_UNKNOWN: every path, once, because SREM is idempotent.
+local PAUSED = nil
+local function paused_on()
+  if PAUSED == nil then
+    PAUSED = false
+    if redis.call('EXISTS', P .. 'paused') == 1 then
+      PAUSED = {}
+      local flat = redis.call('HGETALL', P .. 'paused')
+      for i = 1, #flat, 2 do PAUSED[flat[i]] = true end
+    end
+  end
+  return PAUSED ~= false
+end
+
+local ADMISSION = nil
+local function admission_on()
+  if ADMISSION == nil then ADMISSION = redis.call('EXISTS', P .. 'admission') == 1 end
+  return ADMISSION
+end
+
+-- The helpers below would be closures Lua builds again on every script call, and most
+-- calls never need them (no limits, no pause, not a claim): they are built on first use.
+-- Call admission_helpers() before blocker() or hold().
+local paused_dim, gates, cap_full, provider_of, blocker, hold
+local function admission_helpers()
+  if blocker then return end
+  local GATES, PROVIDER_OF = {}, {}
+
+  function paused_dim(handler, provider, tenant, account)
+    if not paused_on() then return nil end
+    if PAUSED['handler:' .. handler] then return 'handler:' .. handler end
+    if PAUSED['provider:' .. provider] then return 'provider:' .. provider end
+    if tenant and PAUSED['tenant:' .. tenant] then return 'tenant:' .. tenant end
+    if account and PAUSED['account:' .. account] then return 'account:' .. account end
+    return nil
+  end
+
+  -- The limits that apply to a task in a phase:
+  -- {lane = <rate lane or nil>, caps = {{scope, n}}}.
+  function gates(phase, provider, tenant, account)
+    if not admission_on() then return nil end
+    local ck = phase .. '|' .. provider .. '|' .. (account or '') .. '|' .. (tenant or '')
+    local g = GATES[ck]
+    if g then return g end
+    local acct = account and (provider .. '/' .. account) or '-'
+    local f = redis.call('HMGET', P .. 'admission',
+                         'rate:' .. phase .. ':provider:' .. provider,
+                         'rate:' .. phase .. ':account:' .. acct, 'cap:provider:' .. provider,
+                         'cap:account:' .. acct, 'cap:tenant:' .. (tenant or '-'), 'cap:tenant:*')
+    g = {caps = {}}
+    if f[1] or f[2] then g.lane = phase .. '|' .. provider .. '|' .. (account or '') end
+    if phase == 'submit' then
+      if f[3] then g.caps[#g.caps + 1] = {'provider:' .. provider, tonumber(f[3])} end
+      if account and f[4] then g.caps[#g.caps + 1] = {'account:' .. acct, tonumber(f[4])} end
+      local tc = tenant and (f[5] or f[6])
+      if tc then g.caps[#g.caps + 1] = {'tenant:' .. tenant, tonumber(tc)} end
+    end
+    GATES[ck] = g
+    return g
+  end
+
+  -- Whether an in-flight cap has no room. Self-healing: each look at a full cap checks a
+  -- few members and drops ids whose task is gone or no longer in flight.
+  function cap_full(scope, cap)
+    local set = P .. 'inflight:' .. scope
+    local n = redis.call('SCARD', set)
+    if n < cap then return false end
+    for _, m in ipairs(redis.call('SRANDMEMBER', set, 3)) do
+      local st = redis.pcall('HGET', P .. 'task:' .. m, 'status')
+      if type(st) ~= 'string' or not INFLIGHT[st] then
+        redis.call('SREM', set, m)
+        n = n - 1
+      end
+    end
+    return n >= cap
+  end
+
+  -- The provider a task counts against: its own field, else its handler's provider as the
+  -- admission table names it ('provider:<handler>'), else the handler key.
+  function provider_of(handler, provider)
+    if provider then return provider end
+    if not admission_on() then return handler end
+    local p = PROVIDER_OF[handler]
+    if not p then
+      p = redis.call('HGET', P .. 'admission', 'provider:' .. handler) or handler
+      PROVIDER_OF[handler] = p
+    end
+    return p
+  end
+
+  -- What holds a due task back, as a held dimension, or nil; and its gates.
+  -- t = {handler, provider, tenant, account} as read from the hash (false where absent).
+  function blocker(phase, t)
+    local handler, tenant, account = t[1], t[3] or nil, t[4] or nil
+    local provider = provider_of(handler, t[2] or nil)
+    if phase == 'submit' then
+      local d = paused_dim(handler, provider, tenant, account)
+      if d then return d, nil end
+    end
+    local g = gates(phase, provider, tenant, account)
+    if not g then return nil, nil end
+    for _, c in ipairs(g.caps) do
+      if cap_full(c[1], c[2]) then return 'cap:' .. c[1], g end
+    end
+    return nil, g
+  end
+
+  function hold(id, dim, score)
+    redis.call('ZADD', P .. 'held:' .. dim, int_s(score), id)
+    redis.call('HSET', P .. 'task:' .. id, 'held', dim)
+    if string.sub(dim, 1, 5) == 'rate:' then
+      redis.call('SADD', P .. 'lanes', string.sub(dim, 6))
+    elseif string.sub(dim, 1, 4) == 'cap:' then
+      redis.call('SADD', P .. 'capholds', dim)
+    end
+  end
+end
+
+-- Put a due task where it waits: its held set if something holds it back (a rate lane
+-- always: tokens are handed out by claim), else the ready set.
+local function place(id, phase, score)
+  local t = false
+  if admission_on() or (phase == 'submit' and paused_on()) then
+    admission_helpers()
+    t = redis.pcall('HMGET', P .. 'task:' .. id, 'handler', 'provider', 'tenant', 'account')
+  end
+  if type(t) == 'table' and not t.err and t[1] then
+    local dim, g = blocker(phase, t)
+    if not dim and g and g.lane then dim = 'rate:' .. g.lane end
+    if dim then
+      hold(id, dim, score)
+      return dim
+    end
+  end
+  redis.call('ZADD', P .. 'ready:' .. phase, int_s(score), id)
+  return nil
+end
+
+local function schedule(id, phase, due_ms, priority)
+  if not (priority >= -100 and priority <= 100) then priority = 0 end  -- also NaN
+  if due_ms <= NOW then
+    place(id, phase, (100 - priority) * PRIO_SPAN + due_ms)
+  else
+    redis.call('ZADD', P .. 'due:' .. phase, int_s(due_ms), id)
+  end
+  return due_ms
+end
+
+-- Move held tasks of one dimension back to where they wait now (at most `limit`).
+local function unhold(dim, phase, limit)
+  if limit <= 0 then return 0 end
+  local popped = redis.call('ZPOPMIN', P .. 'held:' .. dim, limit)
+  local moved = 0
+  for i = 1, #popped, 2 do
+    local id = popped[i]
+    local tk = P .. 'task:' .. id
+    if redis.pcall('HGET', tk, 'held') == dim then
+      redis.call('HDEL', tk, 'held')
+      place(id, phase, tonumber(popped[i + 1]))
+      moved = moved + 1
+    end
+  end
+  if moved > 0 then wake() end
+  return moved
+end
+
+-- script: resume
+-- resume: lift a pause on one shard and put the tasks it held back into the ready set.
+--
+-- KEYS[1] prefix   string  <ns>:{s<N>}:  shard prefix (paused, held:<dim>, ready:submit)
+-- ARGV[1] dimension        'handler:<k>', 'provider:<p>', 'tenant:<t>' or 'account:<a>'
+-- ARGV[2] limit            how many held tasks to move back at most, integer 1..10000
+--
+-- Returns {moved, remaining}: call again while remaining > 0.
+-- Invariants: the pause flag is gone after the first call, so no new task is held under
+-- it; a moved task keeps its ready score (priority, then FIFO) and goes where it waits
+-- now: the ready set, or the held set of another pause, a full cap or its rate lane.
+
+--- @include _int_arg
+--- @include _roles
+--- @include _schedule
+
+operator_only()
+local dim = ARGV[1]
+if not string.find(dim, '^[a-z]+:') then
+  error('asynctaskd: ARGV dimension must look like tenant:<name>, got ' .. tostring(dim))
+end
+local limit = int_arg(ARGV[2], 'limit', 1, 10000)
+redis.call('HDEL', P .. 'paused', dim)
+local moved = unhold(dim, 'submit', limit)
+return {moved, redis.call('ZCARD', P .. 'held:' .. dim)}

@@ -1,0 +1,641 @@
+local LEGAL = ' FAILED>PENDING_SUBMIT#O PENDING_SUBMIT>CANCELED#C PENDING_SUBMIT>CANCELED#O PENDING_SUBMIT>CANCELED#W PENDING_SUBMIT>SUBMITTING#W PENDING_SUBMIT>TRACKING_TIMED_OUT#R PENDING_SUBMIT>TRACKING_TIMED_OUT#W RUNNING>CANCELED#W RUNNING>FAILED#R RUNNING>FAILED#W RUNNING>RUNNING#R RUNNING>RUNNING#W RUNNING>SUCCEEDED#W RUNNING>TRACKING_TIMED_OUT#R RUNNING>TRACKING_TIMED_OUT#W SUBMITTED>CANCELED#W SUBMITTED>FAILED#R SUBMITTED>FAILED#W SUBMITTED>RUNNING#W SUBMITTED>SUBMITTED#R SUBMITTED>SUBMITTED#W SUBMITTED>SUCCEEDED#W SUBMITTED>TRACKING_TIMED_OUT#R SUBMITTED>TRACKING_TIMED_OUT#W SUBMITTING>CANCELED#R SUBMITTING>CANCELED#W SUBMITTING>FAILED#W SUBMITTING>PENDING_SUBMIT#R SUBMITTING>PENDING_SUBMIT#W SUBMITTING>SUBMITTED#W SUBMITTING>SUBMIT_UNKNOWN#R SUBMITTING>SUBMIT_UNKNOWN#W SUBMITTING>TRACKING_TIMED_OUT#R SUBMITTING>TRACKING_TIMED_OUT#W SUBMIT_UNKNOWN>CANCELED#C SUBMIT_UNKNOWN>CANCELED#O SUBMIT_UNKNOWN>CANCELED#W SUBMIT_UNKNOWN>FAILED#O SUBMIT_UNKNOWN>FAILED#W SUBMIT_UNKNOWN>PENDING_SUBMIT#O SUBMIT_UNKNOWN>PENDING_SUBMIT#W SUBMIT_UNKNOWN>SUBMITTED#O SUBMIT_UNKNOWN>SUBMITTED#W SUBMIT_UNKNOWN>SUBMIT_UNKNOWN#W SUBMIT_UNKNOWN>TRACKING_TIMED_OUT#W TRACKING_TIMED_OUT>PENDING_SUBMIT#O '
+-- _core: what every script starts with (an include the loader always puts first).
+--
+-- Every script receives KEYS[1] = "<ns>:{s<N>}:", the shard prefix. Keys of that shard
+-- are built from it here, so they all share the {s<N>} hash tag and one cluster slot.
+-- The loader puts LEGAL, the transition table generated from asynctaskd/model.py, before
+-- this, and after it the includes a script declares with `--- @include <name>` lines
+-- (docs/protocol.md, Calling the scripts): each helper is a closure Lua builds again on
+-- every call, so a script carries only those it uses.
+
+local P = KEYS[1]
+local TIME_ = redis.call('TIME')
+local NOW = tonumber(TIME_[1]) * 1000 + math.floor(tonumber(TIME_[2]) / 1000)
+-- Redis 7.0 turns a Lua number argument of redis.call into text with printf's "%.17g",
+-- which costs ~5,000 instructions for a 13-digit time: ~10% of a save. So integers go to
+-- Redis as strings: NOW_S is NOW as text (no printf: the seconds, then the microseconds
+-- zero-padded to 6 digits, cut to milliseconds), and int_s() makes any other integer
+-- of a double's exact range text with '%d', a fraction of that cost (anything else it
+-- leaves a number).
+local function ms_text(sec, usec) return sec .. string.sub('00000' .. usec, -6, -4) end
+local NOW_S = ms_text(TIME_[1], TIME_[2])
+local function int_s(n)
+  if n == math.floor(n) and n > -9007199254740992 and n < 9007199254740992 then
+    return string.format('%d', n)
+  end
+  return n
+end
+local function task_key(id) return P .. 'task:' .. id end
+
+-- A script whose KEYS name a task and whose ARGV its id checks that they agree (or its
+-- writes and its index entries would be about two different tasks), and raises
+-- 'asynctaskd: task <id> field <field> is corrupt' for a task field it depends on that
+-- is not what the scripts write, before anything is written. Both are written out where
+-- needed: a helper function here would cost every script call a closure.
+
+-- include: _roles
+-- _roles: the role guards of daemon and operator scripts (an include).
+--
+-- Roles (docs/security.md). Redis checks each command a script runs against the ACL user
+-- that called the script, so a no-op write (HDEL of a field from a key that never exists)
+-- to a key that only one role may write asks Redis whether the caller has that role.
+-- Daemon and operator scripts call their guard first: a producer (or a daemon running an
+-- operator script) gets NOPERM before anything is written.
+local function daemon_only() redis.call('HDEL', P .. 'role:daemon', '') end
+local function operator_only() redis.call('HDEL', P .. 'role:operator', '') end
+
+-- include: _settings
+-- _settings: the shard's settings, read and checked before the first write (an include).
+--
+-- Settings (docs/protocol.md section 9). A script calls settings() before its first
+-- write, so a bad value raises before anything is written, never from emit() or finish()
+-- half-way: settings() reads and checks all three in one HMGET (a script that may finish
+-- a task), settings(true) only events_maxlen in one HGET (one that may write an event
+-- but finishes no task: most saves). Absent fields take their defaults, kept as text.
+local EVENTS_MAXLEN, EXPIRY_MS = nil, nil
+local function settings(events_only)
+  if EXPIRY_MS or (events_only and EVENTS_MAXLEN) then return end
+  local s, m
+  if events_only then
+    m = redis.call('HGET', P .. 'settings', 'events_maxlen')
+  else
+    s = redis.call('HMGET', P .. 'settings', 'retention_ms', 'expiry_grace_ms', 'events_maxlen')
+    m = s[3]
+  end
+  local n = m and tonumber(m)
+  if m and not (n and n % 1 == 0 and n >= 1 and n <= 1000000000) then
+    error('asynctaskd: settings events_maxlen must be an integer from 1 to 1000000000, got ' .. m)
+  end
+  EVENTS_MAXLEN = n and int_s(n) or '100000'
+  if events_only then return end
+  local r, g = tonumber(s[1] or 604800000), tonumber(s[2] or 86400000)
+  if not (r and r % 1 == 0 and r >= 1 and r <= 316224000000) then
+    error('asynctaskd: settings retention_ms must be an integer from 1 to 316224000000, got '
+          .. s[1])
+  end
+  if not (g and g % 1 == 0 and g >= 0 and g <= 316224000000) then
+    error('asynctaskd: settings expiry_grace_ms must be an integer from 0 to 316224000000, got '
+          .. s[2])
+  end
+  EXPIRY_MS = (s[1] or s[2]) and int_s(r + g) or '691200000'
+end
+
+-- include: _emit
+-- _emit: appending to the events stream (an include).
+
+--- @include _settings
+
+local function emit(id, status, version, extra)
+  if not EVENTS_MAXLEN then settings(true) end
+  local args = {'XADD', P .. 'events', 'MAXLEN', '~', EVENTS_MAXLEN, '*',
+                'task', id, 'status', status, 'version', int_s(version)}
+  if extra then
+    for i = 1, #extra do args[#args + 1] = extra[i] end
+  end
+  redis.call(unpack(args))
+end
+
+-- include: _guards
+-- _guards: the lifecycle and version checks of worker and operator writes (an include).
+
+local function legal(old, new, actor)
+  return string.find(LEGAL, ' ' .. old .. '>' .. new .. '#' .. actor .. ' ', 1, true) ~= nil
+end
+
+-- The fence-and-version check every worker write makes. The version the worker read must
+-- still hold, except that a cancel request (the one write others make to a leased task)
+-- is merged: it bumps the version once and records that version as cancel_version.
+local function version_holds(current, cancel_version, read)
+  if current == read then return true end
+  return cancel_version ~= false and cancel_version ~= nil and current == cancel_version
+         and tonumber(current) == (tonumber(read) or -2) + 1
+end
+
+-- include: _int_arg
+-- _int_arg: checking an integer argument (an include).
+--
+-- An integer argument within [lo, hi] (hi: 2^53 - 1 if not given, so a double holds it
+-- and what int_s writes back exactly; this also refuses inf). `n % 1 ~= 0` is true for a
+-- fraction and for NaN. Other spellings Lua's tonumber reads as that integer ('1e3',
+-- '0x10') are that integer: every script writes the number, never the argument's text.
+local function int_arg(v, name, lo, hi)
+  local n = tonumber(v)
+  if not n or n % 1 ~= 0 or (lo and n < lo) or n > (hi or 9007199254740991) then
+    error('asynctaskd: ARGV ' .. name .. ' must be an integer'
+          .. (lo and (' >= ' .. lo) or '') .. ' <= ' .. (hi or '2^53 - 1')
+          .. ', got ' .. tostring(v))
+  end
+  return n
+end
+
+-- include: _int_field
+-- _int_field: checking a stored counter (an include).
+--
+-- A stored counter a script may increment: absent (false), or an integer as Redis itself
+-- writes one (no leading zeros, no "-0") with at most 15 digits, so HINCRBY takes it and
+-- Lua's doubles hold it and its successor exactly (claim and save add 1 in Lua).
+local function int_field(v)
+  if not v then return true end
+  if v == '0' then return true end
+  local digits = string.match(v, '^%-?([1-9]%d*)$')
+  return digits ~= nil and #digits <= 15
+end
+
+-- include: _statuses
+-- _statuses: status sets as tables (an include).
+
+local TERMINAL = {SUCCEEDED = true, FAILED = true, CANCELED = true, TRACKING_TIMED_OUT = true}
+local PHASE = {PENDING_SUBMIT = 'submit', SUBMITTING = 'submit', SUBMITTED = 'query',
+               RUNNING = 'query'}
+local KNOWN = {PENDING_SUBMIT = true, SUBMITTING = true, SUBMITTED = true, RUNNING = true,
+               SUCCEEDED = true, FAILED = true, CANCELED = true, TRACKING_TIMED_OUT = true,
+               SUBMIT_UNKNOWN = true}
+-- The statuses in which a task holds an in-flight slot (admission caps).
+local INFLIGHT = {SUBMITTING = true, SUBMITTED = true, RUNNING = true, SUBMIT_UNKNOWN = true}
+
+-- include: _wake
+-- _wake: waking idle daemons (an include).
+--
+-- The wake list holds at most one element, and daemons pop it only between scripts: a
+-- second wake in one script call would change nothing (a create_many of 32 would push 32).
+-- LLEN, not LTRIM, keeps it at one: a producer may push but not trim.
+local WOKEN = false
+local function wake()
+  if WOKEN then return end
+  WOKEN = true
+  if redis.call('LLEN', P .. 'wake') == 0 then redis.call('LPUSH', P .. 'wake', '1') end
+end
+
+-- include: _schedule
+-- _schedule: where a due task waits: ready, due or held by admission (an include).
+
+--- @include _statuses
+--- @include _wake
+
+local PRIO_SPAN = 4398046511104 -- 2^42 ms: ready score = (100 - priority) * 2^42 + due_ms
+
+-- Admission (docs/architecture.md, Admission). A due task waits in the ready set of its
+-- phase, or, when something holds it back, in the held set of that one thing: held:<dim>
+-- (a ZSET with the ready score, so it keeps its place), with its `held` field naming <dim>:
+--   handler:<k> provider:<p> tenant:<t> account:<a>   a pause (submit phase only)
+--   cap:<scope>                                         an in-flight cap that is full
+--   rate:<phase>|<provider>|<account>                   a token-bucket lane
+-- <prefix>admission is this shard's copy of the limits ('cap:<scope>' -> the shard's share,
+-- 'rate:<phase>:<scope>' -> '1'); when it and <prefix>paused are absent, none of this costs
+-- anything. In-flight caps are sets of task ids, inflight:<scope>, taken by the claim into
+-- SUBMITTING and given back in move_status whenever a task leaves SUBMITTING, SUBMITTED,
+-- RUNNING and SUBMIT_UNKNOWN: every path, once, because SREM is idempotent.
+local PAUSED = nil
+local function paused_on()
+  if PAUSED == nil then
+    PAUSED = false
+    if redis.call('EXISTS', P .. 'paused') == 1 then
+      PAUSED = {}
+      local flat = redis.call('HGETALL', P .. 'paused')
+      for i = 1, #flat, 2 do PAUSED[flat[i]] = true end
+    end
+  end
+  return PAUSED ~= false
+end
+
+local ADMISSION = nil
+local function admission_on()
+  if ADMISSION == nil then ADMISSION = redis.call('EXISTS', P .. 'admission') == 1 end
+  return ADMISSION
+end
+
+-- The helpers below would be closures Lua builds again on every script call, and most
+-- calls never need them (no limits, no pause, not a claim): they are built on first use.
+-- Call admission_helpers() before blocker() or hold().
+local paused_dim, gates, cap_full, provider_of, blocker, hold
+local function admission_helpers()
+  if blocker then return end
+  local GATES, PROVIDER_OF = {}, {}
+
+  function paused_dim(handler, provider, tenant, account)
+    if not paused_on() then return nil end
+    if PAUSED['handler:' .. handler] then return 'handler:' .. handler end
+    if PAUSED['provider:' .. provider] then return 'provider:' .. provider end
+    if tenant and PAUSED['tenant:' .. tenant] then return 'tenant:' .. tenant end
+    if account and PAUSED['account:' .. account] then return 'account:' .. account end
+    return nil
+  end
+
+  -- The limits that apply to a task in a phase:
+  -- {lane = <rate lane or nil>, caps = {{scope, n}}}.
+  function gates(phase, provider, tenant, account)
+    if not admission_on() then return nil end
+    local ck = phase .. '|' .. provider .. '|' .. (account or '') .. '|' .. (tenant or '')
+    local g = GATES[ck]
+    if g then return g end
+    local acct = account and (provider .. '/' .. account) or '-'
+    local f = redis.call('HMGET', P .. 'admission',
+                         'rate:' .. phase .. ':provider:' .. provider,
+                         'rate:' .. phase .. ':account:' .. acct, 'cap:provider:' .. provider,
+                         'cap:account:' .. acct, 'cap:tenant:' .. (tenant or '-'), 'cap:tenant:*')
+    g = {caps = {}}
+    if f[1] or f[2] then g.lane = phase .. '|' .. provider .. '|' .. (account or '') end
+    if phase == 'submit' then
+      if f[3] then g.caps[#g.caps + 1] = {'provider:' .. provider, tonumber(f[3])} end
+      if account and f[4] then g.caps[#g.caps + 1] = {'account:' .. acct, tonumber(f[4])} end
+      local tc = tenant and (f[5] or f[6])
+      if tc then g.caps[#g.caps + 1] = {'tenant:' .. tenant, tonumber(tc)} end
+    end
+    GATES[ck] = g
+    return g
+  end
+
+  -- Whether an in-flight cap has no room. Self-healing: each look at a full cap checks a
+  -- few members and drops ids whose task is gone or no longer in flight.
+  function cap_full(scope, cap)
+    local set = P .. 'inflight:' .. scope
+    local n = redis.call('SCARD', set)
+    if n < cap then return false end
+    for _, m in ipairs(redis.call('SRANDMEMBER', set, 3)) do
+      local st = redis.pcall('HGET', P .. 'task:' .. m, 'status')
+      if type(st) ~= 'string' or not INFLIGHT[st] then
+        redis.call('SREM', set, m)
+        n = n - 1
+      end
+    end
+    return n >= cap
+  end
+
+  -- The provider a task counts against: its own field, else its handler's provider as the
+  -- admission table names it ('provider:<handler>'), else the handler key.
+  function provider_of(handler, provider)
+    if provider then return provider end
+    if not admission_on() then return handler end
+    local p = PROVIDER_OF[handler]
+    if not p then
+      p = redis.call('HGET', P .. 'admission', 'provider:' .. handler) or handler
+      PROVIDER_OF[handler] = p
+    end
+    return p
+  end
+
+  -- What holds a due task back, as a held dimension, or nil; and its gates.
+  -- t = {handler, provider, tenant, account} as read from the hash (false where absent).
+  function blocker(phase, t)
+    local handler, tenant, account = t[1], t[3] or nil, t[4] or nil
+    local provider = provider_of(handler, t[2] or nil)
+    if phase == 'submit' then
+      local d = paused_dim(handler, provider, tenant, account)
+      if d then return d, nil end
+    end
+    local g = gates(phase, provider, tenant, account)
+    if not g then return nil, nil end
+    for _, c in ipairs(g.caps) do
+      if cap_full(c[1], c[2]) then return 'cap:' .. c[1], g end
+    end
+    return nil, g
+  end
+
+  function hold(id, dim, score)
+    redis.call('ZADD', P .. 'held:' .. dim, int_s(score), id)
+    redis.call('HSET', P .. 'task:' .. id, 'held', dim)
+    if string.sub(dim, 1, 5) == 'rate:' then
+      redis.call('SADD', P .. 'lanes', string.sub(dim, 6))
+    elseif string.sub(dim, 1, 4) == 'cap:' then
+      redis.call('SADD', P .. 'capholds', dim)
+    end
+  end
+end
+
+-- Put a due task where it waits: its held set if something holds it back (a rate lane
+-- always: tokens are handed out by claim), else the ready set.
+local function place(id, phase, score)
+  local t = false
+  if admission_on() or (phase == 'submit' and paused_on()) then
+    admission_helpers()
+    t = redis.pcall('HMGET', P .. 'task:' .. id, 'handler', 'provider', 'tenant', 'account')
+  end
+  if type(t) == 'table' and not t.err and t[1] then
+    local dim, g = blocker(phase, t)
+    if not dim and g and g.lane then dim = 'rate:' .. g.lane end
+    if dim then
+      hold(id, dim, score)
+      return dim
+    end
+  end
+  redis.call('ZADD', P .. 'ready:' .. phase, int_s(score), id)
+  return nil
+end
+
+local function schedule(id, phase, due_ms, priority)
+  if not (priority >= -100 and priority <= 100) then priority = 0 end  -- also NaN
+  if due_ms <= NOW then
+    place(id, phase, (100 - priority) * PRIO_SPAN + due_ms)
+  else
+    redis.call('ZADD', P .. 'due:' .. phase, int_s(due_ms), id)
+  end
+  return due_ms
+end
+
+-- Move held tasks of one dimension back to where they wait now (at most `limit`).
+local function unhold(dim, phase, limit)
+  if limit <= 0 then return 0 end
+  local popped = redis.call('ZPOPMIN', P .. 'held:' .. dim, limit)
+  local moved = 0
+  for i = 1, #popped, 2 do
+    local id = popped[i]
+    local tk = P .. 'task:' .. id
+    if redis.pcall('HGET', tk, 'held') == dim then
+      redis.call('HDEL', tk, 'held')
+      place(id, phase, tonumber(popped[i + 1]))
+      moved = moved + 1
+    end
+  end
+  if moved > 0 then wake() end
+  return moved
+end
+
+-- include: _unschedule
+-- _unschedule: taking a task out of every due, ready and held set (an include).
+
+local function unschedule(id)
+  local held = redis.call('HGET', P .. 'task:' .. id, 'held')
+  if held then
+    redis.call('ZREM', P .. 'held:' .. held, id)
+    redis.call('HDEL', P .. 'task:' .. id, 'held')
+  end
+  redis.call('ZREM', P .. 'due:submit', id)
+  redis.call('ZREM', P .. 'due:query', id)
+  redis.call('ZREM', P .. 'ready:submit', id)
+  redis.call('ZREM', P .. 'ready:query', id)
+end
+
+-- include: _move
+-- _move: status moves with exact counters and indexes; finishing; versions (an include).
+
+--- @include _schedule
+--- @include _settings
+--- @include _statuses
+--- @include _unschedule
+
+local function release_slots(tk, id)
+  local slots = redis.call('HGET', tk, 'slots')
+  if not slots then return end
+  redis.call('HDEL', tk, 'slots')
+  for scope in string.gmatch(slots, '%S+') do
+    redis.call('SREM', P .. 'inflight:' .. scope, id)
+    unhold('cap:' .. scope, 'submit', 1)
+  end
+end
+
+-- Move a task's status, keeping the per-status index and counters exact. `written`: the
+-- caller already wrote the new status in an HSET of its own.
+local function move_status(tk, id, old, new, handler, written)
+  if not written then redis.call('HSET', tk, 'status', new) end
+  if old == new then return end
+  if old and INFLIGHT[old] and not INFLIGHT[new] then release_slots(tk, id) end
+  local counts = P .. 'counts'
+  if old then
+    redis.call('HINCRBY', counts, old, '-1')
+    redis.call('HINCRBY', counts, old .. '@' .. handler, '-1')
+    redis.call('ZREM', P .. 'idx:' .. old, id)
+  end
+  redis.call('HINCRBY', counts, new, '1')
+  redis.call('HINCRBY', counts, new .. '@' .. handler, '1')
+  redis.call('ZADD', P .. 'idx:' .. new, NOW_S, id)
+end
+
+-- Everything that happens when a task becomes terminal, in one place. `written`: the
+-- caller (a save, in its own HSET and HDEL) already removed the lease, wrote the status
+-- and finished_ms, and deleted owner, due_ms and started_fence.
+local function finish(tk, id, old, new, handler, written)
+  move_status(tk, id, old, new, handler, written)
+  unschedule(id)
+  if old == 'SUBMIT_UNKNOWN' then redis.call('ZREM', P .. 'due:find', id) end
+  if not written then
+    -- only a leased task has an owner: a producer's cancel never touches the lease index
+    if redis.call('HEXISTS', tk, 'owner') == 1 then redis.call('ZREM', P .. 'leases', id) end
+    redis.call('HSET', tk, 'finished_ms', NOW_S)
+    redis.call('HDEL', tk, 'owner', 'due_ms', 'started_fence')
+  end
+  redis.call('ZREM', P .. 'deadlines', id)
+  local dedup = redis.call('HGET', tk, 'dedup')
+  if dedup then
+    local dk = P .. 'dedup:' .. dedup
+    if redis.call('GET', dk) == id then redis.call('DEL', dk) end
+  end
+  -- purge deletes the hash at retention with exact counters; the expiry is the safety net
+  if not EXPIRY_MS then settings() end
+  redis.call('PEXPIRE', tk, EXPIRY_MS)
+end
+
+local function bump(tk)
+  local v = redis.call('HINCRBY', tk, 'version', '1')
+  redis.call('HSET', tk, 'updated_ms', NOW_S)
+  return v
+end
+
+-- include: _save
+-- _save: one task's save, shared by save and save_many (not a script itself).
+--
+-- The scripts that need it include it (--- @include _save). save_one(k, A, o, n)
+-- is the save of the task whose key is KEYS[k], given A[o + 1] .. A[o + n] as save's ARGV
+-- (save.lua states the contract). It returns save's reply, and raises on bad arguments or
+-- a corrupt hash or a bad setting it uses, before anything is written.
+
+--- @include _emit
+--- @include _guards
+--- @include _int_arg
+--- @include _int_field
+--- @include _move
+--- @include _schedule
+--- @include _settings
+--- @include _statuses
+--- @include _wake
+
+-- The longest delay a save accepts: 10 years, as the client's longest delay. NOW + delay_ms
+-- then stays an integer that a double holds exactly and int_s writes as digits; a larger
+-- one would be written as a float ("1e+17"), which no reader takes for a due time.
+local MAX_DELAY_MS = 316224000000
+
+local WRITABLE = {handle = true, external_id = true, result = true, error_code = true,
+  error_message = true, progress = true, stage = true, message = true,
+  consecutive_errors = true, poll_count = true, throttles = true}
+
+local function save_one(k, A, o, n)
+  local tk = KEYS[k]
+  local id, fence, want = A[o + 1], A[o + 2], A[o + 4]
+  if n < 5 then error('asynctaskd: save takes at least 5 arguments, got ' .. n) end
+  if KEYS[k] ~= P .. 'task:' .. id then
+    error('asynctaskd: KEYS[' .. k .. '] is not the key of task ' .. id)
+  end
+  if not KNOWN[want] then error('asynctaskd: ARGV status is not a status: ' .. tostring(want)) end
+  local delay_ms = int_arg(A[o + 5], 'delay_ms', 0, MAX_DELAY_MS)
+  if n % 2 ~= 1 then error('asynctaskd: save takes field, value pairs after ARGV[5]') end
+  local first, stop = o + 6, o + n
+  for i = first, stop, 2 do
+    if not WRITABLE[A[i]] then error('asynctaskd: save may not write field ' .. A[i]) end
+  end
+
+  local t = redis.call('HMGET', tk, 'status', 'fence', 'version', 'cancel_requested',
+                       'cancel_version', 'deadline_ms', 'started_fence', 'handler', 'priority',
+                       'progress', 'stage', 'message')
+  local old = t[1]
+  if not old then return {-1} end
+  -- the late save of the original submitter: its fence is the started mark's, even when a
+  -- lookup (lua/lookup.lua) holds the parked task under a newer fence meanwhile
+  local late = old == 'SUBMIT_UNKNOWN' and t[7] == fence
+               and (want == 'SUBMITTED' or want == 'FAILED' or want == 'PENDING_SUBMIT')
+  if t[2] ~= fence and not late then return {-2} end
+  if not late then
+    if not redis.call('ZSCORE', P .. 'leases', id) then return {-4} end
+    if not version_holds(t[3], t[5], A[o + 3]) then return {-3} end
+  end
+  -- a worker parks only its own submit (SUBMIT_UNKNOWN -> SUBMIT_UNKNOWN is reconcile's)
+  if not legal(old, want, 'W') or (want == 'SUBMIT_UNKNOWN' and old ~= 'SUBMITTING') then
+    return {-7}
+  end
+
+  local final = want
+  local cancel = t[4] == '1'
+  if cancel and not TERMINAL[want] then
+    if want == 'PENDING_SUBMIT' then final = 'CANCELED' end
+    if want == 'SUBMITTED' or want == 'RUNNING' then delay_ms = 0 end
+  end
+  local deadline = tonumber(t[6])
+  if not TERMINAL[final] and final ~= 'SUBMIT_UNKNOWN' and (deadline or 0) <= NOW then
+    final = 'TRACKING_TIMED_OUT'
+  end
+
+  -- The version bump (as _move's bump), the fields, updated_ms, due_ms, and the
+  -- removal of owner, started_fence, started_by and emptied fields: one HSET and one HDEL.
+  -- Each call a script makes costs Redis far more than the command itself; saves run for
+  -- every task several times, so they are batched here.
+  if not int_field(t[3]) then
+    error('asynctaskd: task ' .. id .. ' field version is corrupt: ' .. tostring(t[3]))
+  end
+  if not t[8] then
+    error('asynctaskd: task ' .. id .. ' field handler is corrupt: ' .. tostring(t[8]))
+  end
+  if not deadline or deadline % 1 ~= 0 then
+    error('asynctaskd: task ' .. id .. ' field deadline_ms is corrupt: ' .. tostring(t[6]))
+  end
+  local v = (tonumber(t[3]) or 0) + 1
+  local sets = {'HSET', tk, 'version', int_s(v), 'updated_ms', NOW_S}
+  if final ~= old then  -- the status too (move_status below is told it is written)
+    sets[#sets + 1] = 'status'
+    sets[#sets + 1] = final
+  end
+  local dels = {'HDEL', tk, 'owner'}
+  local last = {}
+  for i = first, stop, 2 do last[A[i]] = i end
+  for i = first, stop, 2 do
+    if last[A[i]] == i then
+      if A[i + 1] == '' then
+        dels[#dels + 1] = A[i]
+      else
+        sets[#sets + 1] = A[i]
+        sets[#sets + 1] = A[i + 1]
+      end
+    end
+  end
+  local terminal = TERMINAL[final]
+  if old == 'SUBMITTING' or old == 'SUBMIT_UNKNOWN' or terminal then
+    dels[#dels + 1] = 'started_fence'
+    dels[#dels + 1] = 'started_by'
+    -- the lookup record goes with the lookups (a record left by a submit that was not
+    -- parked names an old fence, which no park matches: the hot path does not delete it)
+    if old == 'SUBMIT_UNKNOWN' then
+      dels[#dels + 1] = 'find'
+      dels[#dels + 1] = 'lookups'
+      dels[#dels + 1] = 'lookup_ms'
+    end
+  end
+  if terminal then  -- what finish() would write and delete: here, in the same two calls
+    sets[#sets + 1] = 'finished_ms'
+    sets[#sets + 1] = NOW_S
+    dels[#dels + 1] = 'due_ms'
+  elseif final == 'SUBMIT_UNKNOWN' then
+    dels[#dels + 1] = 'due_ms'
+  else
+    sets[#sets + 1] = 'due_ms'
+    sets[#sets + 1] = int_s(NOW + delay_ms)  -- what schedule() below returns
+  end
+  -- the settings this save uses (its event; its finish), checked before its first write
+  if terminal then settings() elseif final ~= old or final == 'RUNNING' then settings(true) end
+  redis.call(unpack(sets))
+  redis.call(unpack(dels))
+  local handler = t[8]
+  redis.call('ZREM', P .. 'leases', id)
+  if terminal then
+    finish(tk, id, old, final, handler, true)
+  else
+    if final ~= old then move_status(tk, id, old, final, handler, true) end
+    if final == 'SUBMIT_UNKNOWN' then
+      redis.call('ZREM', P .. 'deadlines', id)
+      -- a handler that can look its job up (its start recorded `find` under this fence)
+      local f = redis.call('HGET', tk, 'find')
+      if f and string.match(f, '^(%d+):') == fence then
+        redis.call('ZADD', P .. 'due:find', NOW_S, id)
+      end
+    else
+      schedule(id, PHASE[final], NOW + delay_ms, tonumber(t[9]) or 0)
+      if old == 'SUBMIT_UNKNOWN' then
+        redis.call('ZADD', P .. 'deadlines', deadline, id)
+        redis.call('ZREM', P .. 'due:find', id)
+      end
+      if delay_ms == 0 then wake() end
+    end
+  end
+  local extra = nil
+  if final == 'RUNNING' then
+    -- the hash's progress, stage and message now: as written above, else as read
+    extra = {}
+    for k, name in ipairs({'progress', 'stage', 'message'}) do
+      local value = t[9 + k]
+      if last[name] then value = A[last[name] + 1] ~= '' and A[last[name] + 1] end
+      if value then extra[#extra + 1] = name; extra[#extra + 1] = value end
+    end
+  end
+  if final ~= old or extra then emit(id, final, v, extra) end
+  return {1, v, final}
+end
+
+-- script: save
+-- save: write a worker's outcome for one task if its fence and version still hold.
+--
+-- KEYS[1] prefix   string  <ns>:{s<N>}:  shard prefix (leases, due sets, indexes, counts)
+-- KEYS[2] task     hash    <ns>:{s<N>}:task:<id>
+-- ARGV[1] task_id
+-- ARGV[2] fence            fence the worker received from claim
+-- ARGV[3] version          version the worker last read
+-- ARGV[4] status           the status the outcome asks for
+-- ARGV[5] delay_ms         next due time from now for a non-terminal status, integer
+--                          from 0 to 316224000000 (10 years)
+-- ARGV[6..] field, value   pairs to write; only handle, external_id, result, error_code,
+--                          error_message, progress, stage, message, consecutive_errors,
+--                          poll_count, throttles; an empty value deletes the field; a field given
+--                          twice takes its last value
+--
+-- Returns {1, new_version, final_status} saved, or one of
+--   {-1} NOT_FOUND  {-2} STALE_FENCE  {-3} WRONG_VERSION  {-4} NO_LEASE
+--   {-7} ILLEGAL    the lifecycle does not allow this worker transition (SUBMIT_UNKNOWN
+--                   only from SUBMITTING: staying parked is reconcile's to say)
+-- Rules, in order:
+--   * The fence must be current and the task leased, except the late save of the
+--     original submitter: a task parked in SUBMIT_UNKNOWN by the reaper whose started
+--     fence is this fence accepts SUBMITTED, FAILED or PENDING_SUBMIT (the handle is
+--     never lost; no other submit attempt can have happened under the same fence), also
+--     while a lookup holds it under a newer fence (the lookup's write is then refused).
+--   * A task parked here (SUBMIT_UNKNOWN) whose start recorded `find` under this fence is
+--     put in due:find for a lookup (lua/lookup.lua); leaving SUBMIT_UNKNOWN takes it out.
+--   * A terminal outcome wins over a cancel that arrived during the call. Otherwise a
+--     merged cancel turns PENDING_SUBMIT into CANCELED and makes SUBMITTED/RUNNING due
+--     at once, so a worker calls the vendor's cancel and saves CANCELED.
+--   * A non-terminal outcome after the deadline becomes TRACKING_TIMED_OUT (data kept).
+-- Raises before writing on bad ARGV (KEYS[2] must be the key of task_id), a bad setting
+-- it uses (events_maxlen for its event; retention_ms and expiry_grace_ms too when the
+-- task finishes), or a task whose version or deadline_ms is not an integer or that has
+-- no handler.
+-- Invariant: a rejected save writes nothing; a saved one releases the lease.
+
+--- @include _roles
+--- @include _save
+
+daemon_only()
+return save_one(2, ARGV, 0, #ARGV)
