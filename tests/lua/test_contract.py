@@ -213,3 +213,154 @@ def test_a_script_source_is_legal_core_includes_body_in_that_order() -> None:
             ]
         )
         assert script.source == expected
+
+
+# The doc against the scripts, both ways (issue #30): a reply code, a task field or a status
+# move that exists in one and not the other fails one of the tests below.
+
+_TASK_KEY = re.compile(r"^(tk|KEYS\[2\]|P \.\. 'task:' \.\. \w+|task_key\(\w+\))$")
+_LITERAL = re.compile(r"^'([a-z_]+)'$")
+
+
+def _call_args(code: str, command: str) -> list[tuple[str, list[str]]]:
+    """(command, top-level arguments) of every `redis.call('<command>...', ...)` in `code`."""
+    out = []
+    for m in re.finditer(rf"redis\.call\('({command})', ", code):
+        depth, args, arg, i = 0, [], "", m.end()
+        while depth or code[i] != ")":
+            ch = code[i]
+            depth += (ch in "({[") - (ch in ")}]")
+            if ch == "," and not depth:
+                args.append(arg.strip())
+                arg = ""
+            else:
+                arg += ch
+            i += 1
+        out.append((m[1], [*args, arg.strip()]))
+    return out
+
+
+def _task_fields_in_lua() -> set[str]:
+    """Every task hash field a script reads or writes by name."""
+    fields: set[str] = set()
+    for path in (ROOT / "lua").glob("*.lua"):
+        code = _code(path.read_text())
+        for command, args in _call_args(code, "H[A-Z]+"):
+            if not _TASK_KEY.match(args[0]):
+                continue
+            named = args[1::2] if command == "HSET" else args[1:]
+            fields |= {m[1] for a in named if (m := _LITERAL.match(a))}
+        # _save builds its HSET and HDEL as tables, from its own names and WRITABLE
+        fields |= set(re.findall(r"(?:sets|dels)\[#(?:sets|dels) \+ 1\] = '([a-z_]+)'", code))
+        for table in re.findall(r"local (?:WRITABLE|REQUEST_FIELDS) = \{(.*?)\}", code, re.S):
+            fields |= set(re.findall(r"([a-z_]+) = (?:true|false)", table))
+    return fields
+
+
+def test_the_task_fields_of_protocol_md_are_those_the_scripts_use() -> None:
+    doc = (ROOT / "docs" / "protocol.md").read_text()
+    section = doc[doc.index("## 4. Task hash fields") : doc.index("## 5. Statuses")]
+    documented = set(re.findall(r"^\| `([a-z_]+)` \|", section, re.M))
+    in_lua = _task_fields_in_lua()
+    assert {"status", "version", "fence", "started_fence", "find", "quarantined"} <= in_lua
+    assert in_lua - documented == set(), "fields the scripts use that section 4 lacks"
+    assert documented - in_lua == set(), "fields section 4 names that no script uses"
+
+
+def _documented_codes() -> tuple[dict[int, str], dict[str, set[int]], set[str]]:
+    """Section 6: value -> name, script -> the codes it is said to return, and the scripts
+    said to reply with data."""
+    doc = (ROOT / "docs" / "protocol.md").read_text()
+    section = doc[doc.index("## 6. Reply codes") : doc.index("**Errors come before any write.**")]
+    names: dict[int, str] = {}
+    returned_by: dict[str, set[int]] = {}
+    for value, name, scripts in re.findall(
+        r"^\| `(-?\d+)` \| ([A-Z_]+) \|.*\| ([^|]*) \|$", section, re.M
+    ):
+        names[int(value)] = name
+        for script in re.findall(r"`(\w+)`", scripts):
+            returned_by.setdefault(script, set()).add(int(value))
+    data = section[section.rindex("| `-") :].split("reply with data")[0]
+    return names, returned_by, set(re.findall(r"`(\w+)`", data.split("\n", 1)[1]))
+
+
+# Codes a script's includes can return but the script never does, and why.
+_UNREACHABLE: dict[str, dict[int, str]] = {
+    "withdraw": {Code.WRONG_VERSION: "it saves at the version it has just read"},
+}
+
+
+def _codes_in_lua(name: str) -> set[int]:
+    script = load_scripts()[name]
+    units = [script.body, *((ROOT / "lua" / f"{i}.lua").read_text() for i in script.includes)]
+    code = "\n".join(_code(u) for u in units)
+    found = re.findall(r"return \{(-?\d+)[,}]", code)
+    found += re.findall(r"out\[#out \+ 1\] = (-?\d+)", code)
+    found += [c for pair in re.findall(r" and (-?\d+) or (-?\d+)\}", code) for c in pair]
+    return {int(c) for c in found} - set(_UNREACHABLE.get(name, {}))
+
+
+def test_the_reply_codes_of_protocol_md_are_those_the_scripts_return() -> None:
+    names, returned_by, data = _documented_codes()
+    assert names == {c.value: c.name for c in Code}, "section 6's table is not store.Code"
+    assert data & set(returned_by) == set(), "a script both replies with data and with codes"
+    for name in SCRIPT_NAMES:
+        if name in data:
+            continue
+        documented = returned_by.get(name.removesuffix("_many"), set())
+        assert documented, f"section 6 says nothing of what {name} replies"
+        assert _codes_in_lua(name) == documented, f"{name}: section 6 vs lua/"
+
+
+# Moves an include makes that a script including it never reaches, and why.
+_NOT_MADE: dict[tuple[str, str], str] = {
+    ("time_out", "SUBMITTING"): "the intake claims fresh tasks only for a submit claim",
+}
+
+_MOVE = re.compile(r"\b(move_status|finish)\(tk, id, (nil|'[A-Z_]+'|\w+(?:\[\d+\])?), '([A-Z_]+)'")
+
+
+def test_every_move_a_script_makes_by_name_is_in_the_model_and_the_doc_names_the_script() -> None:
+    """The moves written with literal statuses (the others go through `legal()` at run
+    time): each must be a transition of the model, and section 5 must name the script."""
+    doc = (ROOT / "docs" / "protocol.md").read_text()
+    start = doc.index("| source | target | actors | why | script(s) |")
+    rows = {}
+    for row in doc[start : doc.index("\n\n", start)].splitlines()[2:]:
+        source, target, _, _, scripts = (c.strip() for c in row.strip("|").split("|"))
+        rows[(None if source == "(none)" else source, target)] = set(
+            re.findall(r"`(\w+)`", scripts)
+        )
+    model = {(t.source.value if t.source else None, t.target.value) for t in LEGAL_TRANSITIONS}
+    checked = 0
+    for name in SCRIPT_NAMES:
+        script = load_scripts()[name]
+        units = [script.body, *((ROOT / "lua" / f"{i}.lua").read_text() for i in script.includes)]
+        for _, source, target in _MOVE.findall("\n".join(_code(u) for u in units)):
+            if (name, target) in _NOT_MADE:
+                continue
+            if source == "nil" and target == "SUBMITTING":
+                # taken in and claimed at once: the create, then the claim (section 7)
+                moves = [(None, "PENDING_SUBMIT"), ("PENDING_SUBMIT", "SUBMITTING")]
+            elif source == "nil" or source.startswith("'"):
+                moves = [(None if source == "nil" else source.strip("'"), target)]
+            else:  # a source read from the hash: some move into `target` names the script
+                into = [s for (_, t), s in rows.items() if t == target]
+                assert any(name.removesuffix("_many") in s for s in into), (name, target)
+                continue
+            for move in moves:
+                checked += 1
+                assert move in model, f"{name} makes {move}, which the model lacks"
+                assert name.removesuffix("_many") in rows[move], f"section 5: {move} by {name}?"
+    assert checked
+
+
+def test_every_error_code_a_script_writes_is_named_in_protocol_md() -> None:
+    doc = (ROOT / "docs" / "protocol.md").read_text()
+    (row,) = [line for line in doc.splitlines() if line.startswith("| `error_code` |")]
+    named = set(re.findall(r"`([A-Z_]+)(?:<STATUS>)?`", row))
+    written = set()
+    for path in (ROOT / "lua").glob("*.lua"):
+        written |= set(re.findall(r"'error_code', '([A-Z_]+)'", _code(path.read_text())))
+    assert "INTERRUPTED_IN_SUBMIT" in written
+    assert written - named == set(), "error codes the scripts write that section 4 lacks"
