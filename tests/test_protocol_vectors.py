@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
+from redis.exceptions import ResponseError
 
 from asynctaskd import AsyncClient
 from asynctaskd.errors import ConfigError
@@ -121,3 +124,101 @@ def test_the_shipped_scripts_are_what_this_code_assembles() -> None:
         sha, name = line.split("  ")
         assert hashlib.sha1(shipped[name]).hexdigest() == sha
         assert manifest["scripts"][name.removesuffix(".lua")]["sha1"] == sha
+
+
+# The producer vectors (tests/vectors/producer.json: its "about" says how to read them),
+# run here from the shipped script files, as a producer in another language would.
+
+PRODUCER = json.loads((Path(__file__).parent / "vectors" / "producer.json").read_text())
+_TIME = re.compile(r"^@(\w+)(?:\+(\d+))?$")
+
+
+def _text(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode()
+    if isinstance(value, list):
+        return [_text(v) for v in value]
+    if isinstance(value, dict):
+        return {_text(k): _text(v) for k, v in value.items()}
+    return value
+
+
+def _match(expected: Any, got: Any, times: dict[str, int], window: tuple[int, int]) -> None:
+    """`got` as `expected` says, binding each `@name` to a server time in `window`."""
+    if isinstance(expected, list):
+        assert isinstance(got, list) and len(got) == len(expected), (expected, got)
+        for e, g in zip(expected, got, strict=True):
+            _match(e, g, times, window)
+    elif isinstance(expected, dict):
+        assert isinstance(got, dict) and set(got) == set(expected), (expected, got)
+        for k, e in expected.items():
+            _match(e, got[k], times, window)
+    elif isinstance(expected, str) and (m := _TIME.match(expected)):
+        value = int(got) - int(m[2] or 0)
+        if m[1] not in times:
+            assert window[0] <= value <= window[1], (expected, got, window)
+            times[m[1]] = value
+        assert value == times[m[1]], (expected, got, times)
+        assert isinstance(got, int) or got == str(int(got)), got  # decimal text as written
+    else:
+        assert got == expected, (expected, got)
+
+
+def _state(redis: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key in sorted(_text(redis.keys("*"))):
+        kind = _text(redis.type(key))
+        if kind == "list":
+            out[key] = {"type": kind, "value": _text(redis.lrange(key, 0, -1))}
+        elif kind == "hash":
+            out[key] = {"type": kind, "value": _text(redis.hgetall(key))}
+        elif kind == "string" and re.search(r"\}:new:[^:]+$", key):  # a create request
+            items = _text(msgspec.msgpack.decode(redis.get(key)))
+            out[key] = {
+                "type": kind,
+                "msgpack_pairs": dict(zip(items[::2], items[1::2], strict=True)),
+            }
+        else:
+            out[key] = {"type": kind, "value": _text(redis.get(key))}
+    return out
+
+
+def _server_ms(redis: Any) -> int:
+    seconds, micros = redis.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+@pytest.mark.parametrize("case", PRODUCER["cases"], ids=lambda c: c["name"])
+def test_the_producer_vectors_hold_for_the_shipped_scripts(
+    sync_redis: Any, case: dict[str, Any]
+) -> None:
+    manifest = json.loads((SHIPPED / "manifest.json").read_text())["scripts"]
+    for name in {step["script"] for step in case["steps"]}:
+        assert (
+            sync_redis.script_load((SHIPPED / f"{name}.lua").read_text()) == manifest[name]["sha1"]
+        )
+    for command in case.get("given", []):
+        sync_redis.execute_command(*command)
+    times: dict[str, int] = {}
+    for step in case["steps"]:
+        before = _server_ms(sync_redis)
+        try:
+            reply, error = (
+                sync_redis.evalsha(
+                    manifest[step["script"]]["sha1"],
+                    len(step["keys"]),
+                    *step["keys"],
+                    *step["argv"],
+                ),
+                None,
+            )
+        except ResponseError as exc:
+            reply, error = None, str(exc)
+        window = (before, _server_ms(sync_redis))
+        if "error" in step:
+            assert error is not None and step["error"] in error, (step, reply)
+        else:
+            assert error is None, error
+            _match(step["reply"], _text(reply), times, window)
+        if "state" in step:
+            _match(step["state"], _state(sync_redis), times, window)
