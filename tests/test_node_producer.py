@@ -235,3 +235,27 @@ def test_node_and_python_producers_share_tasks_and_dedup_keys_on_4_shards(
                           "--dedup-key", key, "--delay-ms", "3600000"))  # fmt: skip
     assert fresh["created"] and fresh["id"] != victim
     client.close()
+
+
+def test_the_producer_vectors_hold_through_node(
+    node_dir: Path, redis_url: str, sync_redis: SyncRedis, tmp_path: Path
+) -> None:
+    vectors = ROOT / "tests" / "vectors" / "producer.json"
+    argv = ["node", str(node_dir / "conformance.mjs")]
+    env = {**os.environ, "ATD_REDIS_URL": redis_url, "ATD_SCRIPTS": str(SCRIPTS)}
+    refused = subprocess.run([*argv, str(vectors)], env=env, capture_output=True, text=True)
+    assert refused.returncode == 2 and "--flush" in refused.stderr  # it empties the database
+    run = subprocess.run([*argv, str(vectors), "--flush"], env=env, capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    cases = json.loads(vectors.read_text())["cases"]
+    assert lines(run) == [{"name": c["name"], "ok": True} for c in cases]
+    # and a vector that does not hold is reported as such
+    cases[0]["steps"][0]["reply"][1] = 2
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps({"cases": cases[:1]}))
+    run = subprocess.run([*argv, str(wrong), "--flush"], env=env, capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert run.returncode == 1
+    ((result),) = lines(run)
+    assert not result["ok"] and "step 0 reply[1]: expected 2, got 1" in result["why"]
