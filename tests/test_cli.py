@@ -101,6 +101,19 @@ def test_submit_get_list_stats_cancel(redis_url: str, sync_redis: SyncRedis) -> 
     cli("cancel", task_id, url=redis_url, check=EXIT_REFUSED)
 
 
+def test_cancel_says_a_worker_holding_the_task_was_told(
+    redis_url: str, sync_redis: SyncRedis
+) -> None:
+    task_id = cli("submit", "ocr", "{}", "--no-strict", url=redis_url).stdout.strip()
+    store = SyncStore(sync_redis, Keys())
+    assert store.run(store.ops.claim(0, "submit", 1, 60_000, "w", 100)).claimed  # held
+    with taking_in(sync_redis):  # a daemon carries the cancel out: the holder is told
+        said = cli("cancel", task_id, url=redis_url).stdout.strip()
+    assert said == "cancel requested: the worker holding the task cancels it at its next save"
+    task = store.get(task_id)
+    assert task is not None and task.status is Status.SUBMITTING and task.cancel_requested
+
+
 def test_not_found_and_usage_errors(redis_url: str, sync_redis: SyncRedis, tmp_path: Path) -> None:
     missing = cli("get", "01JAAAAAAAAAAAAAAAAAAAAAAA", url=redis_url, check=EXIT_NOT_FOUND)
     assert "no task" in missing.stderr
