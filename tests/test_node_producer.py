@@ -126,6 +126,17 @@ def test_a_node_producer_with_another_shard_count_writes_nothing(
     with Client(sync_redis, shards=SHARDS) as client:  # the Python client reads it alike
         task = client.get(made["id"], tenant="t1")
         assert task is not None and task.params == {"a": 1}
+    # a tenant's submit quota (2 per period) is counted, and a live duplicate is not
+    sync_redis.hset(Keys().admission() + "rates", "quota:tenant:t9", "0.001 2")
+    quota = ("submit", "demo", "{}", "--tenant", "t9")
+    (first,) = lines(node(node_dir, redis_url, *quota, "--dedup-key", "q"))
+    (again,) = lines(node(node_dir, redis_url, *quota, "--dedup-key", "q"))
+    assert again == {"id": first["id"], "created": False}
+    lines(node(node_dir, redis_url, *quota))
+    before = sync_redis.dbsize()
+    over = node(node_dir, redis_url, *quota, check=False)
+    assert over.returncode == 2 and "tenant t9 is over its submit quota" in over.stderr
+    assert sync_redis.dbsize() == before
 
 
 @pytest.fixture

@@ -11,7 +11,9 @@ const NAME = /^[A-Za-z0-9_.:-]{1,64}$/; // handler, provider, tenant, account (s
 const NAMESPACE = /^[A-Za-z0-9_.-]{1,32}$/;
 const MAX_PAYLOAD = 256 * 1024; // params, metadata: compact JSON, UTF-8 bytes (section 7)
 const MAX_MS = 316224000000; // 10 years: delay and timeout ranges of `create`
-const SETTLED = new Set(['SUCCEEDED', 'FAILED', 'CANCELED', 'TRACKING_TIMED_OUT', 'SUBMIT_UNKNOWN']);
+const TERMINAL = new Set(['SUCCEEDED', 'FAILED', 'CANCELED', 'TRACKING_TIMED_OUT']);
+// what a follower waits for: terminal, or parked for a lookup or an operator (section 5)
+const SETTLED = new Set([...TERMINAL, 'SUBMIT_UNKNOWN']);
 
 /** A call that cannot be made as asked: bad input, or a deployment this producer does not fit. */
 export class ProducerError extends Error {}
@@ -234,6 +236,7 @@ export class Producer {
     const p = this.prefix(shard);
     const id = newTaskId(shard);
     const dedup = dedupKey ? `${p}dedup:${tenant.length}:${tenant}:${dedupKey}` : `${p}dedup:-`;
+    if (tenant) await this.countQuota(tenant, dedupKey ? dedup : null);
     for (let tries = 0; ; tries++) {
       const reply = await this.call('create', [p, `${p}task:${id}`, dedup], [id, ...args]);
       if (reply[0] === 1) return { id, created: true };
@@ -244,6 +247,20 @@ export class Producer {
         continue;
       }
       throw new ProducerError(`create ${id}: reply ${JSON.stringify(reply)}`);
+    }
+  }
+
+  /** Section 7 `quota`: count this submit against the tenant's quota, or refuse it (nothing
+   * written). A duplicate of a live task is no new submit: it is not counted. */
+  async countQuota(tenant, dedupKeyName) {
+    const existing = dedupKeyName && (await this.redis.get(dedupKeyName));
+    if (existing) {
+      const task = await this.get(existing);
+      if (task && !TERMINAL.has(task.status)) return; // live: create answers with it
+    }
+    const [counted, waitMs] = await this.call('quota', [`${this.ns}:{adm}:`], [tenant]);
+    if (counted === 0) {
+      throw new ProducerError(`tenant ${tenant} is over its submit quota: one more fits in ${waitMs} ms`);
     }
   }
 
