@@ -22,6 +22,7 @@ from asynctaskd.client import Client
 from asynctaskd.devtools.fakevendor import Behaviour, FakeVendorProcess
 from asynctaskd.keys import Keys, shard_for_dedup
 from asynctaskd.model import Status, shard_of
+from tests.acl import create_user_sync, user_url
 from tests.configs import write_daemon_config
 from tests.conftest import wait_until_sync
 
@@ -31,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "node"
 SCRIPTS = ROOT / "protocol" / "scripts"
 SHARDS = 4
+PRODUCER = "asynctaskd-producer"
 
 
 @pytest.fixture(scope="session")
@@ -161,9 +163,21 @@ def daemon(tmp_path: Path, redis_url: str, sync_redis: SyncRedis) -> Iterator[No
             assert proc.wait(timeout=30) == 0, (tmp_path / "daemon.log").read_text()
 
 
+@pytest.fixture
+def producer_url(redis_url: str, sync_redis: SyncRedis) -> Iterator[str]:
+    """The server as the producers' ACL user of docs/security.md: Node may do only what a
+    producer may."""
+    create_user_sync(sync_redis, PRODUCER, "producer-password")
+    try:
+        yield user_url(redis_url, PRODUCER, "producer-password")
+    finally:
+        sync_redis.execute_command("ACL", "DELUSER", PRODUCER)  # a server of the session
+
+
 def test_node_and_python_producers_share_tasks_and_dedup_keys_on_4_shards(
-    node_dir: Path, redis_url: str, sync_redis: SyncRedis, daemon: None
+    node_dir: Path, producer_url: str, sync_redis: SyncRedis, daemon: None
 ) -> None:
+    redis_url = producer_url
     record = json.loads(sync_redis.get(Keys().deployment()) or "null")
     assert record == {"protocol": 1, "shards": SHARDS}  # written by the daemon
     client = Client(sync_redis, shards=SHARDS)

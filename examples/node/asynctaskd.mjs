@@ -310,7 +310,8 @@ export class Producer {
       const position = new Map(); // shard -> last stream id read
       const snapshot = async (shard, wanted) => {
         const p = this.prefix(shard);
-        const tx = reader.multi().xrevrange(`${p}events`, '+', '-', 'COUNT', 1);
+        // the stream position first, then the tasks (section 8 step 1: no MULTI needed)
+        const tx = reader.pipeline().xrevrange(`${p}events`, '+', '-', 'COUNT', 1);
         for (const id of wanted) tx.getBuffer(`${p}new:${id}`).hgetall(`${p}task:${id}`);
         const replies = (await tx.exec()).map(([err, value]) => {
           if (err) throw err;
