@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 import redis.asyncio
 from prometheus_client import generate_latest
@@ -499,7 +500,7 @@ async def test_ready_only_once_the_daemon_claims_and_its_handlers_are_published(
                 answers.append(daemon.ready())
                 if not answers[-1][0]:
                     assert answers[-1][1] == "starting"
-                    await anyio.sleep(0)
+                    await anyio.lowlevel.checkpoint()
                     continue
                 worker = daemon.worker
                 assert worker is not None and worker.first_pass.is_set()
