@@ -142,6 +142,7 @@ class Daemon:
         self.metrics = Metrics()
         self.worker: Worker | None = None
         self.redis_ok = False
+        self.published = False  # this daemon's record (its handlers) is in Redis
         self.durability: DurabilityWatch | None = None
         self.health_port: int | None = None  # where /metrics is served, once it is
         self.started_at = time.time()
@@ -149,7 +150,9 @@ class Daemon:
 
     def ready(self) -> tuple[bool, str]:
         worker = self.worker
-        if worker is None:
+        # Ready means taking work: the first claim round ran and producers can see the
+        # handlers this daemon serves (`asynctaskd stats`, the client's unknown-handler check).
+        if worker is None or not worker.first_pass.is_set() or not self.published:
             return False, "starting"
         if worker.draining:
             return False, "draining"
@@ -325,7 +328,7 @@ class Daemon:
                 if not await store.scripts_loaded():
                     logger.warning("Redis lost the asynctaskd scripts; loading them again")
                     await store.prepare()
-                self.redis_ok = True
+                self.redis_ok = self.published = True
             except Exception as exc:  # the heartbeat must outlive any failure
                 self.redis_ok = False
                 logger.warning("heartbeat failed: %s", exc)

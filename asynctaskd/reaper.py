@@ -33,9 +33,12 @@ async def reap_once(store: Store, config: Config, metrics: Metrics, *, reap: boo
             metrics.reaped.labels(status.value).inc()
             logger.info("reaped an expired lease -> %s", status, extra={"task_id": task_id})
             acted += 1
-        timed_out = await store.time_out(shard, limit)
-        metrics.timed_out.inc(len(timed_out))
-        acted += len(timed_out)
+        sweep = await store.time_out(shard, limit)
+        metrics.timed_out.inc(len(sweep.timed_out))
+        acted += len(sweep.timed_out)
+        for task_id, why in sweep.refused:  # as a claim that takes requests in reports them
+            metrics.requests_dropped.inc()
+            logger.warning("dropped a create request: %s", why, extra={"task_id": task_id})
     return acted
 
 

@@ -3,7 +3,9 @@
 -- KEYS[1] prefix   string  <ns>:{s<N>}:  shard prefix
 -- ARGV[1] limit            how many deadline entries to look at, integer 1..10000
 --
--- Returns {count, task_id, task_id, ...} of the tasks timed out.
+-- Returns {count, task_id, task_id, ..., intake}: the tasks timed out, then what the intake
+-- did, as a claim reports it: {taken, task_id, reason, ...} (requests taken in, and the
+-- creates dropped because they were not what the create script writes).
 -- First it takes in up to 1000 producer requests (lua/_intake.lua), as a submit claim does,
 -- so that they are carried out even while every worker is busy; it wakes a daemon for
 -- those that are due.
@@ -26,7 +28,7 @@
 daemon_only()
 local limit = int_arg(ARGV[1], 'limit', 1, 10000)
 settings()
-ingest(1000, true)
+local taken, rejected = ingest(1000, true)
 local deadlines = P .. 'deadlines'
 local leases = P .. 'leases'
 local due = redis.call('ZRANGEBYSCORE', deadlines, '-inf', NOW, 'LIMIT', 0, limit)
@@ -59,4 +61,5 @@ for _, id in ipairs(due) do
     end
   end
 end
+out[#out + 1] = {taken, unpack(rejected)}
 return out

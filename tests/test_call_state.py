@@ -1,21 +1,28 @@
 """A call's state (asynctaskd.worker.call): the legal moves, and what each state owes its
-lease. No Redis: a Call needs only a running event loop (its asyncio timeout)."""
+lease. A Call needs only a running event loop (its asyncio timeout); the renewal test at
+the end renews real leases."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
 
+import anyio
 import pytest
 
-from asynctaskd.store import Lease
+from asynctaskd.metrics import Metrics
+from asynctaskd.store import Code, Lease, Store
 from asynctaskd.worker.call import (
     LOSABLE,
     MOVES,
     Call,
     CallState,
     IllegalMove,
+    InFlight,
 )
+from asynctaskd.worker.leases import Leases
+from tests.conftest import wait_until
+from tests.lua.helpers import claim_one, create
 
 pytestmark = pytest.mark.anyio
 
@@ -123,3 +130,42 @@ def test_every_state_has_its_moves_and_done_is_final() -> None:
     assert set(MOVES) == set(CallState)
     assert MOVES[S.DONE] == frozenset()
     assert {S.CLAIMED, S.CALLING, S.MARKED, S.STARTED, S.RELEASING} == LOSABLE
+
+
+async def test_renewal_asks_only_for_leases_a_renewal_can_keep(store: Store) -> None:
+    """A call found LOST or LATE holds no lease any more: renewing it again each pass would
+    only cost Redis; a call that still holds its lease keeps being renewed."""
+    held, lost, late = [], [], []
+    for calls in (held, lost, late):
+        await create(store)
+        calls.append(Call((await claim_one(store, lease_ms=60_000)).lease, "submit", "h"))
+    inflight = InFlight(10)
+    for c in (*held, *lost, *late):
+        inflight.active[c.lease.task_id] = c
+    held[0].begin()
+    lost[0].lose(no_lease=False)  # found lost before it began (a cut call would be cut)
+    late[0].begin()
+    late[0].mark("t")
+    late[0].start()
+    late[0].lose(no_lease=True)
+    assert (state_of(lost[0]), state_of(late[0])) == (S.LOST, S.LATE)
+    asked: list[list[str]] = []
+    renew = store.renew
+
+    async def spy(lease_ms: int, leases: list[Lease]) -> dict[str, Code]:
+        asked.append([lease.task_id for lease in leases])
+        return await renew(lease_ms, leases)
+
+    store.renew = spy  # type: ignore[method-assign]  # the real renew, watched
+    leases = Leases(store, Metrics(), inflight, lease_ms=300)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(leases.renew_loop)
+            await wait_until(lambda: _async(len(asked) >= 2), "two renewal passes")
+            tg.cancel_scope.cancel()
+    assert asked[:2] == [[held[0].lease.task_id]] * 2
+    assert state_of(held[0]) is S.CALLING  # renewed: not found lost
+
+
+async def _async(value: bool) -> bool:
+    return value

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 import redis.asyncio
 from prometheus_client import generate_latest
@@ -482,6 +483,31 @@ async def test_the_listener_answers_through_a_drain_and_closes_when_it_ends(
             _GATE["release"].set()
     with pytest.raises(OSError, match="connection attempts failed"):
         await anyio.connect_tcp("127.0.0.1", port)
+
+
+async def test_ready_only_once_the_daemon_claims_and_its_handlers_are_published(
+    redis_client: redis.asyncio.Redis, redis_url: str
+) -> None:
+    """A load balancer or `systemctl` that trusts /readyz must find the daemon taking work:
+    its first claim round ran and its handlers are in Redis for producers to see."""
+    toml = daemon_toml(redis_url, "http://127.0.0.1:9", metrics={"listen": "127.0.0.1:0"})
+    daemon = Daemon(parse_config(toml))
+    answers: list[tuple[bool, str]] = []
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(daemon.serve)
+            while not answers or not answers[-1][0]:  # every answer, from the very start
+                answers.append(daemon.ready())
+                if not answers[-1][0]:
+                    assert answers[-1][1] == "starting"
+                    await anyio.lowlevel.checkpoint()
+                    continue
+                worker = daemon.worker
+                assert worker is not None and worker.first_pass.is_set()
+                assert await redis_client.hexists(Keys().daemons(), worker.id)
+                assert await redis_client.hexists(Keys().handlers(), "demo")
+            daemon.worker.stop()
+    assert answers[0] == (False, "starting")
 
 
 async def test_readyz_says_why_it_is_not_ready(health: tuple[int, list[tuple[bool, str]]]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import anyio
@@ -13,7 +14,7 @@ from asynctaskd.errors import StoreUnavailable
 from asynctaskd.keys import Keys
 from asynctaskd.metrics import Metrics
 from asynctaskd.model import Status
-from asynctaskd.reaper import Grace, run_reaper
+from asynctaskd.reaper import Grace, reap_once, run_reaper
 from asynctaskd.store import Code, Lease, Store
 from tests.conftest import wait_until
 from tests.lua.helpers import claim_one, create, lease_expired, status_of
@@ -117,3 +118,23 @@ async def test_a_lease_that_expired_while_redis_was_away_is_left_to_its_holder(
 
 async def _parked(r: redis.asyncio.Redis, keys: Keys, task_id: str) -> bool:
     return await status_of(r, keys, task_id) is Status.SUBMIT_UNKNOWN
+
+
+@pytest.mark.anyio
+async def test_a_create_request_the_deadline_sweep_drops_is_counted_and_logged(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The sweep takes requests in while every worker is busy: a forged create it drops is
+    reported as a claim reports one (metric and warning), not lost without a word."""
+    created = await create(store, take_in=False)
+    request = f"{keys.tag(0)}:new:{created.task_id}"
+    await redis_client.set(request, b"not a request")  # what a producer's bug could leave
+    metrics = Metrics()
+    config = parse_config("[reaper]\nbatch = 100\n")
+    with caplog.at_level(logging.WARNING, logger="asynctaskd.reaper"):
+        await reap_once(store, config, metrics, reap=False)
+    assert await redis_client.exists(request) == 0 and await store.get(created.task_id) is None
+    assert metrics.registry.get_sample_value("asynctaskd_requests_dropped_total") == 1
+    [record] = [r for r in caplog.records if "dropped a create request" in r.getMessage()]
+    assert record.task_id == created.task_id  # type: ignore[attr-defined]
+    assert "cmsgpack" in record.getMessage()

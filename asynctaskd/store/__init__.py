@@ -30,6 +30,7 @@ from .replies import (
     LookupBatch,
     Reconciled,
     Result,
+    Sweep,
     task_or_request,
 )
 from .runner import SCRIPT_WAIT_S, SyncStore, open_redis, redis_credentials
@@ -54,6 +55,7 @@ __all__ = [
     "Reconciled",
     "Result",
     "Store",
+    "Sweep",
     "SyncStore",
     "check_dimension",
     "open_redis",

@@ -17,7 +17,7 @@ from .batcher import _Pipelines
 from .failures import _mapped
 from .ops import PROMOTE_LIMIT
 from .reads import _Reads
-from .replies import Call, ClaimBatch, Code, Lease, LookupBatch, Result
+from .replies import Call, ClaimBatch, Code, Lease, LookupBatch, Result, Sweep
 
 # The name it had as one module: log records keep it.
 logger = logging.getLogger("asynctaskd.store")
@@ -113,7 +113,7 @@ class Store(_Pipelines, _Reads):
     async def reap(self, shard: int, limit: int, max_reclaims: int) -> list[tuple[str, Status]]:
         return await self.run(self.ops.reap(shard, limit, max_reclaims))
 
-    async def time_out(self, shard: int, limit: int) -> list[str]:
+    async def time_out(self, shard: int, limit: int) -> Sweep:
         return await self.run(self.ops.time_out(shard, limit))
 
     async def resolve(

@@ -21,12 +21,15 @@ from .replies import (
     LookupBatch,
     Reconciled,
     Result,
+    Sweep,
     _codes,
     _id_list,
+    _intake,
     _pairs,
     _result,
     _s,
     _status_of,
+    _sweep,
 )
 
 PAUSE_KINDS: Final = ("handler", "provider", "tenant", "account")
@@ -133,8 +136,7 @@ class Ops:
             lanes = {
                 _s(info[i]): (int(info[i + 1]), int(info[i + 2])) for i in range(0, len(info), 3)
             }
-            intake = reply[4]
-            refused = [(_s(intake[i]), _s(intake[i + 1])) for i in range(1, len(intake) - 1, 2)]
+            taken, refused = _intake(reply[4])
             for item in reply[5:]:
                 task_id = _s(item[0])
                 try:
@@ -145,7 +147,7 @@ class Ops:
                 claimed.append(Claimed(Lease(task_id, int(item[1]), int(item[2])), task))
             return ClaimBatch(
                 claimed, next_due, int(reply[1]), int(reply[2]), corrupt, lanes,
-                int(intake[0]), refused,
+                taken, refused,
             )  # fmt: skip
 
         args: list[Any] = [phase, n, lease_ms, owner, promote_limit]
@@ -309,8 +311,8 @@ class Ops:
     def reap(self, shard: int, limit: int, max_reclaims: int) -> Call[list[tuple[str, Status]]]:
         return Call("reap", [self._prefix(shard)], [limit, max_reclaims], _pairs)
 
-    def time_out(self, shard: int, limit: int) -> Call[list[str]]:
-        return Call("time_out", [self._prefix(shard)], [limit], _id_list)
+    def time_out(self, shard: int, limit: int) -> Call[Sweep]:
+        return Call("time_out", [self._prefix(shard)], [limit], _sweep)
 
     def resolve(
         self,

@@ -85,6 +85,15 @@ class ClaimBatch(msgspec.Struct, frozen=True):
     refused: list[tuple[str, str]] = []  # (task id, why) of create requests dropped
 
 
+class Sweep(msgspec.Struct, frozen=True):
+    """What a deadline sweep (`time_out`) did: the tasks it timed out, and the producer
+    requests it took in first, with the creates it dropped (as a claim reports them)."""
+
+    timed_out: list[str]
+    taken: int = 0
+    refused: list[tuple[str, str]] = []  # (task id, why)
+
+
 class LookupBatch(msgspec.Struct, frozen=True):
     """What `lookup` claimed: parked tasks leased for a vendor lookup (lua/lookup.lua)."""
 
@@ -164,6 +173,20 @@ def _id_list(reply: Any) -> list[str]:
     if len(ids) != count:
         raise ScriptError(f"reply says {count} ids but has {len(ids)}")
     return ids
+
+
+def _intake(reply: Any) -> tuple[int, list[tuple[str, str]]]:
+    """A script's intake report {taken, task_id, why, ...}: (taken, [(task_id, why), ...])."""
+    refused = [(_s(reply[i]), _s(reply[i + 1])) for i in range(1, len(reply) - 1, 2)]
+    return int(reply[0]), refused
+
+
+def _sweep(reply: Any) -> Sweep:
+    try:
+        taken, refused = _intake(reply[-1])
+        return Sweep(_id_list(reply[:-1]), taken, refused)
+    except (ValueError, TypeError, IndexError) as exc:
+        raise ScriptError(f"unexpected reply {reply!r}: {exc}") from None
 
 
 def _pairs(reply: Any) -> list[tuple[str, Status]]:

@@ -31,8 +31,8 @@ lease is gone or the task's deadline passed. Every move is checked against `MOVE
 - DONE: an outcome landed, or there is nothing left to give back (a refused write).
 - RELEASING: the call ended owing its lease: it is being given back (`Leases.release`).
 
-Renewal renews every lease but DONE ones, and only CLAIMED, CALLING, MARKED, STARTED and
-RELEASING calls can be found lost (`LOSABLE`).
+Renewal renews every lease but DONE, LOST and LATE ones, and only CLAIMED, CALLING, MARKED,
+STARTED and RELEASING calls can be found lost (`LOSABLE`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,11 @@ import anyio
 from asynctaskd.metrics import Metrics
 from asynctaskd.store import Code, Store
 
-from .call import DONE, LOSABLE, Call, InFlight
+from .call import DONE, LATE, LOSABLE, LOST, Call, InFlight
+
+# Calls whose lease renewal cannot help: settled (DONE), or found gone before (LOST, LATE:
+# a lease that is gone never comes back, and asking again costs Redis a renew per pass).
+_NOT_RENEWED = frozenset({DONE, LOST, LATE})
 
 logger = logging.getLogger(__package__)
 
@@ -35,7 +39,7 @@ class Leases:
             arm_by = asyncio.get_running_loop().time() + self.lease_ms / 1000
             for call in active.values():
                 call.arm_near(arm_by)
-            held = [c for c in active.values() if c.state is not DONE]
+            held = [c for c in active.values() if c.state not in _NOT_RENEWED]
             try:
                 codes = await self.store.renew(self.lease_ms, [c.lease for c in held])
             except Exception as exc:  # the renewal loop must outlive any one failure

@@ -208,7 +208,7 @@ class Vendor:
             done = (await self.batcher.call(call))[0]
         except StoreUnavailable as exc:
             self.metrics.store_errors.labels("reconcile").inc()
-            logger.warning("reconcile failed; the lookup's lease will expire: %s", exc,
+            logger.warning("reconcile failed; the lookup is given back and runs again: %s", exc,
                            extra={"task_id": task.id})  # fmt: skip
             return
         finally:

@@ -951,7 +951,7 @@ async def test_time_out_sweep_covers_never_claimed_tasks(
     other = leased.task_id if c.lease.task_id == created.task_id else created.task_id
 
     async def swept() -> list[str]:
-        return await store.time_out(0, 100)
+        return (await store.time_out(0, 100)).timed_out
 
     assert await wait_until(swept, "the deadline sweep") == [other]
     # the leased one is left to its holder, whose save clamps to the deadline
@@ -1092,7 +1092,7 @@ async def test_paused_tasks_still_time_out(
     assert (await store.claim(0, "submit", 10, 10_000, "w")).claimed == []
 
     async def swept() -> list[str]:
-        return await store.time_out(0, 100)
+        return (await store.time_out(0, 100)).timed_out
 
     assert await wait_until(swept, "the deadline sweep") == [created.task_id]
     assert await status_of(redis_client, keys, created.task_id) is Status.TRACKING_TIMED_OUT

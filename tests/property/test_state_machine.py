@@ -392,7 +392,7 @@ class Lifecycle(RuleBasedStateMachine):
             i for i, x in self.tasks.items()
             if x.late and x.holder is None and x.status.phase is not None
         )  # fmt: skip
-        swept = self.store.run(self.store.ops.time_out(0, 100))
+        swept = self.store.run(self.store.ops.time_out(0, 100)).timed_out
         assert sorted(swept) == due, f"time_out: got {swept}, the model said {due}"
         for i in due:
             self.tasks[i].version += 1
