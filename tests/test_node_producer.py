@@ -51,10 +51,13 @@ def node_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         staging.mkdir(parents=True)
         for path in manifests:
             shutil.copy(path, staging)
-        subprocess.run(
+        npm_ci = subprocess.run(
             [npm, "ci", "--no-audit", "--no-fund", "--ignore-scripts"],
-            cwd=staging, check=True, capture_output=True, timeout=300,
+            cwd=staging, capture_output=True, text=True, timeout=300,
         )  # fmt: skip
+        if npm_ci.returncode:
+            shutil.rmtree(staging, ignore_errors=True)
+            pytest.fail(f"npm ci of examples/node failed:\n{npm_ci.stderr[-2000:]}")
         try:
             staging.rename(installed)  # atomic: another test process may have won the race
         except OSError:
