@@ -42,7 +42,7 @@ from asynctaskd.transport import make_http_client
 from asynctaskd.worker import Worker
 from tests.conftest import wait_until
 from tests.fakes import serve
-from tests.fakes.openai_batches import OpenAIBatches
+from tests.fakes.openai_batches import OpenAIBatches, requests_for
 from tests.fakes.replicate import PNG, ReplicatePredictions
 from tests.fakes.scripted import Scripted, echo, garbage, json, reset, slow, status
 
@@ -203,7 +203,7 @@ async def replicate(
         yield fake, url
 
 
-BATCH = {"input_file_id": "file-abc123", "endpoint": "/v1/chat/completions"}
+BATCH = {"endpoint": "/v1/chat/completions", "requests": requests_for("r1", "r2", "r3", "r4")}
 # The fakes serve files on 127.0.0.1, which finalize refuses unless told: opt in, visibly.
 LOOPBACK_FAKE: dict[str, Any] = {"hosts": ["127.0.0.1"], "allow_private_addresses": True}
 
@@ -245,16 +245,21 @@ async def test_openai_example_reports_progress_while_running(
 async def test_openai_example_failed_and_expired_batches(
     store: Store, openai: tuple[OpenAIBatches, str]
 ) -> None:
-    _, url = openai
-    params = [
-        {**BATCH, "input_file_id": "file-fail-1"},
-        {**BATCH, "input_file_id": "file-expire-1"},
-    ]
-    failed, expired = await run_tasks(store, load_example("openai-batch.toml", url), params)
+    fake, url = openai
+    fake.token_limit_failures = 1  # the batch finds the enqueued-token queue full
+    handler = load_example("openai-batch.toml", url)
+    [failed] = await run_tasks(store, handler, [BATCH])
     assert failed.status is Status.FAILED
-    assert error_of(failed) == ("invalid_json_line", "Line 1 is not valid JSON.")
-    assert failed.result is not None and failed.result["output_file_id"] is None  # no output
-    assert failed.result["request_counts"]["completed"] == 0
+    assert error_of(failed)[0] == "token_limit_exceeded"
+    assert "try again once" in error_of(failed)[1]
+    # nothing ran, and the result says so: the ids and counts are kept for every end
+    assert failed.result == {
+        "output_file_id": None,
+        "error_file_id": None,
+        "request_counts": {"total": 0, "completed": 0, "failed": 0},
+    }
+    params = [{**BATCH, "requests": requests_for("expire-1", "r2", "r3", "r4")}]
+    [expired] = await run_tasks(store, load_example("openai-batch.toml", url), params)
     assert expired.status is Status.FAILED
     assert error_of(expired)[0] == "expired"
     assert expired.progress == 0.5

@@ -1,5 +1,5 @@
-"""`HttpHandler`: submit, query and cancel as configured; find and finalize come from their
-own modules (`find`, `finalize`), mixed in."""
+"""`HttpHandler`: submit, query and cancel as configured; submit's steps, find and finalize
+come from their own modules (`steps`, `find`, `finalize`), mixed in."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from .credentials import _SecretMissing, _Secrets
 from .finalize import _Finalizing
 from .find import _Finding
 from .plan import _Plan, _Request
+from .steps import _Stepping
 from .templates import (
     _MISSING,
     _SECRET_REF,
@@ -33,7 +34,7 @@ from .templates import (
 )
 
 
-class HttpHandler(_Finding, _Finalizing, _Classifying, _Rendering):
+class HttpHandler(_Stepping, _Finding, _Finalizing, _Classifying, _Rendering):
     """A Handler driven by `HttpOptions`; build it with `build()` (checks every template).
 
     With per-handler limits (`max_connections`, or the handler's `concurrency`) it sends
@@ -98,8 +99,11 @@ class HttpHandler(_Finding, _Finalizing, _Classifying, _Rendering):
     # --- Handler protocol ------------------------------------------------------------------
 
     async def submit(self, params: Any, ctx: HandlerContext) -> Submitted:
-        """POST the job; the answer's id (and handle fields) become the task's handle."""
+        """Send the steps before the create, if any (`steps`), then POST the job; the
+        answer's id (and handle fields) become the task's handle."""
         v = _Vars(ctx.task_id, ctx.idempotency_key, params=params)
+        if self.plan.steps:
+            await self._run_steps(v, ctx)
         url, headers, content = self._prepare(self.plan.submit, v, "submit")
         if self._idempotency_header:
             headers[self._idempotency_header] = ctx.idempotency_key
