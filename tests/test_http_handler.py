@@ -76,10 +76,16 @@ def make_config(**retry: Any) -> Config:
     return parse_config("\n".join(lines))
 
 
+class Whole(dict[str, Any]):
+    """A table merge() puts in place as it is, instead of merging it into the one there."""
+
+
 def merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in changes.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
+        if isinstance(value, Whole):
+            out[key] = dict(value)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = merge(out[key], value)
         else:
             out[key] = value
@@ -199,7 +205,7 @@ async def replicate(
 ) -> AsyncIterator[tuple[ReplicatePredictions, str]]:
     monkeypatch.setenv("REPLICATE_API_TOKEN", "r8_test_token_0123456789")
     fake = ReplicatePredictions(token="r8_test_token_0123456789", polls_to_done=3)
-    async with serve(fake.app()) as url:
+    async with fake.serving() as url:  # the API, and its file host on another origin
         yield fake, url
 
 
@@ -362,6 +368,8 @@ async def test_replicate_example_succeeds_and_copies_outputs(
     prediction = fake.predictions[task.external_id or ""].obj
     assert prediction["input"] == {"text": "Alice", "steps": 4}  # the object kept its type
     assert len(fake.downloads) == 2
+    # the file host is another origin than the API: the token never goes there
+    assert fake.download_auth == [None, None]
 
 
 async def test_finalize_copies_urls_anywhere_in_an_object_output(

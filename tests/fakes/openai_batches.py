@@ -32,6 +32,8 @@ shape ``{"error": {"message", "type", "param", "code"}}``):
 ``POST /v1/batches/{batch_id}/cancel``
     Moves a live batch to ``cancelling``; the next poll reads ``cancelled``, with the
     requests done by then in its output file. 400 when the batch has already ended.
+    ``cancel_elsewhere_at`` (a poll number) does the same to a batch at that poll, as
+    someone cancelling it on the dashboard would.
 ``GET /v1/files/{file_id}/content``
     A file's bytes: uploaded input, output (``{"id", "custom_id", "response": {"status_code",
     "request_id", "body"}, "error": null}`` per line) or error file (``response`` null,
@@ -100,6 +102,7 @@ class OpenAIBatches:
     refuse_creates: int = 0
     fail_uploads: int = 0
     token_limit_failures: int = 0
+    cancel_elsewhere_at: int = 0
     quota_exhausted: bool = False
     throttle: list[dict[str, str]] = field(default_factory=list)
     created: list[tuple[float, str]] = field(default_factory=list)  # (at, batch id)
@@ -309,6 +312,8 @@ class OpenAIBatches:
             obj.update(status="finalizing", finalizing_at=now)
         else:
             obj.update(status="in_progress", in_progress_at=obj["in_progress_at"] or now)
+        if p == self.cancel_elsewhere_at and obj["status"] in LIVE:
+            obj.update(status="cancelling", cancelling_at=now)
 
     async def _retrieve(self, request: web.Request) -> web.Response:
         batch = self.batches.get(request.match_info["id"])
