@@ -252,12 +252,15 @@ async def test_openai_example_failed_and_expired_batches(
     store: Store, openai: tuple[OpenAIBatches, str]
 ) -> None:
     fake, url = openai
-    fake.token_limit_failures = 1  # the batch finds the enqueued-token queue full
-    handler = load_example("openai-batch.toml", url)
-    [failed] = await run_tasks(store, handler, [BATCH])
+    # The example's documented variant for a file uploaded beforehand (no upload step, the
+    # file id in the params), with a line that is not JSON: the batch fails validating.
+    file_id = fake.upload(b'{"custom_id": "r1"}\nnot json\n')
+    body = {"input_file_id": "{params.input_file_id}", "endpoint": "{params.endpoint}",
+            "completion_window": "24h"}  # fmt: skip
+    handler = load_example("openai-batch.toml", url, submit={"before": [], "body": Whole(body)})
+    [failed] = await run_tasks(store, handler, [{**BATCH, "input_file_id": file_id}])
     assert failed.status is Status.FAILED
-    assert error_of(failed)[0] == "token_limit_exceeded"
-    assert "try again once" in error_of(failed)[1]
+    assert error_of(failed) == ("invalid_json_line", "Line 2 is not valid JSON.")
     # nothing ran, and the result says so: the ids and counts are kept for every end
     assert failed.result == {
         "output_file_id": None,

@@ -296,3 +296,43 @@ async def test_a_step_answer_without_what_it_keeps_is_sent_again(store: Store) -
     assert upload.headers["Content-Type"].startswith("multipart/form-data; boundary=")
     [create] = script.calls("POST", "/jobs")
     assert msgspec.json.decode(create.body)["file"] == "f-9"
+
+
+# ---- a job that did nothing is submitted again (Resubmit) ----------------------------------------
+
+
+async def test_a_batch_refused_for_a_full_token_queue_is_submitted_again(
+    store: Store, openai: tuple[OpenAIBatches, str]
+) -> None:
+    fake, url = openai
+    fake.token_limit_failures = 2  # the queue is full for the first two batches
+    handler = load_example("openai-batch.toml", url, query={"resubmit_after": "50ms"})
+    started = time.monotonic()
+    [task] = await run_tasks(store, handler, [BATCH], make_config(max_error_delay="1s"))
+    assert task.status is Status.SUCCEEDED, task.error
+    first, second, third = (i for _, i in fake.created)
+    assert [fake.batches[i].obj["status"] for i in (first, second)] == ["failed"] * 2
+    assert task.external_id == third and task.submit_attempts == 3
+    assert task.result is not None and task.result["request_counts"]["completed"] == 4
+    assert time.monotonic() - started >= 0.1  # waited resubmit_after, twice
+    assert (posts(fake, "/v1/files"), posts(fake, "/v1/batches")) == (3, 3)
+
+
+async def test_resubmits_stop_at_max_submit_retries(
+    store: Store, openai: tuple[OpenAIBatches, str]
+) -> None:
+    fake, url = openai
+    fake.token_limit_failures = 100
+    handler = load_example("openai-batch.toml", url, query={"resubmit_after": "10ms"})
+    [task] = await run_tasks(store, handler, [BATCH], make_config(max_submit_retries=2))
+    assert task.status is Status.FAILED
+    code, message = error_of(task)
+    assert code == "token_limit_exceeded" and "3 submits made, no more" in message
+    assert len(fake.created) == 3
+
+
+def test_resubmit_is_refused_for_an_idempotent_vendor() -> None:
+    options = scripted_options("http://127.0.0.1:9", idempotent=True,
+                               query={"resubmit": ["queue_full"]})  # fmt: skip
+    with pytest.raises(ConfigError, match=r"query\.resubmit: an idempotent vendor"):
+        handler_for(options)

@@ -203,6 +203,14 @@ class _Builder:
                 outcomes[name] = outcome
         if not q.succeeded:
             self.fail("query.succeeded", "list at least one vendor status that means done")
+        if q.resubmit and o.idempotent:
+            self.fail(
+                "query.resubmit",
+                "an idempotent vendor dedups on the task's idempotency key, which a resubmit "
+                "keeps: it would answer with the job that ended",
+            )
+        if "" in q.resubmit:
+            self.fail("query.resubmit", "list failure codes, not empty strings")
         self._check_errors(o.errors)
 
         def optional(text: str | None, path: str) -> _Pointer | None:

@@ -12,7 +12,14 @@ import msgspec
 
 from asynctaskd.downloads import origin_of
 from asynctaskd.errors import NotSent, PermanentError, RetryableError
-from asynctaskd.handlers import Failed, HandlerContext, Running, Submitted, Succeeded
+from asynctaskd.handlers import (
+    Failed,
+    HandlerContext,
+    Resubmit,
+    Running,
+    Submitted,
+    Succeeded,
+)
 from asynctaskd.transport import DEFAULT_MAX_RESPONSE_BYTES, Reply, fetcher_for, make_http_client
 
 from .classify import _Classifying, _code_of
@@ -82,6 +89,7 @@ class HttpHandler(_Stepping, _Finding, _Finalizing, _Classifying, _Rendering):
         self._reset_headers = tuple(h.lower() for h in errors.reset_headers)
         self._permanent_codes = frozenset(errors.permanent_codes)
         self._code_pointer = _Pointer(errors.code_pointer)
+        self._resubmit = frozenset(plan.options.query.resubmit)
         idem = plan.options.submit.idempotency_header
         self._idempotency_header = idem if plan.options.idempotent and idem else ""
         if (f := plan.options.find) is not None:
@@ -131,8 +139,9 @@ class HttpHandler(_Stepping, _Finding, _Finalizing, _Classifying, _Rendering):
 
     async def query(
         self, handle: dict[str, Any], ctx: HandlerContext
-    ) -> Running | Succeeded | Failed:
-        """GET the job and map its vendor status to Running, Succeeded or Failed."""
+    ) -> Running | Succeeded | Failed | Resubmit:
+        """GET the job and map its vendor status to Running, Succeeded, Failed, or
+        Resubmit (a failure code listed in `query.resubmit`)."""
         plan = self.plan
         v = _Vars(
             ctx.task_id,
@@ -170,6 +179,13 @@ class HttpHandler(_Stepping, _Finding, _Finalizing, _Classifying, _Rendering):
             if status not in plan.outcomes:
                 code = "UNKNOWN_STATUS"
             message = _text_at(plan.error_message, doc) or f"vendor status {status!r}"
+            if code in self._resubmit:
+                after = plan.options.query.resubmit_after
+                return Resubmit(
+                    code=code[:200],
+                    message=self._secrets.redact(message),
+                    after=None if after is None else float(after),
+                )
             partial = self._result(doc) if plan.options.query.failed_result else None
             if isinstance(partial, dict) and not any(v is not None for v in partial.values()):
                 partial = None  # nothing was made

@@ -89,6 +89,12 @@ class QueryOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # /data_removed): a done job with it true fails (RESULT_REMOVED) instead of succeeding
     # with nothing, as a poll more than an hour late would on Replicate.
     gone: str | None = None
+    # Failure codes (read at error_code, else the status) of a job that ended having done
+    # nothing, where submitting it again is the fix (OpenAI's "token_limit_exceeded"): the
+    # task is submitted again after `resubmit_after` (default: the error backoff), within
+    # retry.max_submit_retries, instead of failing.
+    resubmit: list[str] = []
+    resubmit_after: Duration | None = None
 
 
 class CancelOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
