@@ -336,3 +336,55 @@ def test_resubmit_is_refused_for_an_idempotent_vendor() -> None:
                                query={"resubmit": ["queue_full"]})  # fmt: skip
     with pytest.raises(ConfigError, match=r"query\.resubmit: an idempotent vendor"):
         handler_for(options)
+
+
+# ---- find: a listing paged by next-page URLs (Replicate's shape) ---------------------------------
+
+# Replicate's predictions carry nothing of ours, so the example has no find table (see
+# examples/README.md); this test-only table puts the task id into the input to exercise a
+# listing paged the way Replicate pages it.
+REF_BODY = Whole({"version": "{params.version}", "input": {"ref": "{task_id}"}})
+NEXT_FIND: dict[str, Any] = {
+    "find": {"url": "{base_url}/v1/predictions", "items": "/results", "match": "/input/ref",
+             "equals": "{task_id}", "id": "/id", "next": "/next", "visible_after": "100ms",
+             "max_pages": 5, "max_tries": 3},
+    "timeouts": {"connect": "1s", "read": "500ms", "total": "500ms"},
+    "submit": {"body": REF_BODY},
+}  # fmt: skip
+
+
+async def test_a_lost_create_is_found_on_a_later_page_by_following_next(
+    store: Store, replicate: tuple[ReplicatePredictions, str], tmp_path: Path
+) -> None:
+    fake, url = replicate
+    fake.page_size, fake.others, fake.lose_creates = 2, 5, 1  # ours is on the third page
+    handler = load_example("replicate-predictions.toml", url, **NEXT_FIND,
+                           finalize={"dir": str(tmp_path), **LOOPBACK_FAKE})  # fmt: skip
+    [task] = await run_tasks(store, handler, [{"version": "v1"}])
+    assert task.status is Status.SUCCEEDED, task.error
+    assert len(fake.predictions) == 1 and task.submit_attempts == 1
+    assert fake.listed[:3] == [2, 2, 2]
+    assert fake.predictions[task.external_id or ""].obj["input"] == {"ref": task.id}
+
+
+async def test_a_next_page_on_another_origin_is_never_requested(
+    store: Store, replicate: tuple[ReplicatePredictions, str]
+) -> None:
+    fake, url = replicate
+    fake.page_size, fake.others, fake.lose_creates = 2, 5, 1
+    fake.next_origin = fake.delivery_origin  # a listing that points elsewhere
+    handler = load_example("replicate-predictions.toml", url, **NEXT_FIND)
+    [task] = await run_tasks(store, handler, [{"version": "v1"}])
+    assert task.status is Status.SUBMIT_UNKNOWN and len(fake.predictions) == 1
+    assert task.error is not None and task.error.code == "LOOKUP_GAVE_UP"
+    assert "FIND_REFUSED" in task.error.message
+    assert fake.listed == [2, 2, 2]  # the first page of each of the 3 lookups, no more
+    assert fake.file_host_requests == []  # nothing was asked of the other origin
+
+
+def test_a_next_page_pointer_replaces_the_cursor_options() -> None:
+    options = scripted_options("http://127.0.0.1:9", find={
+        "url": "{base_url}/jobs", "items": "", "match": "/ref", "equals": "{task_id}",
+        "id": "/id", "visible_after": "1s", "next": "/next", "more": "/has_more"})  # fmt: skip
+    with pytest.raises(ConfigError, match=r"find\.next: a next-page URL replaces"):
+        handler_for(options)

@@ -263,9 +263,12 @@ class _Builder:
                 next_url=None
                 if fo.next_url is None
                 else self.url(fo.next_url, "find.next_url", _TASK | {"base_url", "value"}),
+                next=optional(fo.next, "find.next"),
             )
             if (fo.next_url is None) != (fo.cursor is None):
                 self.fail("find", "set both next_url and cursor (a paged listing), or neither")
+            if fo.next is not None and (fo.more or fo.cursor or fo.next_url):
+                self.fail("find.next", "a next-page URL replaces more, cursor and next_url")
             if set(fo.handle) != handles:
                 self.fail(
                     "find.handle", f"name the same fields as submit.handle: {sorted(handles)}"

@@ -130,6 +130,10 @@ class FindOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     more: str | None = None
     cursor: str | None = None
     next_url: str | None = None
+    # Or `next` points at the next page's whole URL in the answer (Replicate's /next), null
+    # or absent on the last page. It must be on base_url's origin (the request carries the
+    # handler's headers, credentials included): another is refused, never requested.
+    next: str | None = None
     max_pages: Annotated[int, msgspec.Meta(ge=1, le=100)] = 10
     max_tries: Annotated[int, msgspec.Meta(ge=1, le=10000)] = 20
     give_up_after: Duration = Duration(86400)

@@ -49,6 +49,7 @@ class _FindPlan:
     more: _Pointer | None
     cursor: _Pointer | None
     next_url: _Template | None
+    next: _Pointer | None = None
 
 
 @dataclass(frozen=True, slots=True)

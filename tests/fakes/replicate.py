@@ -20,6 +20,12 @@ Endpoints (all need ``Authorization: Bearer <token>``; otherwise 401 with a prob
     true`` ends ``succeeded`` as a poll after Replicate's retention hour sees it
     (``output`` null, ``data_removed`` true); ``"named_outputs": true`` makes the output an
     object with the file URLs inside it.
+``GET /v1/predictions?cursor=``
+    The predictions, newest first, ``page_size`` a page, as Replicate pages them:
+    ``{"previous", "next", "results"}``, ``next`` the next page's whole URL (an opaque
+    ``cursor``) or null on the last. ``others`` predictions made elsewhere on the account
+    come before ours (newer). ``next_origin`` puts the next URLs on another origin, as a hostile or
+    broken listing could.
 ``POST /v1/predictions/{id}/cancel``
     Moves a live prediction to ``canceled``; answers the prediction.
 ``GET /delivery/{id}/{name}``
@@ -27,7 +33,8 @@ Endpoints (all need ``Authorization: Bearer <token>``; otherwise 401 with a prob
     ``serving()``), without auth, as on replicate.delivery. Each download's Authorization
     header (None without one) is kept in ``download_auth``.
 
-Faults: ``throttle`` is a list of header sets, one per request to come, each answered 429
+Faults: the next ``lose_creates`` creates make their prediction and then answer 500;
+``throttle`` is a list of header sets, one per request to come, each answered 429
 (``{"title": "Request was throttled", ...}``) with those headers; ``stuck`` keeps every
 prediction ``starting`` (no capacity), so only a Cancel-After deadline ends it.
 """
@@ -91,8 +98,14 @@ class ReplicatePredictions:
     cancels: list[str] = field(default_factory=list)
     downloads: list[str] = field(default_factory=list)
     download_auth: list[str | None] = field(default_factory=list)
+    file_host_requests: list[str] = field(default_factory=list)  # every path it was asked
     throttle: list[dict[str, str]] = field(default_factory=list)
     stuck: bool = False
+    lose_creates: int = 0
+    others: int = 0
+    page_size: int = 100
+    next_origin: str = ""
+    listed: list[int] = field(default_factory=list)  # predictions per list request
     delivery_origin: str = ""  # the file host's origin, set by serving()
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
@@ -102,6 +115,7 @@ class ReplicatePredictions:
             [
                 web.post("/v1/predictions", self._create),
                 web.post("/v1/models/{owner}/{name}/predictions", self._create),
+                web.get("/v1/predictions", self._list),
                 web.get("/v1/predictions/{id}", self._get),
                 web.post("/v1/predictions/{id}/cancel", self._cancel),
             ]
@@ -110,7 +124,7 @@ class ReplicatePredictions:
 
     def delivery_app(self) -> web.Application:
         """The file host (replicate.delivery): another origin, no auth."""
-        app = web.Application()
+        app = web.Application(middlewares=[self._file_host_log])
         app.add_routes([web.get("/delivery/{id}/{name}", self._deliver)])
         return app
 
@@ -120,6 +134,12 @@ class ReplicatePredictions:
         async with serve(self.delivery_app()) as files, serve(self.app()) as api:
             self.delivery_origin = files
             yield api
+
+    @web.middleware
+    async def _file_host_log(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        self.file_host_requests.append(request.path_qs)
+        response: web.StreamResponse = await handler(request)
+        return response
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -170,7 +190,30 @@ class ReplicatePredictions:
                      "web": f"https://replicate.com/p/{pid}"},
         }  # fmt: skip
         self.predictions[pid] = _Prediction(obj, deadline=deadline)
+        if self.lose_creates > 0:
+            self.lose_creates -= 1
+            return _problem(500, "Internal server error", "Something went wrong.")
         return web.json_response(obj, status=201)
+
+    async def _list(self, request: web.Request) -> web.Response:
+        ours = [p.obj for p in reversed(self.predictions.values())]
+        theirs = [{"id": f"other{k:04d}", "version": "v0", "input": {}, "status": "succeeded",
+                   "model": "someone/else"} for k in range(self.others)]  # fmt: skip
+        listing = theirs + ours
+        try:
+            start = int(request.query.get("cursor", "0"))
+        except ValueError:
+            return _problem(400, "Bad request", "Invalid cursor.")
+        page = listing[start : start + self.page_size]
+        self.listed.append(len(page))
+        origin = self.next_origin or str(request.url.origin())
+        after = start + self.page_size
+        return web.json_response({
+            "previous": f"{origin}/v1/predictions?cursor={max(0, start - self.page_size)}"
+            if start else None,
+            "next": f"{origin}/v1/predictions?cursor={after}" if after < len(listing) else None,
+            "results": page,
+        })  # fmt: skip
 
     async def _get(self, request: web.Request) -> web.Response:
         prediction = self.predictions.get(request.match_info["id"])
