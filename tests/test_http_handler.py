@@ -222,7 +222,10 @@ async def test_openai_example_succeeds_with_metadata_and_counts(
     assert [t.status for t in tasks] == [Status.SUCCEEDED] * 2
     for task in tasks:
         batch = fake.batches[task.external_id or ""].obj
-        assert batch["metadata"] == {"asynctaskd_task_id": task.id}
+        assert batch["metadata"] == {
+            "asynctaskd_task_id": task.id,
+            "asynctaskd_submit": f"{task.id}/1",  # the first submit of the task
+        }
         assert task.result == {
             "output_file_id": f"file-out-{batch['id']}", "error_file_id": None,
             "request_counts": {"total": 4, "completed": 4, "failed": 0},

@@ -27,7 +27,8 @@ mapping handed to `handlers.load_handlers`) into an `HttpHandler`::
 Template language (no eval, checked when the config is loaded). Placeholders:
 `{params}` and `{params.a.0.b}` (submit only), `{steps.name.x}` (what an earlier
 `submit.before` step kept), `{external_id}` and `{handle.x}` (query, cancel), `{base_url}`,
-`{task_id}`, `{idempotency_key}`, and the credential sources
+`{task_id}`, `{idempotency_key}`, `{submit_attempt}` (submit and find: which submit of
+the task, so that a find tells a resubmitted task's jobs apart), and the credential sources
 `{env:NAME}`, `{file:/abs/path}`, `{credential:NAME}` (`$CREDENTIALS_DIRECTORY/NAME`,
 systemd's LoadCredential=). `{x?}` is optional: missing, it renders as "" in text and drops
 the key from a JSON object. `{{` and `}}` are literal braces. A string that is exactly one

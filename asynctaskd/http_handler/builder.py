@@ -163,7 +163,7 @@ class _Builder:
                 self.fail("errors.reset_headers", f"{name!r} is not a header name")
         if o.submit.idempotency_header and not _HEADER_NAME.fullmatch(o.submit.idempotency_header):
             self.fail("submit.idempotency_header", "not a valid header name")
-        submit_scope = _TASK | {"params", "base_url"}
+        submit_scope = _TASK | {"params", "base_url", "submit_attempt"}
         steps = tuple(
             self.step(step, f"submit.before[{i}]", submit_scope | {"steps"}, base_headers)
             for i, step in enumerate(o.submit.before)

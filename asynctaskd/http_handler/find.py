@@ -43,7 +43,10 @@ class _Finding(_Classifying, _Rendering):
         """List the vendor's jobs; the one whose `match` value equals `equals` is ours."""
         plan = self.plan.find
         assert plan is not None  # find is only set with a find section
-        v = _Vars(ctx.task_id, ctx.idempotency_key, params=params)
+        # submit_attempt is the parked submit's: the lookup runs after its start counted it
+        v = _Vars(
+            ctx.task_id, ctx.idempotency_key, params=params, submit_attempt=ctx.submit_attempt
+        )
         url, headers, content = self._prepare(plan.request, v, "find")
         want = self._render_text(plan.equals, v)
         options = self.options.find

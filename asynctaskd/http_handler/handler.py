@@ -109,7 +109,9 @@ class HttpHandler(_Stepping, _Finding, _Finalizing, _Classifying, _Rendering):
     async def submit(self, params: Any, ctx: HandlerContext) -> Submitted:
         """Send the steps before the create, if any (`steps`), then POST the job; the
         answer's id (and handle fields) become the task's handle."""
-        v = _Vars(ctx.task_id, ctx.idempotency_key, params=params)
+        v = _Vars(
+            ctx.task_id, ctx.idempotency_key, params=params, submit_attempt=ctx.submit_attempt
+        )
         if self.plan.steps:
             await self._run_steps(v, ctx)
         url, headers, content = self._prepare(self.plan.submit, v, "submit")

@@ -97,7 +97,7 @@ _TASK: Final = frozenset({"task_id", "idempotency_key"})
 _NAMES: Final = frozenset(
     {
         "params", "handle", "external_id", "base_url", "idempotency_key", "task_id", "value",
-        "name", "steps",
+        "name", "steps", "submit_attempt",
     }
 )  # fmt: skip
 
@@ -280,6 +280,7 @@ class _Vars:
     external_id: str = ""
     handle: Mapping[str, Any] = field(default_factory=dict)
     steps: Mapping[str, Any] = field(default_factory=dict)  # step name -> {key: kept value}
+    submit_attempt: int = 0  # which submit of the task this is (1, 2, ...): submit and find
     value: Any = None
     name: str = ""
 
