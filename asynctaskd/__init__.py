@@ -41,11 +41,21 @@ from .errors import (
 from .model import Status, Task, TaskError
 
 if TYPE_CHECKING:
-    from .handlers import Failed, Handler, HandlerContext, Running, Submitted, Succeeded
+    from .handlers import (
+        Failed,
+        Handler,
+        HandlerContext,
+        Resubmit,
+        Running,
+        Submitted,
+        Succeeded,
+    )
 
 # The handler API pulls in httpx; producers who only import the client should not pay
 # for it, so these names load on first use (PEP 562).
-_LAZY = {"Failed", "Handler", "HandlerContext", "Running", "Submitted", "Succeeded"}
+_LAZY = {
+    "Failed", "Handler", "HandlerContext", "Resubmit", "Running", "Submitted", "Succeeded"
+}  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:
@@ -75,6 +85,7 @@ __all__ = [
     "PayloadTooLarge",
     "PermanentError",
     "QuotaExceeded",
+    "Resubmit",
     "RetryableError",
     "Running",
     "ScriptError",

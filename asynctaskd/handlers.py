@@ -22,6 +22,7 @@ __all__ = [
     "Handler",
     "HandlerContext",
     "HandlerEntry",
+    "Resubmit",
     "Running",
     "Submitted",
     "Succeeded",
@@ -73,6 +74,22 @@ class Failed(msgspec.Struct, frozen=True):
     code: str
     message: str = ""
     result: Any = None
+
+
+class Resubmit(msgspec.Struct, frozen=True, kw_only=True):
+    """The vendor job ended having done nothing, and submitting it again later is the fix
+    (an OpenAI batch failed with token_limit_exceeded: the queue was full, nothing ran).
+
+    The task goes back to PENDING_SUBMIT, its handle dropped, and is submitted again after
+    `after` seconds (or the error backoff), bounded like `next_poll`. Each submit counts
+    against `retry.max_submit_retries`; past it the task fails with `code`. Return it only
+    for a job that provably did nothing: the new submit creates another job (so not for a
+    vendor that dedups on `ctx.idempotency_key`, which stays the same: it would answer
+    with the job that ended)."""
+
+    code: str
+    message: str = ""
+    after: float | None = None
 
 
 class HandlerContext(msgspec.Struct, kw_only=True):
@@ -135,7 +152,7 @@ class Handler(Protocol):
 
     async def query(
         self, handle: dict[str, Any], ctx: HandlerContext
-    ) -> Running | Succeeded | Failed: ...
+    ) -> Running | Succeeded | Failed | Resubmit: ...
 
 
 class HandlerEntry(msgspec.Struct, frozen=True, kw_only=True):

@@ -42,7 +42,7 @@ from asynctaskd.transport import make_http_client
 from asynctaskd.worker import Worker
 from tests.conftest import wait_until
 from tests.fakes import serve
-from tests.fakes.openai_batches import OpenAIBatches
+from tests.fakes.openai_batches import OpenAIBatches, requests_for
 from tests.fakes.replicate import PNG, ReplicatePredictions
 from tests.fakes.scripted import Scripted, echo, garbage, json, reset, slow, status
 
@@ -76,10 +76,16 @@ def make_config(**retry: Any) -> Config:
     return parse_config("\n".join(lines))
 
 
+class Whole(dict[str, Any]):
+    """A table merge() puts in place as it is, instead of merging it into the one there."""
+
+
 def merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in changes.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
+        if isinstance(value, Whole):
+            out[key] = dict(value)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = merge(out[key], value)
         else:
             out[key] = value
@@ -199,11 +205,11 @@ async def replicate(
 ) -> AsyncIterator[tuple[ReplicatePredictions, str]]:
     monkeypatch.setenv("REPLICATE_API_TOKEN", "r8_test_token_0123456789")
     fake = ReplicatePredictions(token="r8_test_token_0123456789", polls_to_done=3)
-    async with serve(fake.app()) as url:
+    async with fake.serving() as url:  # the API, and its file host on another origin
         yield fake, url
 
 
-BATCH = {"input_file_id": "file-abc123", "endpoint": "/v1/chat/completions"}
+BATCH = {"endpoint": "/v1/chat/completions", "requests": requests_for("r1", "r2", "r3", "r4")}
 # The fakes serve files on 127.0.0.1, which finalize refuses unless told: opt in, visibly.
 LOOPBACK_FAKE: dict[str, Any] = {"hosts": ["127.0.0.1"], "allow_private_addresses": True}
 
@@ -216,7 +222,10 @@ async def test_openai_example_succeeds_with_metadata_and_counts(
     assert [t.status for t in tasks] == [Status.SUCCEEDED] * 2
     for task in tasks:
         batch = fake.batches[task.external_id or ""].obj
-        assert batch["metadata"] == {"asynctaskd_task_id": task.id}
+        assert batch["metadata"] == {
+            "asynctaskd_task_id": task.id,
+            "asynctaskd_submit": f"{task.id}/1",  # the first submit of the task
+        }
         assert task.result == {
             "output_file_id": f"file-out-{batch['id']}", "error_file_id": None,
             "request_counts": {"total": 4, "completed": 4, "failed": 0},
@@ -245,16 +254,24 @@ async def test_openai_example_reports_progress_while_running(
 async def test_openai_example_failed_and_expired_batches(
     store: Store, openai: tuple[OpenAIBatches, str]
 ) -> None:
-    _, url = openai
-    params = [
-        {**BATCH, "input_file_id": "file-fail-1"},
-        {**BATCH, "input_file_id": "file-expire-1"},
-    ]
-    failed, expired = await run_tasks(store, load_example("openai-batch.toml", url), params)
+    fake, url = openai
+    # The example's documented variant for a file uploaded beforehand (no upload step, the
+    # file id in the params), with a line that is not JSON: the batch fails validating.
+    file_id = fake.upload(b'{"custom_id": "r1"}\nnot json\n')
+    body = {"input_file_id": "{params.input_file_id}", "endpoint": "{params.endpoint}",
+            "completion_window": "24h"}  # fmt: skip
+    handler = load_example("openai-batch.toml", url, submit={"before": [], "body": Whole(body)})
+    [failed] = await run_tasks(store, handler, [{**BATCH, "input_file_id": file_id}])
     assert failed.status is Status.FAILED
-    assert error_of(failed) == ("invalid_json_line", "Line 1 is not valid JSON.")
-    assert failed.result is not None and failed.result["output_file_id"] is None  # no output
-    assert failed.result["request_counts"]["completed"] == 0
+    assert error_of(failed) == ("invalid_json_line", "Line 2 is not valid JSON.")
+    # nothing ran, and the result says so: the ids and counts are kept for every end
+    assert failed.result == {
+        "output_file_id": None,
+        "error_file_id": None,
+        "request_counts": {"total": 0, "completed": 0, "failed": 0},
+    }
+    params = [{**BATCH, "requests": requests_for("expire-1", "r2", "r3", "r4")}]
+    [expired] = await run_tasks(store, load_example("openai-batch.toml", url), params)
     assert expired.status is Status.FAILED
     assert error_of(expired)[0] == "expired"
     assert expired.progress == 0.5
@@ -357,6 +374,8 @@ async def test_replicate_example_succeeds_and_copies_outputs(
     prediction = fake.predictions[task.external_id or ""].obj
     assert prediction["input"] == {"text": "Alice", "steps": 4}  # the object kept its type
     assert len(fake.downloads) == 2
+    # the file host is another origin than the API: the token never goes there
+    assert fake.download_auth == [None, None]
 
 
 async def test_finalize_copies_urls_anywhere_in_an_object_output(

@@ -17,7 +17,7 @@ import pytest
 from asynctaskd.codec import encode_json
 from asynctaskd.config import parse_config
 from asynctaskd.errors import HandlerError, InvalidTask, NotSent, PermanentError, RetryableError
-from asynctaskd.handlers import Failed, Running, Submitted, Succeeded
+from asynctaskd.handlers import Failed, Resubmit, Running, Submitted, Succeeded
 from asynctaskd.model import Status, Task
 from asynctaskd.worker.outcomes import Outcomes, Reconcile, Save, canceled, timed_out
 
@@ -171,6 +171,19 @@ QUERIES = [
      {"error_code": "E", "error_message": "boom", "poll_count": 5, "throttles": ""}),
     (Failed("", "x"), {}, Status.FAILED, 0, {"error_code": "VENDOR_FAILED", "result": None}),
     (Failed("E", result={"a": 1}), {}, Status.FAILED, 0, {"result": encode_json({"a": 1})}),
+    # a job that did nothing: submitted again, its handle and progress dropped, after the
+    # handler's wait (bounded as next_poll) or the backoff of the submits made; past
+    # max_submit_retries (2 here) it fails with the handler's code
+    (Resubmit(code="Q", message="full", after=30), {"submit_attempts": 1},
+     Status.PENDING_SUBMIT, 30, {"error_code": "Q", "error_message": "full",
+     "external_id": "", "handle": "", "poll_count": "", "progress": ""}),
+    (Resubmit(code="Q"), {"submit_attempts": 2}, Status.PENDING_SUBMIT, 2, {}),
+    (Resubmit(code="Q", after=10_000), {"submit_attempts": 1}, Status.PENDING_SUBMIT, 300, {}),
+    (Resubmit(code="Q", after=100), {"submit_attempts": 1, "deadline_at": NOW + 10},
+     Status.PENDING_SUBMIT, 10, {}),
+    (Resubmit(code="Q", message="full"), {"submit_attempts": 3}, Status.FAILED, 0,
+     {"error_code": "Q", "error_message": "full; 3 submits made, no more "
+      "(retry.max_submit_retries)"}),
     # not Running/Succeeded/Failed: a query error (the handler's bug)
     ("junk", {}, Status.RUNNING, 1, {"error_code": "InvalidTask", "consecutive_errors": 1}),
     (None, {"status": Status.SUBMITTED}, Status.SUBMITTED, 1, {"consecutive_errors": 1}),
@@ -185,8 +198,8 @@ def test_query_results(
     assert isinstance(save, Save)
     check(save, status, delay, fields)
     assert not save.must_land and save.note is None
-    assert isinstance(save.failure, InvalidTask) is (status is not Status.FAILED and
-                                                     not isinstance(out, Running))  # fmt: skip
+    answered = isinstance(out, Running | Resubmit)
+    assert isinstance(save.failure, InvalidTask) is (status is not Status.FAILED and not answered)
 
 
 @pytest.mark.parametrize(

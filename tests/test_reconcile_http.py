@@ -6,10 +6,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 import pytest
 
 from asynctaskd.model import Status
 from asynctaskd.store import Store
+from tests.conftest import wait_until
 from tests.fakes import serve
 from tests.fakes.openai_batches import OpenAIBatches
 from tests.test_http_handler import BATCH, load_example, make_config, run_tasks
@@ -84,3 +86,31 @@ async def test_a_batch_further_back_than_the_pages_read_is_no_none(
     fake.lose_creates = 1
     [task] = await run_tasks(store, handler, [BATCH], make_config())
     assert task.status is Status.SUCCEEDED and len(fake.created) == 2
+
+
+async def test_a_resubmitted_task_never_takes_its_earlier_batch_for_a_lost_one(
+    store: Store, openai: tuple[OpenAIBatches, str]
+) -> None:
+    """The first batch fails for a full token queue (the task is submitted again), and the
+    second create's answer is lost while the listing lags: only the first batch is listed
+    at first. It names the task too, but another submit of it: the lookup waits for the
+    second instead of taking the first (which would leave the second running, orphaned)."""
+    fake, url = openai
+    fake.list_lag, fake.token_limit_failures, fake.lose_creates = 0.8, 1, 0
+    handler = load_example("openai-batch.toml", url, **FAST_FIND, query={"resubmit_after": "1s"})
+
+    async def one_batch() -> bool:
+        return len(fake.created) == 1
+
+    async def lose_the_second_create() -> None:
+        await wait_until(one_batch, "the first batch")
+        fake.lose_creates = 1  # long before the second create: resubmit_after is 1 s
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lose_the_second_create)
+        [task] = await run_tasks(store, handler, [BATCH], make_config(max_error_delay="2s"))
+    first, second = (i for _, i in fake.created)
+    assert task.status is Status.SUCCEEDED, task.error
+    assert task.external_id == second and task.submit_attempts == 2
+    assert fake.batches[first].obj["metadata"]["asynctaskd_submit"] == f"{task.id}/1"
+    assert 1 in fake.listed  # a lookup saw the first batch alone, and did not take it

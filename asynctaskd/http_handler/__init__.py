@@ -25,8 +25,10 @@ mapping handed to `handlers.load_handlers`) into an `HttpHandler`::
     result = "/output"
 
 Template language (no eval, checked when the config is loaded). Placeholders:
-`{params}` and `{params.a.0.b}` (submit only), `{external_id}` and `{handle.x}` (query,
-cancel), `{base_url}`, `{task_id}`, `{idempotency_key}`, and the credential sources
+`{params}` and `{params.a.0.b}` (submit only), `{steps.name.x}` (what an earlier
+`submit.before` step kept), `{external_id}` and `{handle.x}` (query, cancel), `{base_url}`,
+`{task_id}`, `{idempotency_key}`, `{submit_attempt}` (submit and find: which submit of
+the task, so that a find tells a resubmitted task's jobs apart), and the credential sources
 `{env:NAME}`, `{file:/abs/path}`, `{credential:NAME}` (`$CREDENTIALS_DIRECTORY/NAME`,
 systemd's LoadCredential=). `{x?}` is optional: missing, it renders as "" in text and drops
 the key from a JSON object. `{{` and `}}` are literal braces. A string that is exactly one
@@ -62,12 +64,20 @@ other 5xx a plain `RetryableError`; 4xx (except 408 and 429, or the `errors.perm
 wrong type is vendor garbage: a `RetryableError` quoting the first 200 characters of the
 body (ambiguous in submit: the job may exist; an error-budget error in query).
 
+A submit may send requests before the create (`submit.before`: an upload whose id the
+create names, in JSON or multipart). They are not the vendor job, so a lost answer to one
+raises `NotSent` (the submit runs again whole) instead of parking the task; see `steps`.
+A failure code listed in `query.resubmit` (a job that ended having done nothing, such as
+OpenAI's `token_limit_exceeded`) makes query return `Resubmit`: the task is submitted
+again after `query.resubmit_after`.
+
 The package holds: `options`, the Structs of `[handlers.options]` and msgspec's errors
 explained; `templates`, JSON pointers and placeholders (parsed, checked, rendered);
 `credentials`, credential reading and redaction; `plan`, the options compiled;
 `classify`, answers to errors (status codes, throttle and reset headers, permanent
-codes); `find`, the listing lookup of parked tasks; `finalize`, result files copied;
-`handler`, `HttpHandler` itself; `builder`, `build` and `builders` (config to handler).
+codes); `steps`, the requests before the create; `find`, the listing lookup of parked
+tasks; `finalize`, result files copied; `handler`, `HttpHandler` itself; `builder`,
+`build` and `builders` (config to handler).
 """
 
 from __future__ import annotations
@@ -78,11 +88,13 @@ from .handler import HttpHandler
 from .options import (
     CancelOptions,
     ErrorOptions,
+    FilePart,
     FinalizeOptions,
     FindOptions,
     HttpOptions,
     Method,
     QueryOptions,
+    StepOptions,
     SubmitOptions,
     Timeouts,
 )
@@ -90,12 +102,14 @@ from .options import (
 __all__ = [
     "CancelOptions",
     "ErrorOptions",
+    "FilePart",
     "FinalizeOptions",
     "FindOptions",
     "HttpHandler",
     "HttpOptions",
     "Method",
     "QueryOptions",
+    "StepOptions",
     "SubmitOptions",
     "Timeouts",
     "build",

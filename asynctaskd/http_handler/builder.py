@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Final, NoReturn
 
 import msgspec
 
@@ -15,8 +16,8 @@ from asynctaskd.downloads import host_pattern
 from asynctaskd.errors import ConfigError
 
 from .handler import HttpHandler
-from .options import ErrorOptions, HttpOptions, _dec_hook, _explain
-from .plan import _FindPlan, _Plan, _Request
+from .options import ErrorOptions, FilePart, HttpOptions, StepOptions, _dec_hook, _explain
+from .plan import _FileSpec, _FindPlan, _Plan, _Request, _Step
 from .templates import (
     _HEADER_NAME,
     _MISSING,
@@ -30,6 +31,11 @@ from .templates import (
     _TemplateError,
 )
 
+_STEP_NAME: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+_PART_TEXT: Final = re.compile(r'[^"\\\x00-\x1f\x7f]+')  # no quote, backslash or control
+
 
 class _Builder:
     def __init__(self, hc: HandlerConfig, index: int | None, text: str | None, source: str) -> None:
@@ -37,6 +43,7 @@ class _Builder:
         self.index = index
         self.text = text
         self.source = source
+        self.steps: dict[str, frozenset[str]] = {}  # the steps a template may name, and keeps
 
     def fail(self, path: str, message: str) -> NoReturn:
         """Raise ConfigError for `path` (relative to the options table, e.g. "submit.url")."""
@@ -74,7 +81,7 @@ class _Builder:
         try:
             template = _parse_template(text)
             for ref in template.refs():
-                _check_scope(ref, allowed, handles)
+                _check_scope(ref, allowed, handles, self.steps)
         except _TemplateError as exc:
             self.fail(path, str(exc))
         return template
@@ -156,16 +163,21 @@ class _Builder:
                 self.fail("errors.reset_headers", f"{name!r} is not a header name")
         if o.submit.idempotency_header and not _HEADER_NAME.fullmatch(o.submit.idempotency_header):
             self.fail("submit.idempotency_header", "not a valid header name")
-        submit_scope = _TASK | {"params", "base_url"}
+        submit_scope = _TASK | {"params", "base_url", "submit_attempt"}
+        steps = tuple(
+            self.step(step, f"submit.before[{i}]", submit_scope | {"steps"}, base_headers)
+            for i, step in enumerate(o.submit.before)
+        )
         submit = self.request(
             o.submit.method,
             o.submit.url,
             o.submit.headers,
             o.submit.body,
             "submit",
-            submit_scope,
+            submit_scope | {"steps"},
             base_headers,
         )
+        self.steps = {}
         handles = frozenset(o.submit.handle)
         if "external_id" in handles:
             self.fail("submit.handle.external_id", "external_id is always kept; pick another name")
@@ -191,6 +203,14 @@ class _Builder:
                 outcomes[name] = outcome
         if not q.succeeded:
             self.fail("query.succeeded", "list at least one vendor status that means done")
+        if q.resubmit and o.idempotent:
+            self.fail(
+                "query.resubmit",
+                "an idempotent vendor dedups on the task's idempotency key, which a resubmit "
+                "keeps: it would answer with the job that ended",
+            )
+        if "" in q.resubmit:
+            self.fail("query.resubmit", "list failure codes, not empty strings")
         self._check_errors(o.errors)
 
         def optional(text: str | None, path: str) -> _Pointer | None:
@@ -243,16 +263,25 @@ class _Builder:
                 next_url=None
                 if fo.next_url is None
                 else self.url(fo.next_url, "find.next_url", _TASK | {"base_url", "value"}),
+                next=optional(fo.next, "find.next"),
             )
             if (fo.next_url is None) != (fo.cursor is None):
                 self.fail("find", "set both next_url and cursor (a paged listing), or neither")
+            if fo.next is not None and (fo.more or fo.cursor or fo.next_url):
+                self.fail("find.next", "a next-page URL replaces more, cursor and next_url")
             if set(fo.handle) != handles:
                 self.fail(
                     "find.handle", f"name the same fields as submit.handle: {sorted(handles)}"
                 )
         uses_base = any(
             ref.kind == "base_url"
-            for request in (submit, query, cancel, find.request if find else None)
+            for request in (
+                submit,
+                query,
+                cancel,
+                find.request if find else None,
+                *(s.request for s in steps),
+            )
             if request is not None
             for ref in request.url.refs()
         ) or (download is not None and any(r.kind == "base_url" for r in download.refs()))
@@ -285,7 +314,57 @@ class _Builder:
             finalize_put=put,
             finalize_headers=finalize_headers,
             find=find,
+            steps=steps,
         )
+
+    def step(
+        self,
+        o: StepOptions,
+        path: str,
+        scope: frozenset[str],
+        base_headers: tuple[tuple[str, _Template], ...],
+    ) -> _Step:
+        """One `submit.before` step compiled; its keeps become nameable by what follows."""
+        if not _STEP_NAME.fullmatch(o.name):
+            self.fail(f"{path}.name", f"expected a name of letters, digits and _, got {o.name!r}")
+        if o.name in self.steps:
+            self.fail(f"{path}.name", f"a step {o.name!r} comes earlier; names must differ")
+        if o.body is not None and o.multipart is not None:
+            self.fail(path, "set body (JSON) or multipart, not both")
+        request = self.request(o.method, o.url, o.headers, o.body, path, scope, base_headers)
+        multipart = None
+        if o.multipart is not None:
+            if not o.multipart:
+                self.fail(f"{path}.multipart", "name at least one field")
+            multipart = tuple(
+                (name, self.part(name, field, f"{path}.multipart.{name}", scope))
+                for name, field in o.multipart.items()
+            )
+        keep = tuple((k, self.pointer(p, f"{path}.keep.{k}")) for k, p in o.keep.items())
+        self.steps[o.name] = frozenset(o.keep)
+        return _Step(o.name, request, multipart, keep)
+
+    def part(
+        self, name: str, field: str | FilePart, path: str, scope: frozenset[str]
+    ) -> _Template | _FileSpec:
+        if not _PART_TEXT.fullmatch(name):
+            self.fail(path, f"{name!r} cannot be a multipart field name (quotes, controls)")
+        if isinstance(field, str):
+            return self.template(field, path, scope)
+        if not _PART_TEXT.fullmatch(field.filename):
+            self.fail(f"{path}.filename", f"{field.filename!r}: no quotes or control characters")
+        if not _PART_TEXT.fullmatch(field.content_type) or not field.content_type.isascii():
+            self.fail(f"{path}.content_type", f"{field.content_type!r} is not a media type")
+        if (field.content is None) == (field.jsonl is None):
+            self.fail(path, "set content (text) or jsonl (a list, one JSON value a line)")
+        content = jsonl = None
+        if field.content is not None:
+            content = self.template(field.content, f"{path}.content", scope)
+        if field.jsonl is not None:
+            jsonl = self.template(field.jsonl, f"{path}.jsonl", scope)
+            if jsonl.whole is None:
+                self.fail(f"{path}.jsonl", "expected exactly one placeholder, as in {params.x}")
+        return _FileSpec(field.filename, content, jsonl, field.content_type)
 
     def _check_errors(self, errors: ErrorOptions) -> None:
         both = set(errors.permanent or ()) & set(errors.retryable)

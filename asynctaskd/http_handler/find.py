@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from asynctaskd.downloads import origin_of
 from asynctaskd.errors import RetryableError
 from asynctaskd.handlers import HandlerContext, Submitted
 from asynctaskd.transport import Reply
@@ -20,6 +21,7 @@ class _Finding(_Classifying, _Rendering):
 
     plan: _Plan
     options: HttpOptions
+    _base_origin: tuple[str, str, int | None] | None
 
     if TYPE_CHECKING:  # HttpHandler's
 
@@ -41,7 +43,10 @@ class _Finding(_Classifying, _Rendering):
         """List the vendor's jobs; the one whose `match` value equals `equals` is ours."""
         plan = self.plan.find
         assert plan is not None  # find is only set with a find section
-        v = _Vars(ctx.task_id, ctx.idempotency_key, params=params)
+        # submit_attempt is the parked submit's: the lookup runs after its start counted it
+        v = _Vars(
+            ctx.task_id, ctx.idempotency_key, params=params, submit_attempt=ctx.submit_attempt
+        )
         url, headers, content = self._prepare(plan.request, v, "find")
         want = self._render_text(plan.equals, v)
         options = self.options.find
@@ -61,6 +66,12 @@ class _Finding(_Classifying, _Rendering):
             job = self._our_job(items, want)
             if job is not None:
                 return job
+            if plan.next is not None:
+                following = plan.next.get(doc)
+                if following is _MISSING or following is None:
+                    return None  # the last page: the vendor has no job of ours
+                url = self._next_page(following)
+                continue
             if plan.more is None or plan.more.get(doc) is not True:
                 return None  # the whole listing was read: the vendor has no job of ours
             cursor = plan.cursor.get(doc) if plan.cursor is not None else _MISSING
@@ -73,6 +84,17 @@ class _Finding(_Classifying, _Rendering):
             "find: the job is not on the listing's pages read, and the vendor says there is "
             "more: it may be further back (no resubmit on a listing read in part)",
             code="FIND_INCOMPLETE",
+        )
+
+    def _next_page(self, url: Any) -> str:
+        """The answer's next-page URL, if it is on base_url's origin (our headers, with the
+        credentials, go with it); anything else is an error, never requested."""
+        if isinstance(url, str) and origin_of(url) == self._base_origin:
+            return url
+        raise RetryableError(
+            f"find: the listing's next page is not a URL on base_url's origin: "
+            f"{_as_text(url)[:80]!r} (not requested)",
+            code="FIND_REFUSED",
         )
 
     def _our_job(self, items: list[Any], want: str) -> Submitted | None:

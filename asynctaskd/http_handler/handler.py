@@ -1,5 +1,5 @@
-"""`HttpHandler`: submit, query and cancel as configured; find and finalize come from their
-own modules (`find`, `finalize`), mixed in."""
+"""`HttpHandler`: submit, query and cancel as configured; submit's steps, find and finalize
+come from their own modules (`steps`, `find`, `finalize`), mixed in."""
 
 from __future__ import annotations
 
@@ -12,7 +12,14 @@ import msgspec
 
 from asynctaskd.downloads import origin_of
 from asynctaskd.errors import NotSent, PermanentError, RetryableError
-from asynctaskd.handlers import Failed, HandlerContext, Running, Submitted, Succeeded
+from asynctaskd.handlers import (
+    Failed,
+    HandlerContext,
+    Resubmit,
+    Running,
+    Submitted,
+    Succeeded,
+)
 from asynctaskd.transport import DEFAULT_MAX_RESPONSE_BYTES, Reply, fetcher_for, make_http_client
 
 from .classify import _Classifying, _code_of
@@ -20,6 +27,7 @@ from .credentials import _SecretMissing, _Secrets
 from .finalize import _Finalizing
 from .find import _Finding
 from .plan import _Plan, _Request
+from .steps import _Stepping
 from .templates import (
     _MISSING,
     _SECRET_REF,
@@ -33,7 +41,7 @@ from .templates import (
 )
 
 
-class HttpHandler(_Finding, _Finalizing, _Classifying, _Rendering):
+class HttpHandler(_Stepping, _Finding, _Finalizing, _Classifying, _Rendering):
     """A Handler driven by `HttpOptions`; build it with `build()` (checks every template).
 
     With per-handler limits (`max_connections`, or the handler's `concurrency`) it sends
@@ -81,6 +89,7 @@ class HttpHandler(_Finding, _Finalizing, _Classifying, _Rendering):
         self._reset_headers = tuple(h.lower() for h in errors.reset_headers)
         self._permanent_codes = frozenset(errors.permanent_codes)
         self._code_pointer = _Pointer(errors.code_pointer)
+        self._resubmit = frozenset(plan.options.query.resubmit)
         idem = plan.options.submit.idempotency_header
         self._idempotency_header = idem if plan.options.idempotent and idem else ""
         if (f := plan.options.find) is not None:
@@ -98,8 +107,13 @@ class HttpHandler(_Finding, _Finalizing, _Classifying, _Rendering):
     # --- Handler protocol ------------------------------------------------------------------
 
     async def submit(self, params: Any, ctx: HandlerContext) -> Submitted:
-        """POST the job; the answer's id (and handle fields) become the task's handle."""
-        v = _Vars(ctx.task_id, ctx.idempotency_key, params=params)
+        """Send the steps before the create, if any (`steps`), then POST the job; the
+        answer's id (and handle fields) become the task's handle."""
+        v = _Vars(
+            ctx.task_id, ctx.idempotency_key, params=params, submit_attempt=ctx.submit_attempt
+        )
+        if self.plan.steps:
+            await self._run_steps(v, ctx)
         url, headers, content = self._prepare(self.plan.submit, v, "submit")
         if self._idempotency_header:
             headers[self._idempotency_header] = ctx.idempotency_key
@@ -127,8 +141,9 @@ class HttpHandler(_Finding, _Finalizing, _Classifying, _Rendering):
 
     async def query(
         self, handle: dict[str, Any], ctx: HandlerContext
-    ) -> Running | Succeeded | Failed:
-        """GET the job and map its vendor status to Running, Succeeded or Failed."""
+    ) -> Running | Succeeded | Failed | Resubmit:
+        """GET the job and map its vendor status to Running, Succeeded, Failed, or
+        Resubmit (a failure code listed in `query.resubmit`)."""
         plan = self.plan
         v = _Vars(
             ctx.task_id,
@@ -166,6 +181,13 @@ class HttpHandler(_Finding, _Finalizing, _Classifying, _Rendering):
             if status not in plan.outcomes:
                 code = "UNKNOWN_STATUS"
             message = _text_at(plan.error_message, doc) or f"vendor status {status!r}"
+            if code in self._resubmit:
+                after = plan.options.query.resubmit_after
+                return Resubmit(
+                    code=code[:200],
+                    message=self._secrets.redact(message),
+                    after=None if after is None else float(after),
+                )
             partial = self._result(doc) if plan.options.query.failed_result else None
             if isinstance(partial, dict) and not any(v is not None for v in partial.values()):
                 partial = None  # nothing was made

@@ -22,8 +22,34 @@ class Timeouts(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     total: Duration = Duration(60)
 
 
+class FilePart(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A file in a multipart body: its text (`content`, a template) or a list of JSON
+    values written one per line (`jsonl`, exactly one placeholder such as
+    "{params.requests}")."""
+
+    filename: str
+    content: str | None = None
+    jsonl: str | None = None
+    content_type: str = "application/octet-stream"
+
+
+class StepOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`[[handlers.options.submit.before]]`: a request sent before the create (an upload
+    whose id the create names). Its answer's `keep` values are `{steps.<name>.<key>}` in
+    the later steps and in the create."""
+
+    name: str
+    url: str
+    method: Method = "POST"
+    headers: dict[str, str] = {}
+    body: Any = None  # JSON template, or
+    multipart: dict[str, str | FilePart] | None = None  # field -> text template or a file
+    keep: dict[str, str] = {}  # key -> JSON pointer into the answer
+
+
 class SubmitOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """`[handlers.options.submit]`: the request that creates the vendor job."""
+    """`[handlers.options.submit]`: the request that creates the vendor job, and the steps
+    `before` it (not the job: see `steps`)."""
 
     url: str
     id: str  # JSON pointer to the external id in the answer
@@ -32,6 +58,7 @@ class SubmitOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     body: Any = None  # JSON template; None: no body
     handle: dict[str, str] = {}  # name -> JSON pointer; kept for {handle.name}
     idempotency_header: str = "Idempotency-Key"  # sent when idempotent; "" not to
+    before: list[StepOptions] = []
 
 
 class QueryOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -62,6 +89,12 @@ class QueryOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # /data_removed): a done job with it true fails (RESULT_REMOVED) instead of succeeding
     # with nothing, as a poll more than an hour late would on Replicate.
     gone: str | None = None
+    # Failure codes (read at error_code, else the status) of a job that ended having done
+    # nothing, where submitting it again is the fix (OpenAI's "token_limit_exceeded"): the
+    # task is submitted again after `resubmit_after` (default: the error backoff), within
+    # retry.max_submit_retries, instead of failing.
+    resubmit: list[str] = []
+    resubmit_after: Duration | None = None
 
 
 class CancelOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -97,6 +130,10 @@ class FindOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     more: str | None = None
     cursor: str | None = None
     next_url: str | None = None
+    # Or `next` points at the next page's whole URL in the answer (Replicate's /next), null
+    # or absent on the last page. It must be on base_url's origin (the request carries the
+    # handler's headers, credentials included): another is refused, never requested.
+    next: str | None = None
     max_pages: Annotated[int, msgspec.Meta(ge=1, le=100)] = 10
     max_tries: Annotated[int, msgspec.Meta(ge=1, le=10000)] = 20
     give_up_after: Duration = Duration(86400)

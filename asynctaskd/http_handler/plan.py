@@ -19,6 +19,26 @@ class _Request:
 
 
 @dataclass(frozen=True, slots=True)
+class _FileSpec:
+    """A multipart file part: its text, or a list rendered one JSON value per line."""
+
+    filename: str
+    content: _Template | None
+    jsonl: _Template | None  # exactly one placeholder
+    content_type: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """A request the submit sends before the create (`submit.before`)."""
+
+    name: str
+    request: _Request
+    multipart: tuple[tuple[str, _Template | _FileSpec], ...] | None
+    keep: tuple[tuple[str, _Pointer], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class _FindPlan:
     request: _Request
     items: _Pointer
@@ -29,6 +49,7 @@ class _FindPlan:
     more: _Pointer | None
     cursor: _Pointer | None
     next_url: _Template | None
+    next: _Pointer | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,3 +80,4 @@ class _Plan:
     finalize_put: _Template | None
     finalize_headers: tuple[tuple[str, _Template], ...]
     find: _FindPlan | None = None
+    steps: tuple[_Step, ...] = ()

@@ -95,8 +95,11 @@ _TASK: Final = frozenset({"task_id", "idempotency_key"})
 
 
 _NAMES: Final = frozenset(
-    {"params", "handle", "external_id", "base_url", "idempotency_key", "task_id", "value", "name"}
-)
+    {
+        "params", "handle", "external_id", "base_url", "idempotency_key", "task_id", "value",
+        "name", "steps", "submit_attempt",
+    }
+)  # fmt: skip
 
 
 _ENV_NAME: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -174,7 +177,9 @@ def _parse_ref(inner: str) -> _Ref:
         raise _TemplateError(f"{text}: empty name after '.'")
     if head == "handle" and not path:
         raise _TemplateError(f"{text}: name a field, as in {{handle.region}}")
-    if path and head not in ("params", "handle"):
+    if head == "steps" and len(path) != 2:
+        raise _TemplateError(f"{text}: name a step and a kept value, as in {{steps.upload.id}}")
+    if path and head not in ("params", "handle", "steps"):
         raise _TemplateError(f"{text}: {{{head}}} has no fields")
     return _Ref(head, tuple(path), optional=optional, text=text)
 
@@ -209,13 +214,19 @@ def _parse_template(source: str) -> _Template:
 
 def _describe_scope(allowed: frozenset[str]) -> str:
     names = sorted(allowed - _SECRET)
-    shown = [f"{{{n}}}" if n not in ("params", "handle") else f"{{{n}.x}}" for n in names]
+    fields = {"params": "{params.x}", "handle": "{handle.x}", "steps": "{steps.name.x}"}
+    shown = [fields.get(n, f"{{{n}}}") for n in names]
     if allowed & _SECRET:
         shown.append("{env:NAME} {file:/path} {credential:NAME}")
     return " ".join(shown) or "none"
 
 
-def _check_scope(ref: _Ref, allowed: frozenset[str], handle_names: frozenset[str]) -> None:
+def _check_scope(
+    ref: _Ref,
+    allowed: frozenset[str],
+    handle_names: frozenset[str],
+    steps: Mapping[str, frozenset[str]] | None = None,
+) -> None:
     if ref.kind not in allowed:
         if ref.kind in _SECRET:
             raise _TemplateError(f"{ref.text}: credentials may appear only in headers and base_url")
@@ -228,6 +239,15 @@ def _check_scope(ref: _Ref, allowed: frozenset[str], handle_names: frozenset[str
     if ref.kind == "handle" and ref.path[0] not in handle_names:
         known = ", ".join(sorted(handle_names)) or "none"
         raise _TemplateError(f"{ref.text}: submit.handle has no {ref.path[0]!r} (it has {known})")
+    if ref.kind == "steps":
+        steps = steps or {}
+        name, key = ref.path
+        if name not in steps:
+            known = ", ".join(sorted(steps)) or "none"
+            raise _TemplateError(f"{ref.text}: no step {name!r} comes before this ({known} do)")
+        if key not in steps[name]:
+            known = ", ".join(sorted(steps[name])) or "none"
+            raise _TemplateError(f"{ref.text}: step {name!r} keeps no {key!r} (it keeps {known})")
 
 
 # ---- rendering ----------------------------------------------------------------------------------
@@ -259,6 +279,8 @@ class _Vars:
     params: Any = _MISSING
     external_id: str = ""
     handle: Mapping[str, Any] = field(default_factory=dict)
+    steps: Mapping[str, Any] = field(default_factory=dict)  # step name -> {key: kept value}
+    submit_attempt: int = 0  # which submit of the task this is (1, 2, ...): submit and find
     value: Any = None
     name: str = ""
 
@@ -290,6 +312,8 @@ class _Rendering:
             value = _walk(v.params, ref.path)
         elif kind == "handle":
             value = _walk(v.handle, ref.path)
+        elif kind == "steps":
+            value = _walk(v.steps, ref.path)
         elif kind in _SECRET:
             value = self._secrets.get(kind, ref.arg)
         else:

@@ -16,7 +16,7 @@ from asynctaskd.codec import check_json_like, encode_json
 from asynctaskd.config import RetryConfig
 from asynctaskd.crashes import describe
 from asynctaskd.errors import HandlerError, InvalidTask, PermanentError
-from asynctaskd.handlers import Failed, Running, Submitted, Succeeded, valid_progress
+from asynctaskd.handlers import Failed, Resubmit, Running, Submitted, Succeeded, valid_progress
 from asynctaskd.model import Status, Task
 from asynctaskd.retry import (
     SubmitFailure,
@@ -205,7 +205,11 @@ class Outcomes:
             return out
         if isinstance(out, Failed):
             return self.failed(out, task)
-        bad = InvalidTask(f"query() returned {type(out).__name__}, not Running/Succeeded/Failed")
+        if isinstance(out, Resubmit):
+            return self.resubmit(out, task, poll=poll, now=now)
+        bad = InvalidTask(
+            f"query() returned {type(out).__name__}, not Running/Succeeded/Failed/Resubmit"
+        )
         return self.query_failed(bad, task, now=now)
 
     def failed(self, out: Failed, task: Task) -> Save:
@@ -224,6 +228,30 @@ class Outcomes:
             except InvalidTask as exc:
                 note = (logging.ERROR, f"Failed.result is not JSON data, dropped: {exc}")
         return Save(Status.FAILED, fields=fields, note=note)
+
+    def resubmit(self, out: Resubmit, task: Task, *, poll: float, now: float) -> Save:
+        """A job that ended having done nothing: back to PENDING_SUBMIT, handle dropped."""
+        code = out.code[:200] if isinstance(out.code, str) and out.code else "RESUBMIT"
+        message = str(out.message)[:MAX_TEXT]
+        retry = self.retry
+        if task.submit_attempts > retry.max_submit_retries:
+            note = f"; {task.submit_attempts} submits made, no more (retry.max_submit_retries)"
+            error = {"error_code": code, "error_message": (message + note)[:MAX_TEXT]}
+            return Save(Status.FAILED, fields=error)
+        after = out.after
+        if isinstance(after, int | float) and not isinstance(after, bool) and after >= 0:
+            delay = min(float(after), max(poll, float(retry.max_error_delay)))  # as next_poll
+        else:
+            delay = backoff(max(1, task.submit_attempts), float(retry.first_error_delay),
+                            float(retry.max_error_delay), retry.jitter, self.rng)  # fmt: skip
+        # The next submit starts afresh: no handle, no progress of the job that ended.
+        fields: dict[str, Any] = dict.fromkeys(
+            ("external_id", "handle", "progress", "stage", "message", "poll_count",
+             "consecutive_errors", "throttles"), "")  # fmt: skip
+        fields.update(error_code=code, error_message=message)
+        return Save(
+            Status.PENDING_SUBMIT, delay=clamp_delay(delay, now, task.deadline_at), fields=fields
+        )
 
     def succeeded(self, result: Any, task: Task) -> Save:
         """The job's result (after finalize): SUCCEEDED, or FAILED if it is not JSON data."""

@@ -1,12 +1,16 @@
-"""A fake of OpenAI's Batch API: the request and response shapes of its public reference.
+"""A fake of OpenAI's Files and Batch APIs: the request and response shapes of its public
+reference and of the official SDK's types (`Batch`, `FileObject`, `BatchRequestCounts`).
 
 Endpoints (all need ``Authorization: Bearer <api_key>``; otherwise 401 with OpenAI's error
 shape ``{"error": {"message", "type", "param", "code"}}``):
 
+``POST /v1/files``
+    multipart/form-data with ``purpose`` and ``file``; answers a File object (``id``,
+    ``bytes``, ``filename``, ``purpose``, ...). ``purpose`` must be ``batch`` here.
 ``POST /v1/batches``
     Body ``{"input_file_id", "endpoint", "completion_window": "24h", "metadata"?}``; answers
     200 with a batch object in status ``validating``; 400 ``invalid_request_error`` for a
-    bad body.
+    bad body or an input file that was never uploaded.
 ``GET /v1/batches?limit=&after=``
     The batches, newest first, as OpenAI lists them: ``{"object": "list", "data": [...],
     "first_id", "last_id", "has_more"}``, ``limit`` (1..100, default 20) per page, ``after``
@@ -14,21 +18,32 @@ shape ``{"error": {"message", "type", "param", "code"}}``):
     than that long ago: a listing that lags behind its creates. ``others`` batches of other
     clients (no metadata) are listed before all of ours, as on a busy account.
 ``GET /v1/batches/{batch_id}``
-    The batch object. Every answered poll moves a live batch on: ``in_progress`` (with
-    ``request_counts.completed`` growing) until poll ``polls_to_done - 1`` (``finalizing``),
-    then ``completed`` with ``output_file_id``. An ``input_file_id`` starting ``file-fail``
-    ends ``failed`` at the first poll with ``errors.data[0]`` set; one starting
-    ``file-expire`` ends ``expired`` at poll ``polls_to_done`` with partial counts, an
-    output file of the completed requests and an error file of the rest.
+    The batch object. Every answered poll moves a live batch on. The first poll validates
+    the input file: a line that is not JSON fails the batch (``invalid_json_line``), and
+    while ``token_limit_failures`` is positive a batch fails with ``token_limit_exceeded``
+    (the organisation's queue of enqueued tokens is full) and nothing runs. Then
+    ``in_progress``, the requests done in input order (``request_counts`` growing), until
+    poll ``polls_to_done - 1`` (``finalizing``), then ``completed``. A request whose
+    ``custom_id`` starts with ``bad`` fails on its own (counted in ``failed``, written to the
+    error file): a completed batch may have failed requests, or only failed ones (then
+    ``output_file_id`` is null). A batch whose first ``custom_id`` starts with ``expire``
+    ends ``expired`` at poll ``polls_to_done``, its done requests in the output file
+    (billed) and the rest in the error file (``batch_expired``).
 ``POST /v1/batches/{batch_id}/cancel``
-    Moves a live batch to ``cancelling``; the next poll reads ``cancelled``. 400 when the
-    batch has already ended.
+    Moves a live batch to ``cancelling``; the next poll reads ``cancelled``, with the
+    requests done by then in its output file. 400 when the batch has already ended.
+    ``cancel_elsewhere_at`` (a poll number) does the same to a batch at that poll, as
+    someone cancelling it on the dashboard would.
 ``GET /v1/files/{file_id}/content``
-    The output file: one JSON line per request.
+    A file's bytes: uploaded input, output (``{"id", "custom_id", "response": {"status_code",
+    "request_id", "body"}, "error": null}`` per line) or error file (``response`` null,
+    ``error`` ``{"code", "message"}``).
 
-Faults for the lookup tests: the next ``lose_creates`` creates make their batch and then
-answer 500 (the caller cannot know it exists), the next ``refuse_creates`` answer 500
-without making one (checked first).
+Faults: the next ``lose_creates`` creates make their batch and then answer 500 (the caller
+cannot know it exists), the next ``refuse_creates`` answer 500 without making one (checked
+first); ``throttle`` is a list of header sets, one per request to come, each answered 429
+``rate_limit_exceeded`` with those headers; ``quota_exhausted`` answers every create 429
+``insufficient_quota``; ``fail_uploads`` answers that many uploads 500 after storing the file.
 """
 
 from __future__ import annotations
@@ -41,7 +56,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-__all__ = ["OpenAIBatches"]
+__all__ = ["OpenAIBatches", "requests_for"]
 
 ENDPOINTS = frozenset(
     {"/v1/responses", "/v1/chat/completions", "/v1/embeddings", "/v1/completions",
@@ -50,17 +65,25 @@ ENDPOINTS = frozenset(
 LIVE = frozenset({"validating", "in_progress", "finalizing", "cancelling"})
 
 
+def requests_for(*custom_ids: str, url: str = "/v1/chat/completions") -> list[dict[str, Any]]:
+    """Batch request lines as a producer writes them, one per custom id."""
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Hello"}]}
+    return [{"custom_id": c, "method": "POST", "url": url, "body": body} for c in custom_ids]
+
+
 def _error(status: int, message: str, code: str | None = None, param: str | None = None,
-           kind: str = "invalid_request_error") -> web.Response:  # fmt: skip
+           kind: str = "invalid_request_error",
+           headers: dict[str, str] | None = None) -> web.Response:  # fmt: skip
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return web.json_response(body, status=status)
+    return web.json_response(body, status=status, headers=headers)
 
 
 @dataclass
 class _Batch:
     obj: dict[str, Any]
+    lines: list[bytes]
     polls: int = 0
-    total: int = 4
+    done: int = 0  # requests processed, in input order
 
 
 @dataclass
@@ -70,12 +93,18 @@ class OpenAIBatches:
     api_key: str
     polls_to_done: int = 3
     batches: dict[str, _Batch] = field(default_factory=dict)
+    files: dict[str, bytes] = field(default_factory=dict)
     requests: list[tuple[str, str]] = field(default_factory=list)  # (method, path)
     cancels: list[str] = field(default_factory=list)
     list_lag: float = 0.0
     others: int = 0
     lose_creates: int = 0
     refuse_creates: int = 0
+    fail_uploads: int = 0
+    token_limit_failures: int = 0
+    cancel_elsewhere_at: int = 0
+    quota_exhausted: bool = False
+    throttle: list[dict[str, str]] = field(default_factory=list)
     created: list[tuple[float, str]] = field(default_factory=list)  # (at, batch id)
     listed: list[int] = field(default_factory=list)  # batches listed per list request
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
@@ -84,6 +113,7 @@ class OpenAIBatches:
         app = web.Application(middlewares=[self._auth])
         app.add_routes(
             [
+                web.post("/v1/files", self._upload),
                 web.post("/v1/batches", self._create),
                 web.get("/v1/batches", self._list),
                 web.get("/v1/batches/{id}", self._retrieve),
@@ -93,13 +123,42 @@ class OpenAIBatches:
         )
         return app
 
+    def upload(self, content: bytes) -> str:
+        """Store an input file as an upload would; returns its id."""
+        file_id = f"file-{next(self._ids):06d}"
+        self.files[file_id] = content
+        return file_id
+
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
         self.requests.append((request.method, request.path))
         if request.headers.get("Authorization") != f"Bearer {self.api_key}":
             return _error(401, "Incorrect API key provided.", code="invalid_api_key")
+        if self.throttle:
+            return _error(429, "Rate limit reached for requests.", code="rate_limit_exceeded",
+                          kind="requests", headers=self.throttle.pop(0))  # fmt: skip
         response: web.StreamResponse = await handler(request)
         return response
+
+    async def _upload(self, request: web.Request) -> web.Response:
+        if not request.content_type.startswith("multipart/form-data"):
+            return _error(400, "Expected multipart/form-data.")
+        form = await request.post()
+        upload = form.get("file")
+        if form.get("purpose") != "batch":
+            return _error(400, "Invalid purpose: expected 'batch'.", param="purpose")
+        if not isinstance(upload, web.FileField):
+            return _error(400, "Missing required parameter: 'file'.", param="file")
+        content = upload.file.read()
+        file_id = self.upload(content)
+        if self.fail_uploads > 0:
+            self.fail_uploads -= 1
+            return _error(500, "The server had an error.", kind="server_error")
+        return web.json_response({
+            "id": file_id, "object": "file", "bytes": len(content),
+            "created_at": int(time.time()), "filename": upload.filename, "purpose": "batch",
+            "status": "processed", "expires_at": None, "status_details": None,
+        })  # fmt: skip
 
     async def _create(self, request: web.Request) -> web.Response:
         try:
@@ -115,6 +174,13 @@ class OpenAIBatches:
             return _error(400, f"Invalid value: '{body['endpoint']}'.", param="endpoint")
         if body["completion_window"] != "24h":
             return _error(400, "Invalid completion_window.", param="completion_window")
+        if body["input_file_id"] not in self.files:
+            return _error(400, f"Invalid 'input_file_id': '{body['input_file_id']}'.",
+                          param="input_file_id")  # fmt: skip
+        if self.quota_exhausted:
+            return _error(429, "You exceeded your current quota, please check your plan and "
+                          "billing details.", code="insufficient_quota",
+                          kind="insufficient_quota")  # fmt: skip
         if self.refuse_creates > 0:
             self.refuse_creates -= 1
             return _error(500, "The server had an error.", kind="server_error")
@@ -130,7 +196,8 @@ class OpenAIBatches:
             "request_counts": {"total": 0, "completed": 0, "failed": 0},
             "metadata": body.get("metadata"),
         }  # fmt: skip
-        self.batches[batch_id] = _Batch(obj)
+        lines = [line for line in self.files[body["input_file_id"]].split(b"\n") if line.strip()]
+        self.batches[batch_id] = _Batch(obj, lines)
         self.created.append((time.time(), batch_id))
         if self.lose_creates > 0:
             self.lose_creates -= 1
@@ -160,6 +227,64 @@ class OpenAIBatches:
             "last_id": page[-1]["id"] if page else None, "has_more": len(ids) > limit,
         })  # fmt: skip
 
+    def _validate(self, batch: _Batch, now: int) -> bool:
+        """The validating step: False (and the batch failed) for a bad file or a full queue."""
+        for n, line in enumerate(batch.lines, 1):
+            try:
+                msgspec.json.decode(line)
+            except msgspec.DecodeError:
+                return self._fail(batch, now, "invalid_json_line", f"Line {n} is not valid JSON.",
+                                  line=n)  # fmt: skip
+        if self.token_limit_failures > 0:
+            self.token_limit_failures -= 1
+            return self._fail(batch, now, "token_limit_exceeded",
+                              "Enqueued token limit reached for gpt-4o-mini in organization "
+                              "org-fake. Limit: 90,000 enqueued tokens. Please try again once "
+                              "some in_progress batches have been completed.")  # fmt: skip
+        batch.obj["request_counts"]["total"] = len(batch.lines)
+        return True
+
+    def _fail(self, batch: _Batch, now: int, code: str, message: str,
+              line: int | None = None) -> bool:  # fmt: skip
+        error = {"code": code, "message": message, "param": None, "line": line}
+        batch.obj.update(status="failed", failed_at=now,
+                         errors={"object": "list", "data": [error]})  # fmt: skip
+        return False
+
+    def _custom_id(self, line: bytes) -> str:
+        return str(msgspec.json.decode(line).get("custom_id", ""))
+
+    def _write_files(self, batch: _Batch, unfinished_code: str | None = None) -> None:
+        """Output and error files of the requests done so far (and of the rest, if
+        `unfinished_code`), and the counts, as a batch that ended leaves them."""
+        obj, out, err = batch.obj, [], []
+        for n, line in enumerate(batch.lines[: batch.done]):
+            custom_id = self._custom_id(line)
+            rid = f"batch_req_{obj['id']}_{n}"
+            if custom_id.startswith("bad"):
+                err.append({"id": rid, "custom_id": custom_id, "response": {
+                    "status_code": 400, "request_id": f"req_{n}", "body": {"error": {
+                        "message": "Invalid model.", "type": "invalid_request_error"}}},
+                    "error": None})  # fmt: skip
+            else:
+                out.append({"id": rid, "custom_id": custom_id, "response": {
+                    "status_code": 200, "request_id": f"req_{n}", "body": {"object":
+                    "chat.completion", "choices": []}}, "error": None})  # fmt: skip
+        if unfinished_code is not None:
+            for n, line in enumerate(batch.lines[batch.done :], batch.done):
+                err.append({"id": f"batch_req_{obj['id']}_{n}", "custom_id":
+                            self._custom_id(line), "response": None, "error": {
+                            "code": unfinished_code, "message": "This request could not be "
+                            "executed before the completion window expired."}})  # fmt: skip
+        counts = obj["request_counts"]
+        counts["failed"] = sum(1 for e in err if e["response"] is not None)
+        counts["completed"] = batch.done - counts["failed"]
+        for kind, lines in (("output", out), ("error", err)):
+            if lines:
+                file_id = f"file-{kind[:3]}-{obj['id']}"
+                self.files[file_id] = b"".join(msgspec.json.encode(x) + b"\n" for x in lines)
+                obj[f"{kind}_file_id"] = file_id
+
     def _advance(self, batch: _Batch) -> None:
         obj = batch.obj
         if obj["status"] not in LIVE:
@@ -167,35 +292,28 @@ class OpenAIBatches:
         now = int(time.time())
         if obj["status"] == "cancelling":
             obj.update(status="cancelled", cancelled_at=now)
+            self._write_files(batch)
+            return
+        if obj["status"] == "validating" and not self._validate(batch, now):
             return
         batch.polls += 1
-        p, k = batch.polls, self.polls_to_done
+        p, k, total = batch.polls, self.polls_to_done, len(batch.lines)
+        expire = bool(batch.lines) and self._custom_id(batch.lines[0]).startswith("expire")
+        batch.done = total * min(p, k - 1) // k if expire or p < k - 1 else total
         counts = obj["request_counts"]
-        counts["total"] = batch.total
-        if obj["input_file_id"].startswith("file-fail"):
-            obj.update(status="failed", failed_at=now, errors={"object": "list", "data": [
-                {"code": "invalid_json_line", "message": "Line 1 is not valid JSON.",
-                 "param": None, "line": 1}]})  # fmt: skip
-            return
-        if obj["input_file_id"].startswith("file-expire"):
-            counts["completed"] = batch.total * min(p, k - 1) // k
-            if p >= k:  # the completed requests stay in the output file, billed; the rest
-                # are written to the error file (code batch_expired)
-                obj.update(status="expired", expired_at=now,
-                           output_file_id=f"file-out-{obj['id']}",
-                           error_file_id=f"file-err-{obj['id']}")  # fmt: skip
-            else:
-                obj.update(status="in_progress", in_progress_at=obj["in_progress_at"] or now)
-            return
-        if p >= k:
-            counts["completed"] = batch.total
-            obj.update(status="completed", completed_at=now, output_file_id=f"file-out-{obj['id']}")
-        elif p == k - 1:
-            counts["completed"] = batch.total
+        counts["completed"] = batch.done  # failed requests are counted once the batch ends
+        if p >= k and expire:
+            obj.update(status="expired", expired_at=now)
+            self._write_files(batch, unfinished_code="batch_expired")
+        elif p >= k:
+            obj.update(status="completed", completed_at=now)
+            self._write_files(batch)
+        elif p == k - 1 and not expire:
             obj.update(status="finalizing", finalizing_at=now)
         else:
-            counts["completed"] = batch.total * p // k
             obj.update(status="in_progress", in_progress_at=obj["in_progress_at"] or now)
+        if p == self.cancel_elsewhere_at and obj["status"] in LIVE:
+            obj.update(status="cancelling", cancelling_at=now)
 
     async def _retrieve(self, request: web.Request) -> web.Response:
         batch = self.batches.get(request.match_info["id"])
@@ -215,12 +333,7 @@ class OpenAIBatches:
         return web.json_response(batch.obj)
 
     async def _file_content(self, request: web.Request) -> web.Response:
-        file_id = request.match_info["id"]
-        if not file_id.startswith("file-out-"):
+        content = self.files.get(request.match_info["id"])
+        if content is None:
             return _error(404, "No such File object.")
-        lines = [
-            msgspec.json.encode({"id": f"batch_req_{i}", "custom_id": f"request-{i}",
-                                 "response": {"status_code": 200, "body": {}}, "error": None})
-            for i in range(4)
-        ]  # fmt: skip
-        return web.Response(body=b"\n".join(lines) + b"\n", content_type="application/jsonl")
+        return web.Response(body=content, content_type="application/jsonl")

@@ -1,8 +1,9 @@
 """A vendor whose every answer a test scripts: statuses, bodies, delays and resets.
 
-Routes ``POST /jobs`` (submit), ``GET /jobs/{id}`` (query), ``POST /jobs/{id}/cancel`` and
-``GET /files/{name}`` each play their own script: a list of actions, one per request, the
-last one repeated. Every request is recorded with its headers and body.
+Routes ``POST /jobs`` (submit), ``GET /jobs/{id}`` (query), ``POST /jobs/{id}/cancel``,
+``GET /files/{name}`` and ``POST /uploads`` (a submit step) each play their own script: a
+list of actions, one per request, the last one repeated. Every request is recorded with
+its headers and body.
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ class Scripted:
     query: list[Action] = field(default_factory=lambda: [json({"status": "done"})])
     cancel: list[Action] = field(default_factory=lambda: [json({"status": "canceled"})])
     files: list[Action] = field(default_factory=lambda: [status(404)])
+    uploads: list[Action] = field(default_factory=lambda: [json({"id": "file-1"})])
     seen: list[Recorded] = field(default_factory=list)
 
     def app(self) -> web.Application:
@@ -110,6 +112,7 @@ class Scripted:
                 web.get("/jobs/{id}", self._play("query")),
                 web.post("/jobs/{id}/cancel", self._play("cancel")),
                 web.get("/files/{name}", self._play("files")),
+                web.post("/uploads", self._play("uploads")),
                 web.put("/store/{tail:.*}", self._store),
             ]
         )

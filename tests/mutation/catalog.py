@@ -511,6 +511,40 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "lost-submit-step-parks",
+        "a step before the create whose answer is lost runs the submit again, never parks",
+        "asynctaskd/http_handler/steps.py",
+        "                if exc.throttled or isinstance(exc, NotSent):",
+        "                if True:",
+        t(
+            "tests/test_http_handler_vendors.py",
+            "test_a_lost_upload_is_sent_again_and_never_parks_the_task",
+            "test_a_step_answer_without_what_it_keeps_is_sent_again",
+        ),
+    ),
+    Mutant(
+        "find-follows-a-next-page-anywhere",
+        "a listing's next-page URL is followed only on base_url's origin (credentials)",
+        "asynctaskd/http_handler/find.py",
+        "        if isinstance(url, str) and origin_of(url) == self._base_origin:",
+        "        if isinstance(url, str):",
+        t(
+            "tests/test_http_handler_vendors.py",
+            "test_a_next_page_on_another_origin_is_never_requested",
+        ),
+    ),
+    Mutant(
+        "resubmits-unbounded",
+        "a job that did nothing is submitted again only within retry.max_submit_retries",
+        "asynctaskd/worker/outcomes.py",
+        "        if task.submit_attempts > retry.max_submit_retries:",
+        "        if False:",
+        (
+            "tests/test_outcomes.py::test_query_results",
+            *t("tests/test_http_handler_vendors.py", "test_resubmits_stop_at_max_submit_retries"),
+        ),
+    ),
+    Mutant(
         "dot-segments-reach-the-url",
         "a placeholder value of '.' or '..' never climbs the vendor's path",
         "asynctaskd/http_handler/templates.py",
