@@ -67,6 +67,7 @@ def row(task: Task) -> dict[str, Any]:
         "created_at": task.created_at, "updated_at": task.updated_at,
         "progress": task.progress, "stage": task.stage,
         "error": task.error.code if task.error else None,
+        "error_message": task.error.message if task.error else None,
         "submit_attempts": task.submit_attempts, "message": task.message,
     }  # fmt: skip
 

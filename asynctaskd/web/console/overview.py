@@ -91,22 +91,25 @@ async def overview(client: AsyncClient, keys: Keys) -> dict[str, Any]:
         })  # fmt: skip
     attention = []
     if stats.parked_for_operator:
-        attention.append({"kind": "submit_unknown", "count": stats.parked_for_operator,
-                          "text": "SUBMIT_UNKNOWN tasks wait for an operator"})  # fmt: skip
+        n = stats.parked_for_operator
+        attention.append({"kind": "submit_unknown", "count": n,
+                          "text": f"{n} SUBMIT_UNKNOWN task(s) wait for an operator"})  # fmt: skip
     if quarantined:
         attention.append({"kind": "quarantined", "count": quarantined,
-                          "text": "corrupt tasks were quarantined"})  # fmt: skip
+                          "text": f"{quarantined} corrupt task(s) quarantined"})  # fmt: skip
     attention += [
         {"kind": "stall", "count": s["ready"],
-         "text": f"{s['phase']} claims on shard {s['shard']} lag {s['waited']:.0f} s behind due"}
+         "text": f"{s['ready']} {s['phase']} task(s) ready on shard {s['shard']}; the next "
+                 f"waited {s['waited']:.0f} s since due: claims are behind"}
         for s in stalls
     ]  # fmt: skip
     if not daemons:
         attention.append({"kind": "no_daemon", "count": 0, "text": "no live daemon"})
     at_risk = [d["id"] for d in daemons if d["marks"] in ("at_risk", "unknown")]
     if at_risk:
-        attention.append({"kind": "durability", "count": len(at_risk),
-                          "text": "a Redis crash can lose 'call started' marks"})  # fmt: skip
+        text = (f"{len(at_risk)} daemon(s) cannot count on Redis keeping 'call started' marks "
+                "through a crash (durability gate)")  # fmt: skip
+        attention.append({"kind": "durability", "count": len(at_risk), "text": text})
     return {
         "now": now_ms / 1000,
         "attention": attention,

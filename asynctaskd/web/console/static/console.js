@@ -20,7 +20,7 @@ function h(spec, attrs, ...kids) {
     else if (k === "text") el.textContent = v;
     else el.setAttribute(k, v === true ? "" : v);
   }
-  for (const kid of kids.flat()) {
+  for (const kid of kids.flat(Infinity)) {
     if (kid === null || kid === undefined || kid === false) continue;
     el.append(kid instanceof Node ? kid : document.createTextNode(String(kid)));
   }
@@ -67,7 +67,16 @@ function confirmDialog(title, text, verb) {
     () => resolve(dlg.returnValue === "yes"), {once: true}));
 }
 
-const fmtTime = (s) => s ? new Date(s * 1000).toLocaleString(undefined, {hour12: false}) : "";
+const pad = (n) => String(n).padStart(2, "0");
+// Local time as 2026-01-31 14:05:09: sortable, the same in every browser locale.
+const fmtTime = (s) => {
+  if (!s) return "";
+  const d = new Date(s * 1000);
+  return `${d.getFullYear()}-${pad(d.getMonth() + 1)}-${pad(d.getDate())} ` +
+    `${pad(d.getHours())}:${pad(d.getMinutes())}:${pad(d.getSeconds())}`;
+};
+const plain = (obj) => Object.entries(obj || {}).filter(([, v]) => v !== null && v !== "")
+  .map(([k, v]) => `${k}: ${typeof v === "object" ? JSON.stringify(v) : v}`).join(" · ");
 const fmtAge = (s) => s < 90 ? `${s.toFixed(1)} s` : s < 5400 ? `${(s / 60).toFixed(0)} min`
   : `${(s / 3600).toFixed(1)} h`;
 const pill = (status) => h("span.pill.s-" + status, {"data-status": status, text: status});
@@ -135,12 +144,12 @@ async function viewOverview(view) {
   const o = await api("GET", "/console/api/overview");
   const att = h("div.panel.attention" + (o.attention.length ? "" : ".calm"), {id: "attention"},
     h("h2", {text: o.attention.length ? "Needs a human" : "Nothing needs a human"}),
-    o.attention.length ? h("ul", {}, o.attention.map((a) => h("li", {},
-      h("b", {text: a.count ? `${a.count} ` : ""}), a.text,
+    o.attention.length ? h("ul", {}, o.attention.map((a) => h("li", {"data-kind": a.kind}, a.text,
       a.kind === "submit_unknown" ? [" — ", h("a", {href: "#/inbox", text: "open the inbox"})] : null)))
       : h("p.mute", {text: "No parked tasks, stalls, quarantined tasks or durability risks."}));
-  const tiles = h("div.tiles", {}, STATUSES.map((s) => h("a.tile", {href: `#/tasks?status=${s}`},
-    h("div.n", {text: o.by_status[s].toLocaleString()}), h("div.l", {}, pill(s)))));
+  const tiles = h("div.tiles", {}, STATUSES.map((s) => h("a.tile.t-" + s, {href: `#/tasks?status=${s}`},
+    h("div.n", {text: o.by_status[s].toLocaleString()}),
+    h("div.l", {text: s.replace(/_/g, " ").toLowerCase()}))));
   const sum = (a) => a.reduce((x, y) => x + y, 0);
   const ok = sum(o.series.succeeded), bad = sum(o.series.failed);
   const rate = ok + bad ? ((100 * bad) / (ok + bad)).toFixed(1) : "0.0";
@@ -150,7 +159,8 @@ async function viewOverview(view) {
     h("h2", {text: "Last hour: tasks finished per minute"}),
     h("div.legend.small", {}, h("span", {}, h("i.sw.ok"), `succeeded ${ok}`),
       h("span", {}, h("i.sw.bad"), `failed ${bad}`), h("span.mute", {text: `failure rate ${rate}%`})),
-    chart(o.series), partial);
+    chart(o.series), h("div.axis.small.mute", {}, h("span", {text: "60 min ago"}),
+      h("span", {text: "30 min"}), h("span", {text: "now"})), partial);
   const handlers = Object.keys(o.by_handler);
   const byHandler = h("div.panel", {}, h("h2", {text: "By handler"}),
     handlers.length ? h("table", {}, h("thead", {}, h("tr", {}, h("th", {text: "handler"}),
@@ -194,7 +204,8 @@ function taskTable(tasks, extra) {
     h("td", {}, pill(t.status)), h("td", {text: t.handler}), h("td", {text: t.tenant}),
     h("td.mono", {text: t.external_id || ""}), h("td.small", {text: fmtTime(t.created_at)}),
     h("td.small", {text: fmtTime(t.updated_at)}),
-    h("td.small.mute", {text: t.error || t.stage || ""}), extra ? extra(t) : null))));
+    h("td.small.mute", {text: t.error || (t.status === "RUNNING" ? t.stage || "" : "")}),
+    extra ? extra(t) : null))));
 }
 
 const toEpoch = (v) => v ? String(Date.parse(v) / 1000) : "";
@@ -396,8 +407,9 @@ async function viewInbox(view) {
   const bulk = h("div.panel", {id: "bulk"});
   const renderBulk = () => {
     const tasks = page.tasks.filter((t) => chosen.has(t.id));
-    bulk.replaceChildren(h("h2", {text: tasks.length ? `${tasks.length} selected` : "Select tasks to settle them together"}),
-      tasks.length ? settleForm(tasks, () => route()) : null);
+    bulk.replaceChildren(h("h2", {text: tasks.length ? `${tasks.length} selected`
+      : "Select tasks to settle them together"}));
+    if (tasks.length) bulk.append(settleForm(tasks, () => route()));
   };
   const table = h("table", {id: "inbox"}, h("thead", {}, h("tr", {}, h("th"), ["task", "handler",
     "tenant", "parked", "submit attempts", "how it ended", "idempotency key", ""].map((x) =>
@@ -407,7 +419,7 @@ async function viewInbox(view) {
       renderBulk();
     }})), h("td", {}, taskLink(t.id)), h("td", {text: t.handler}), h("td", {text: t.tenant}),
     h("td.small", {text: fmtTime(t.updated_at)}), h("td.num", {text: t.submit_attempts}),
-    h("td.small", {text: [t.error, t.message].filter(Boolean).join(": ")}),
+    h("td.small", {}, h("b", {text: t.error || ""}), t.error_message ? h("div.mute", {text: t.error_message}) : null),
     h("td.mono.small", {text: t.id}),
     h("td", {}, h("a", {href: "#/task/" + t.id, text: "settle →"}))))));
   renderBulk();
@@ -435,8 +447,10 @@ async function viewControls(view) {
     });
   }}, h("label", {}, "Dimension", dim), h("label", {}, "Name", value), h("label", {}, "Note", note),
   h("button.warn", {type: "submit", text: "Pause"}));
+  const label = (text, input) => h("label", {}, text, input);
   const names = Object.keys(paused.paused);
-  const pausedTable = names.length ? h("table", {id: "paused"}, h("tbody", {}, names.map((d) =>
+  const pausedTable = names.length ? h("table.spaced", {id: "paused"}, h("thead", {}, h("tr", {},
+    ["paused", "note", "since", ""].map((x) => h("th", {text: x})))), h("tbody", {}, names.map((d) =>
     h("tr", {"data-dimension": d}, h("td.mono", {text: d}), h("td.small", {text: paused.paused[d].note || ""}),
       h("td.small", {text: fmtTime(paused.paused[d].at / 1000)}),
       h("td", {}, h("button.small", {"data-action": "resume", onclick: () => guard(async () => {
@@ -450,7 +464,7 @@ async function viewControls(view) {
   const scope = h("select", {}, ["provider", "tenant"].map((d) => h("option", {value: d, text: d})));
   const scopeName = h("input", {placeholder: "name", required: true});
   const knobs = ["submit_rate", "submit_burst", "query_rate", "max_in_flight", "quota"]
-    .map((k) => h("input", {name: k, placeholder: k.replace(/_/g, " "), size: 10}));
+    .map((k) => h("input", {name: k, placeholder: "—", size: 9}));
   const limitForm = h("form.row", {id: "limit-form", onsubmit: (ev) => {
     ev.preventDefault();
     guard(async () => {
@@ -460,7 +474,8 @@ async function viewControls(view) {
       flash(`limits of ${scope.value}:${scopeName.value} saved`);
       route();
     });
-  }}, scope, scopeName, knobs, h("button", {type: "submit", text: "Save limit"}));
+  }}, label("Scope", scope), label("Name", scopeName),
+  knobs.map((k) => label(k.name.replace(/_/g, " "), k)), h("button", {type: "submit", text: "Save limit"}));
   const action = h("select", {name: "action"}, h("option", {value: "requeue", text: "requeue"}),
     h("option", {value: "cancel", text: "cancel"}));
   const bstatus = h("select", {}, h("option", {value: "", text: "every status the action takes"}),
@@ -483,7 +498,8 @@ async function viewControls(view) {
       const r = await api("POST", "/api/v1/tasks/bulk", {action: action.value, filter, limit: 1000});
       flash(`${r.acted} tasks: ${action.value} done; ${r.failed} failed`, r.failed > 0);
     });
-  }}, action, bstatus, bhandler, btenant, h("button.warn", {type: "submit", text: "Count, then confirm…"}));
+  }}, label("Action", action), label("Status", bstatus), label("Handler", bhandler),
+  label("Tenant", btenant), h("button.warn", {type: "submit", text: "Count, then confirm…"}));
   view.append(h("h1", {text: "Controls"}),
     h("div.panel", {}, h("h2", {text: "Pause and resume"}), pauseForm, h("div", {}, pausedTable)),
     h("div.panel", {}, h("h2", {text: "Limits"}), limitRows.length ? h("table", {}, h("thead", {},
@@ -504,7 +520,7 @@ async function viewAudit(view, params) {
       h("td.small", {}, h("span.mono", {text: e.token}), e.note ? ` (${e.note})` : ""),
       h("td", {text: e.via}), h("td", {}, h("b", {text: e.action})),
       h("td.mono.small", {}, /^[0-9A-Z]{26}/.test(e.target) ? taskLink(e.target) : e.target),
-      h("td.mono.small", {text: e.detail === null ? "" : JSON.stringify(e.detail)})))))
+      h("td.small", {text: e.detail === null ? "" : plain(e.detail)})))))
     : h("p.empty", {text: "No operator action yet."}),
   page.before ? h("div.pager", {}, h("a", {href: "#/audit?before=" + page.before, text: "Older →"})) : null));
 }
