@@ -151,10 +151,12 @@ def login(page: Any, token: str) -> None:
     page.wait_for_selector("#who:not([hidden])")
 
 
-def confirm(page: Any, expected: str) -> None:
+def confirm(page: Any, expected: str, photo: str = "") -> None:
     dialog = page.locator("dialog#confirm")
     dialog.wait_for(state="visible")
     assert expected in dialog.inner_text()
+    if photo:
+        shot(page, photo)
     page.click("#confirm-yes")
     dialog.wait_for(state="hidden")
 
@@ -167,6 +169,7 @@ def submit(stack: Stack, **kw: Any) -> str:
 def test_log_in_and_watch_a_task_go_live_to_succeeded_then_find_it(page: Any, stack: Stack) -> None:
     page.goto("/")
     page.wait_for_selector("input[name=token]")
+    assert not page.locator("nav").is_visible() and not page.locator("#logout").is_visible()
     shot(page, "login")
     page.fill("input[name=token]", "atd_0000000000000000_" + "x" * 43)
     page.click("button[type=submit]")
@@ -245,7 +248,7 @@ def test_settle_submit_unknown_tasks_both_ways(page: Any, stack: Stack) -> None:
     for task_id in (second, third):
         page.check(f"#inbox tr[data-id='{task_id}'] input[type=checkbox]")
     page.click("#bulk button[data-action=resubmit]")
-    confirm(page, "submits these 2 tasks to the vendor again")
+    confirm(page, "submits these 2 tasks to the vendor again", "inbox-confirm")
     for task_id in (second, third):
         wait_until_sync(lambda t=task_id: stack.status(t) is Status.SUCCEEDED, "resubmit", 30)
         task = stack.client.get(task_id)
