@@ -12,15 +12,17 @@ import httpx
 import msgspec
 import pytest
 import redis.asyncio
+import redis.exceptions
 from aiohttp import web
 
 from asynctaskd.client import AsyncClient
 from asynctaskd.keys import Keys
 from asynctaskd.model import Status
-from asynctaskd.store import Store
+from asynctaskd.store import Store, open_redis
 from asynctaskd.web import WebSettings, make_app
 from asynctaskd.web.console.audit import audit_key
 from asynctaskd.web.tokens import Role, mint, tokens_key
+from tests.acl import create_user, user_url
 from tests.lua.helpers import claim_one, ingest
 
 pytestmark = pytest.mark.anyio
@@ -379,3 +381,66 @@ async def test_the_overview_counts_and_flags_what_needs_a_human(
     assert {"submit_unknown", "no_daemon"} <= kinds
     assert o["paused"]["handler:demo"]["note"] == "maintenance"
     assert len(o["series"]["succeeded"]) == 60 and sum(o["series"]["failed"]) == 0
+
+
+async def test_the_console_works_as_the_operators_acl_user(
+    redis_client: redis.asyncio.Redis, redis_url: str, store: Store
+) -> None:
+    """docs/security.md's operator user: sessions, audit, overview, and a find that falls
+    back from SORT_RO's GET patterns (refused to a user without every key) to HMGETs."""
+    await create_user(redis_client, "asynctaskd-operator", "pw")
+    [task_id] = await submit(AsyncClient(redis_client, "atd"))
+    await ingest(store)
+    await redis_client.hset(Keys().task(0, task_id), "external_id", "job-acl")
+    operator = open_redis(user_url(redis_url, "asynctaskd-operator", "pw"))
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        await operator.execute_command("SORT_RO", Keys().index(0, Status.PENDING_SUBMIT),
+                                       "BY", "nosort", "GET", "atd:*")  # fmt: skip
+    app = make_app(AsyncClient(operator, "atd"), WebSettings())
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        console = Console(f"http://127.0.0.1:{runner.addresses[0][1]}", redis_client,
+                          AsyncClient(redis_client, "atd"))  # fmt: skip
+        async with console.browser() as http:
+            me = await console.login(http, "operator")
+            r = await http.get(f"{CON}/find", params={"by": "external_id", "q": "job-acl"})
+            assert r.status_code == 200 and [t["id"] for t in r.json()["tasks"]] == [task_id]
+            r = await http.get(f"{CON}/find", params={"by": "metadata", "q": "x=1"})
+            assert r.status_code == 200 and r.json()["tasks"] == []
+            assert (await http.get(f"{CON}/overview")).status_code == 200
+            r = await http.post(f"{API}/tasks/{task_id}/cancel",
+                                headers={"X-CSRF-Token": me["csrf"]})  # fmt: skip
+            assert r.status_code == 202
+            entries = (await http.get(f"{CON}/audit")).json()["entries"]
+            assert [(e["action"], e["target"]) for e in entries] == [("cancel", task_id)]
+    finally:
+        await runner.cleanup()
+        await operator.aclose()
+
+
+async def test_a_producers_redis_user_refuses_sessions_clearly(
+    redis_client: redis.asyncio.Redis, redis_url: str
+) -> None:
+    await create_user(redis_client, "asynctaskd-producer", "pw")
+    # docs/api.md: the web process's producer user also reads the tokens
+    await redis_client.execute_command("ACL", "SETUSER", "asynctaskd-producer", "%R~atd:web:tokens")
+    producer = open_redis(user_url(redis_url, "asynctaskd-producer", "pw"))
+    app = make_app(AsyncClient(producer, "atd"), WebSettings())
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        console = Console(f"http://127.0.0.1:{runner.addresses[0][1]}", redis_client,
+                          AsyncClient(redis_client, "atd"))  # fmt: skip
+        async with console.browser() as http:
+            token = await console.token("viewer", "t1")
+            r = await http.post(f"{CON}/login", json={"token": token})
+            assert r.status_code == 503 and code(r) == "no_sessions"
+            assert "operators' asynctaskd web" in r.json()["error"]["message"]
+    finally:
+        await runner.cleanup()
+        await producer.aclose()

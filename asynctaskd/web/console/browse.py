@@ -12,14 +12,16 @@ cannot be replayed with other filters.
 Find: a task id is one read, a dedup key of a live task one GET of its dedup key. External
 ids and metadata are in no index (adding one would cost every save on the daemons' path):
 they are found by reading that one field of the newest tasks first, `SORT_RO ... BY nosort
-GET` fetching an index page's fields in one command, up to `FIND_SCAN` tasks per request
-(docs/console.md has the figures); the answer says how many were looked at, and a
-cursor goes on from there.
+GET` fetching an index page's fields in one command (or, where the server refuses GET
+patterns, a pipeline of HMGETs), up to `FIND_SCAN` tasks or `FIND_BUDGET_S` per request
+(docs/console.md has the figures); the answer says how many were looked at, and `next`
+goes on from there.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 from typing import Any, Final
 
 import msgspec
@@ -34,6 +36,7 @@ from asynctaskd.model import Status, Task
 __all__ = ["FIND_SCAN", "Filter", "browse", "find", "row"]
 
 FIND_SCAN: Final = 200_000  # tasks whose field is read per find request, at most
+FIND_BUDGET_S: Final = 1.0  # and no new page is read after this long (the HMGET fallback)
 _FIND_PAGE: Final = 5_000
 _FIND_MAX: Final = 50  # matches returned, at most
 _BATCH: Final = 200
@@ -179,17 +182,48 @@ async def find(
     raise InvalidTask(f"find by id, dedup_key, external_id or metadata, not {kind!r:.40}")
 
 
+async def _page(
+    server: Any, index: str, prefix: str, offset: int, n: int, field: str, tenant: bool,
+    sort: list[bool],
+) -> list[tuple[bytes, bytes | None, bytes | None]]:  # fmt: skip
+    """(id, field, tenant) of `n` index entries from `offset`, newest first. One SORT_RO
+    with GET patterns where the server allows it; it refuses them to an ACL user without
+    access to every key (the operator's of docs/security.md) and on Redis Cluster, and
+    then (`sort[0]` turns False for the rest of the search) an index page and a pipeline
+    of HMGETs do the same, at about twice the time."""
+    if sort[0]:
+        gets = ["GET", "#", "GET", f"{prefix}*->{field}"]
+        if tenant:
+            gets += ["GET", f"{prefix}*->tenant"]
+        try:
+            flat = await server.execute_command(
+                "SORT_RO", index, "BY", "nosort", "DESC", "LIMIT", offset, n, *gets
+            )
+        except redis.exceptions.ResponseError:
+            sort[0] = False
+        else:
+            width = len(gets) // 2
+            return [(flat[i], flat[i + 1], flat[i + 2] if tenant else None)
+                    for i in range(0, len(flat), width)]  # fmt: skip
+    # ZRANGE ... REV: the operator's ACL user has ZRANGE, not ZREVRANGE.
+    members = await server.execute_command("ZRANGE", index, offset, offset + n - 1, "REV")
+    async with server.pipeline(transaction=False) as pipe:
+        for member in members:
+            pipe.hmget(prefix + member.decode(), field, "tenant")
+        values = await pipe.execute()
+    return [(m, v[0], v[1]) for m, v in zip(members, values, strict=True)]
+
+
 async def _scan(
     client: Any, keys: Keys, field: bytes, match: Any, tenant: str | None, start: int
 ) -> dict[str, Any]:
     """Read `field` (and, for a tenant, the tenant) of tasks, newest first per status and
     shard (live statuses first), from position `start` of that walk; stop after the page
-    of the first match, or at FIND_SCAN tasks. `next` is where a further call goes on."""
-    server = client.redis
-    gets = ["GET", "#", "GET", f"{{prefix}}*->{field.decode()}"]
-    if tenant is not None:
-        gets += ["GET", "{prefix}*->tenant"]
-    width = len(gets) // 2
+    of the first match, at FIND_SCAN tasks or after FIND_BUDGET_S. `next` is where a
+    further call goes on."""
+    server, sort = client.redis, [True]
+    deadline = time.monotonic() + FIND_BUDGET_S
+    owner = None if tenant is None else tenant.encode()
     ids: list[str] = []
     position, scanned = 0, 0
     for st in _FIND_ORDER:
@@ -200,28 +234,17 @@ async def _scan(
                 position += size
                 continue
             offset = max(0, start - position)
-            prefix = keys.task_prefix(shard)
             while offset < size:
-                if scanned >= FIND_SCAN or ids:
+                if scanned >= FIND_SCAN or ids or time.monotonic() > deadline:
                     return await _found(client, ids, tenant, scanned, position + offset)
                 n = min(_FIND_PAGE, FIND_SCAN - scanned)
-                try:
-                    flat = await server.execute_command(
-                        "SORT_RO", index, "BY", "nosort", "DESC", "LIMIT", offset, n,
-                        *(g.format(prefix=prefix) for g in gets),
-                    )  # fmt: skip
-                except redis.exceptions.ResponseError as exc:
-                    raise InvalidTask(f"this Redis cannot search by {field.decode()}: "
-                                      f"{exc} (docs/console.md)") from None  # fmt: skip
-                for i in range(0, len(flat), width):
-                    member, value = flat[i], flat[i + 1]
-                    if value is not None and match(value) and \
-                            (tenant is None or flat[i + 2] == tenant.encode()):  # fmt: skip
-                        ids.append(member.decode())
-                got = len(flat) // width
-                scanned += got
-                offset += got
-                if got < n:
+                entries = await _page(server, index, keys.task_prefix(shard), offset, n,
+                                      field.decode(), owner is not None, sort)  # fmt: skip
+                ids += [m.decode() for m, value, who in entries
+                        if value is not None and match(value) and owner in (None, who)]  # fmt: skip
+                scanned += len(entries)
+                offset += len(entries)
+                if len(entries) < n:
                     break
             position += size
     return await _found(client, ids, tenant, scanned, None)

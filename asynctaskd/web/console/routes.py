@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import msgspec
+import redis.exceptions
 from aiohttp import web
 
 from asynctaskd.model import LEGAL_TRANSITIONS, Status
@@ -77,7 +78,12 @@ async def _login(request: web.Request) -> web.Response:
     if record.role not in _CONSOLE_ROLES:
         raise ApiError(403, "forbidden", f"a {record.role} token cannot log in to the "
                        "console: use a viewer or operator token")  # fmt: skip
-    session_id, session = await request.app[_SESSIONS].create(record)
+    try:
+        session_id, session = await request.app[_SESSIONS].create(record)
+    except redis.exceptions.NoPermissionError:
+        raise ApiError(503, "no_sessions", "this web process's Redis user may not keep console "
+                       "sessions: serve the console from the operators' asynctaskd web "
+                       "(docs/console.md)") from None  # fmt: skip
     response = _json(200, _me(record.role, record.tenant, record.note, session.csrf))
     response.set_cookie(COOKIE, session_id, max_age=request.app[_SESSIONS].ttl, path="/",
                         httponly=True, samesite="Strict", secure=_secure(request))  # fmt: skip
