@@ -5,8 +5,8 @@ The tasks are written straight into one private redis-server as the scripts woul
 them (the task hash and its status index entry), with `redis-cli --pipe` for speed: 90%
 SUCCEEDED, 5% FAILED, 3% RUNNING, 2% SUBMIT_UNKNOWN; 11 handlers, 47 tenants (primes, so
 that no filter lines up with a status); each entered its status at a time spread over the
-last 24 hours; every task has an external id and a metadata field `order`. Then, each query REPEAT times (p50 and p99 of the HTTP round
-trip):
+last 24 hours; every task has an external id and a metadata field `order`. Then, each
+query REPEAT times (p50 and p99 of the HTTP round trip):
 
 - browse: the first page (50) of all tasks; of SUCCEEDED; 20 pages deep with the cursor;
   a handler filter (1 task in 11); a tenant filter (1 in 47: the page may come back short

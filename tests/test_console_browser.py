@@ -258,7 +258,6 @@ def test_settle_submit_unknown_tasks_both_ways(page: Any, stack: Stack) -> None:
     page.wait_for_selector("#audit")
     audit = page.inner_text("#audit")
     assert audit.count("resolve") == 3 and "ops on call" in audit
-    shot(page, "audit")
 
 
 def test_pause_and_resume_a_handler_and_the_overview(page: Any, stack: Stack) -> None:
@@ -283,6 +282,11 @@ def test_pause_and_resume_a_handler_and_the_overview(page: Any, stack: Stack) ->
     page.wait_for_selector("#paused", state="detached")
     assert stack.client.paused() == {}
     wait_until_sync(lambda: stack.status(held) is Status.SUCCEEDED, "the held task", 30)
+    page.goto("/#/audit")
+    page.wait_for_selector("#audit")
+    actions = page.locator("#audit tbody td:nth-child(4)").all_inner_texts()
+    assert actions[:2] == ["resume", "pause"], actions
+    shot(page, "audit")
 
 
 def test_a_viewer_sees_its_tenant_and_can_act_on_nothing(page: Any, stack: Stack) -> None:

@@ -187,10 +187,10 @@ async def _page(
     sort: list[bool],
 ) -> list[tuple[bytes, bytes | None, bytes | None]]:  # fmt: skip
     """(id, field, tenant) of `n` index entries from `offset`, newest first. One SORT_RO
-    with GET patterns where the server allows it; it refuses them to an ACL user without
-    access to every key (the operator's of docs/security.md) and on Redis Cluster, and
-    then (`sort[0]` turns False for the rest of the search) an index page and a pipeline
-    of HMGETs do the same, at about twice the time."""
+    with GET patterns where the server allows it; Redis refuses them to an ACL user
+    without read access to every key (the operator's of docs/security.md), and then
+    (`sort[0]` turns False for the rest of the search) an index page and a pipeline of
+    HMGETs do the same, a few times slower."""
     if sort[0]:
         gets = ["GET", "#", "GET", f"{prefix}*->{field}"]
         if tenant:
