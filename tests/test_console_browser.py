@@ -277,7 +277,18 @@ def test_pause_and_resume_a_handler_and_the_overview(page: Any, stack: Stack) ->
     shot(page, "overview")
     page.goto("/#/controls")
     page.wait_for_selector("#paused")
+    page.fill("#limit-form input[placeholder=name]", "demo")
+    page.fill("#limit-form input[name=submit_rate]", "50")
+    page.fill("#limit-form input[name=max_in_flight]", "200")
+    page.click("#limit-form button[type=submit]")
+    page.wait_for_selector("tr[data-scope='provider:demo']")
+    limit = stack.client.limits()["provider:demo"].limit
+    assert (limit.submit_rate, limit.max_in_flight) == (50, 200)
     shot(page, "controls")
+    page.click("tr[data-scope='provider:demo'] button")
+    confirm(page, "no longer held back")
+    page.wait_for_selector("tr[data-scope='provider:demo']", state="detached")
+    assert "provider:demo" not in stack.client.limits()
     page.click("#paused tr[data-dimension='handler:demo'] button[data-action=resume]")
     page.wait_for_selector("#paused", state="detached")
     assert stack.client.paused() == {}
@@ -285,7 +296,7 @@ def test_pause_and_resume_a_handler_and_the_overview(page: Any, stack: Stack) ->
     page.goto("/#/audit")
     page.wait_for_selector("#audit")
     actions = page.locator("#audit tbody td:nth-child(4)").all_inner_texts()
-    assert actions[:2] == ["resume", "pause"], actions
+    assert actions[:4] == ["resume", "clear_limit", "set_limit", "pause"], actions
     shot(page, "audit")
 
 

@@ -459,8 +459,16 @@ async function viewControls(view) {
         flash(`${d} resumed; ${r.moved} held tasks put back`);
         route();
       })}, "Resume")))))) : h("p.mute", {text: "Nothing is paused."});
-  const limitRows = limits.limits.map((e) => h("tr", {}, h("td.mono", {text: e.scope}),
-    h("td", {text: e.source}), h("td.mono.small", {text: JSON.stringify(e.limit)})));
+  const clear = (scope) => guard(async () => {
+    if (!(await confirmDialog(`Clear the limits of ${scope}?`, "Its tasks are no longer held " +
+      "back by these rates, caps or quota; the daemons apply the change within seconds.", "Clear"))) return;
+    await api("DELETE", "/api/v1/limits?" + new URLSearchParams({scope}));
+    flash(`limits of ${scope} cleared`);
+    route();
+  });
+  const limitRows = limits.limits.map((e) => h("tr", {"data-scope": e.scope}, h("td.mono", {text: e.scope}),
+    h("td", {text: e.source}), h("td.small", {text: plain(e.limit)}),
+    h("td", {}, h("button.small.ghost", {type: "button", onclick: () => clear(e.scope)}, "Clear"))));
   const scope = h("select", {}, ["provider", "tenant"].map((d) => h("option", {value: d, text: d})));
   const scopeName = h("input", {placeholder: "name", required: true});
   const knobs = ["submit_rate", "submit_burst", "query_rate", "max_in_flight", "quota"]
@@ -503,7 +511,7 @@ async function viewControls(view) {
   view.append(h("h1", {text: "Controls"}),
     h("div.panel", {}, h("h2", {text: "Pause and resume"}), pauseForm, h("div", {}, pausedTable)),
     h("div.panel", {}, h("h2", {text: "Limits"}), limitRows.length ? h("table", {}, h("thead", {},
-      h("tr", {}, ["scope", "source", "limit"].map((x) => h("th", {text: x})))), h("tbody", {}, limitRows))
+      h("tr", {}, ["scope", "source", "limit", ""].map((x) => h("th", {text: x})))), h("tbody", {}, limitRows))
       : h("p.mute", {text: "No limits."}), limitForm),
     h("div.panel", {}, h("h2", {text: "Bulk requeue or cancel"}), bulkForm));
 }
