@@ -234,16 +234,21 @@ async function viewTasks(view, params) {
     h("option", {value: v, selected: params.get("by") === v, text: t})));
   const q = h("input", {name: "q", value: params.get("q") || "", placeholder: "what to find",
     size: 36});
+  const ftenant = me.tenant ? null : h("input", {name: "tenant", value: params.get("tenant") || "",
+    placeholder: "optional", size: 14});
   const finder = h("form.filters.panel", {id: "finder", onsubmit: (ev) => {
     ev.preventDefault();
-    location.hash = "#/tasks?" + new URLSearchParams({by: by.value, q: q.value}).toString();
-  }}, field("by", "Find by", by), field("q", "Value", q), h("button", {type: "submit", text: "Find"}));
+    const sp = new URLSearchParams({by: by.value, q: q.value});
+    if (ftenant && ftenant.value.trim()) sp.set("tenant", ftenant.value.trim());
+    location.hash = "#/tasks?" + sp.toString();
+  }}, field("by", "Find by", by), field("q", "Value", q),
+  ftenant ? field("tenant", "Tenant", ftenant) : null, h("button", {type: "submit", text: "Find"}));
   view.append(h("h1", {text: me.tenant ? `Tasks of tenant ${me.tenant}` : "Tasks"}), finder, filters);
   const results = h("div.panel", {id: "results"}, h("p.mute", {text: "Loading…"}));
   view.append(results);
   if (params.get("q")) {
     const sp = new URLSearchParams({by: params.get("by") || "id", q: params.get("q")});
-    if (params.get("start")) sp.set("start", params.get("start"));
+    for (const name of ["start", "tenant"]) if (params.get(name)) sp.set(name, params.get(name));
     const found = await api("GET", "/console/api/find?" + sp);
     results.replaceChildren(h("h2", {text: `Found ${found.tasks.length}`}),
       h("p.small.mute", {text: `${found.scanned.toLocaleString()} tasks looked at`}),
@@ -403,6 +408,8 @@ async function viewInbox(view) {
     view.append(h("div.panel", {}, h("p.empty", {text: "Nothing is parked."})));
     return;
   }
+  if (page.cursor) view.append(h("p.flash", {text: "Showing the newest 200 parked tasks: " +
+    "settle these, and the next ones appear."}));
   const chosen = new Set();
   const bulk = h("div.panel", {id: "bulk"});
   const renderBulk = () => {
