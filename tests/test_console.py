@@ -18,12 +18,13 @@ from aiohttp import web
 from asynctaskd.client import AsyncClient
 from asynctaskd.keys import Keys
 from asynctaskd.model import Status
-from asynctaskd.store import Store, open_redis
+from asynctaskd.store import Code, Store, open_redis
 from asynctaskd.web import WebSettings, make_app
+from asynctaskd.web.console import browse
 from asynctaskd.web.console.audit import audit_key
 from asynctaskd.web.tokens import Role, mint, tokens_key
 from tests.acl import create_user, user_url
-from tests.lua.helpers import claim_one, ingest
+from tests.lua.helpers import claim_one, ingest, submitted
 
 pytestmark = pytest.mark.anyio
 
@@ -444,3 +445,43 @@ async def test_a_producers_redis_user_refuses_sessions_clearly(
     finally:
         await runner.cleanup()
         await producer.aclose()
+
+
+async def test_the_hourly_series_counts_what_ended_from_the_events(
+    console: Console, store: Store
+) -> None:
+    for outcome in (Status.SUCCEEDED, Status.SUCCEEDED, Status.FAILED):
+        await submitted(store)  # a task driven to SUBMITTED, due for a query at once
+        claimed = await claim_one(store, "query")
+        fields = {"error_code": "x", "error_message": "y"} if outcome is Status.FAILED else None
+        assert (await store.save(claimed.lease, outcome, fields=fields)).code is Code.OK
+    async with console.browser() as http:
+        await console.login(http, "operator")
+        series = (await http.get(f"{CON}/overview")).json()["series"]
+    assert (sum(series["succeeded"]), sum(series["failed"])) == (2, 1)
+    assert (series["succeeded"][-1], series["failed"][-1]) == (2, 1)  # this minute
+    assert series["since"] == series["start"]  # the stream holds the whole hour
+
+
+async def test_a_find_is_bounded_and_goes_on_where_it_stopped(
+    console: Console, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(browse, "FIND_SCAN", 3)
+    ids = await submit(console.client, 7)
+    await ingest(store)
+    oldest = ids[0]
+    await console.redis.hset(Keys().task(0, oldest), "external_id", "job-old")
+    async with console.browser() as http:
+        await console.login(http, "operator")
+        start, looked, found = "0", 0, []
+        while not found:
+            r = await http.get(f"{CON}/find", params={"by": "external_id", "q": "job-old",
+                                                      "start": start})  # fmt: skip
+            body = r.json()
+            looked += body["scanned"]
+            assert body["scanned"] <= 3, body
+            found = [t["id"] for t in body["tasks"]]
+            if not found:
+                assert body["next"] == looked  # the next call starts after these
+                start = str(body["next"])
+        assert found == [oldest] and looked == 7  # newest first: the oldest comes last
