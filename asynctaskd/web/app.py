@@ -48,6 +48,8 @@ from .common import (
     _scope,
     _task_id,
 )
+from .console.audit import write_audit
+from .console.routes import mount_console
 from .operator import (
     _bulk,
     _clear_limit,
@@ -117,6 +119,8 @@ async def _cancel(request: web.Request) -> web.Response:
     task_id = _task_id(request)
     if not await request.app[_CLIENT].cancel(task_id, _scope(record)):
         raise ApiError(409, "already_finished", f"task {task_id} had already finished")
+    if record.role == "operator":  # a producer's cancel of its own task is not audited
+        await write_audit(request, record, "cancel", task_id)
     return _json(202, {"id": task_id, "cancel": "requested"})
 
 
@@ -305,4 +309,5 @@ def make_app(client: AsyncClient, settings: WebSettings) -> web.Application:
     app.router.add_get(f"{p}/openapi.json", _openapi, allow_head=False)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
+    mount_console(app)  # the browser console at /, on the same tokens (docs/console.md)
     return app

@@ -4,6 +4,7 @@ application keys, authentication and body decoding."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import math
 from collections.abc import Awaitable, Callable
@@ -26,6 +27,7 @@ from asynctaskd.errors import (
 )
 from asynctaskd.keys import Keys
 
+from .console.session import COOKIE, CSRF_HEADER, Sessions
 from .tokens import RateLimiter, Role, TokenCache, TokenRecord
 
 logger = logging.getLogger(__name__)
@@ -125,18 +127,37 @@ _RATES: Final = web.AppKey("rates", RateLimiter)
 _KEYS: Final = web.AppKey("keys", Keys)
 # The queues of the open event streams: a shutdown ends each one (a None) at once.
 _STREAMS: Final = web.AppKey("streams", set[asyncio.Queue[TaskEvent | None]])
+# Console sessions (set when the console is mounted: web.console.routes).
+_SESSIONS: Final = web.AppKey("sessions", Sessions)
+_SAFE_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+async def _session_record(request: web.Request) -> TokenRecord:
+    """The token record behind the session cookie; a change needs the session's CSRF token."""
+    session = None
+    if _SESSIONS in request.app:
+        session = await request.app[_SESSIONS].load(request.cookies[COOKIE])
+    if session is None:
+        raise ApiError(401, "unauthorized", "the console session has ended: log in again")
+    record = await request.app[_TOKENS].record(session.token_id)
+    if record is None or not hmac.compare_digest(record.sha256, session.sha256):
+        raise ApiError(401, "unauthorized", "the token of this session was revoked: log in "
+                       "with another")  # fmt: skip
+    if request.method not in _SAFE_METHODS:
+        sent = request.headers.get(CSRF_HEADER, "")
+        if not hmac.compare_digest(sent.encode(), session.csrf.encode()):
+            raise ApiError(403, "csrf", f"send this session's {CSRF_HEADER} header with "
+                           "every change (the console does)")  # fmt: skip
+    return record
 
 
 async def _auth(request: web.Request, roles: tuple[Role, ...]) -> TokenRecord:
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise ApiError(401, "unauthorized", "send Authorization: Bearer <token>",
-                       **{"WWW-Authenticate": "Bearer"})  # fmt: skip
-    record = await request.app[_TOKENS].check(token.strip())
-    if record is None:
-        raise ApiError(401, "unauthorized", "the token is unknown or revoked",
-                       **{"WWW-Authenticate": 'Bearer error="invalid_token"'})  # fmt: skip
+    """The caller's token record: from `Authorization: Bearer`, or else from a console
+    session cookie (docs/console.md); 401, 403 or 429 if it may not go on."""
+    if _via(request) == "console":
+        record = await _session_record(request)
+    else:
+        record = await _bearer_record(request)
     wait = request.app[_RATES].take(record)
     if wait > 0:
         raise ApiError(429, "rate_limited",
@@ -146,6 +167,26 @@ async def _auth(request: web.Request, roles: tuple[Role, ...]) -> TokenRecord:
     if record.role not in roles:
         needs = " or ".join(roles)
         raise ApiError(403, "forbidden", f"a {record.role} token may not do this; needs {needs}")
+    return record
+
+
+def _via(request: web.Request) -> str:
+    """How the request authenticates: "api" (a bearer token) or "console" (a session)."""
+    if "Authorization" not in request.headers and COOKIE in request.cookies:
+        return "console"
+    return "api"
+
+
+async def _bearer_record(request: web.Request) -> TokenRecord:
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise ApiError(401, "unauthorized", "send Authorization: Bearer <token>",
+                       **{"WWW-Authenticate": "Bearer"})  # fmt: skip
+    record = await request.app[_TOKENS].check(token.strip())
+    if record is None:
+        raise ApiError(401, "unauthorized", "the token is unknown or revoked",
+                       **{"WWW-Authenticate": 'Bearer error="invalid_token"'})  # fmt: skip
     return record
 
 

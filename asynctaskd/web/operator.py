@@ -28,6 +28,7 @@ from .common import (
     _task_id,
     _translate,
 )
+from .console.audit import write_audit
 from .schemas import (
     BulkBody,
     BulkResult,
@@ -40,18 +41,21 @@ from .schemas import (
 
 
 async def _resolve(request: web.Request) -> web.Response:
-    await _auth(request, _OPERATOR)
+    record = await _auth(request, _OPERATOR)
     body: ResolveBody = await _body(request, ResolveBody)
     task = await request.app[_CLIENT].resolve(
         _task_id(request), body.status, external_id=body.external_id, query=body.query,
         message=body.message,
     )  # fmt: skip
+    await write_audit(request, record, "resolve", task.id, _plain(body))
     return _json(200, public_task(task))
 
 
 async def _requeue(request: web.Request) -> web.Response:
-    await _auth(request, _OPERATOR)
-    return _json(200, public_task(await request.app[_CLIENT].requeue(_task_id(request))))
+    record = await _auth(request, _OPERATOR)
+    task = await request.app[_CLIENT].requeue(_task_id(request))
+    await write_audit(request, record, "requeue", task.id)
+    return _json(200, public_task(task))
 
 
 # Operators' runtime controls: each is one AsyncClient operator call, which checks its
@@ -74,22 +78,24 @@ async def _paused(request: web.Request) -> web.Response:
 
 
 async def _pause(request: web.Request) -> web.Response:
-    await _auth(request, _OPERATOR)
+    record = await _auth(request, _OPERATOR)
     body: PauseBody = await _body(request, PauseBody)
     which = _dimension_of(body)
     newly = await request.app[_CLIENT].pause(**which, note=body.note)
     dimension = ",".join(f"{k}:{v}" for k, v in which.items())
+    await write_audit(request, record, "pause", dimension, {"note": body.note, "newly": newly})
     return _json(200, {"dimension": dimension, "newly_paused": newly})
 
 
 async def _resume(request: web.Request) -> web.Response:
-    await _auth(request, _OPERATOR)
+    record = await _auth(request, _OPERATOR)
     body: PauseBody = await _body(request, PauseBody)
     if body.note:
         raise ApiError(422, "invalid", "note is for pause only")
     which = _dimension_of(body)
     moved = await request.app[_CLIENT].resume(**which)
     dimension = ",".join(f"{k}:{v}" for k, v in which.items())
+    await write_audit(request, record, "resume", dimension, {"moved": moved})
     return _json(200, {"dimension": dimension, "moved": moved})
 
 
@@ -100,14 +106,16 @@ async def _limits(request: web.Request) -> web.Response:
 
 
 async def _set_limit(request: web.Request) -> web.Response:
-    await _auth(request, _OPERATOR)
+    record = await _auth(request, _OPERATOR)
     # A plain object: AsyncClient.set_limit checks the keys and values, in its words.
     options: dict[str, Any] = await _body(request, dict[str, Any])
-    return _json(200, _plain(await request.app[_CLIENT].set_limit(**options)))
+    entry = _plain(await request.app[_CLIENT].set_limit(**options))
+    await write_audit(request, record, "set_limit", str(entry.get("scope", "")), options)
+    return _json(200, entry)
 
 
 async def _clear_limit(request: web.Request) -> web.Response:
-    await _auth(request, _OPERATOR)
+    record = await _auth(request, _OPERATOR)
     unknown = set(request.query) - {"scope"}
     if unknown or "scope" not in request.query:
         raise ApiError(422, "invalid", "give exactly the query parameter scope, e.g. "
@@ -115,6 +123,7 @@ async def _clear_limit(request: web.Request) -> web.Response:
     scope = request.query["scope"]
     if not await request.app[_CLIENT].clear_limit(scope):
         raise ApiError(404, "not_found", f"no runtime or config limits for {scope!r:.80}")
+    await write_audit(request, record, "clear_limit", scope)
     return _json(200, {"scope": scope, "cleared": True})
 
 
@@ -138,26 +147,29 @@ async def _group(request: web.Request) -> web.Response:
 
 
 async def _set_group(request: web.Request) -> web.Response:
-    await _auth(request, _OPERATOR)
+    record = await _auth(request, _OPERATOR)
     body: GroupBody = await _body(request, GroupBody)
     name = request.match_info["name"]
     members = [m if isinstance(m, str) else (m.handler, m.weight) for m in body.members]
     group = await request.app[_CLIENT].set_group(name, body.policy, members)
+    await write_audit(request, record, "set_group", name, _plain(body))
     return _json(200, _group_json(name, group))
 
 
 async def _delete_group(request: web.Request) -> web.Response:
-    await _auth(request, _OPERATOR)
+    record = await _auth(request, _OPERATOR)
     name = request.match_info["name"]
     if not await request.app[_CLIENT].delete_group(name):
         raise ApiError(404, "not_found", f"no handler group {name!r:.80}")
+    await write_audit(request, record, "delete_group", name)
     return web.Response(status=204, headers={"Cache-Control": "no-store"})
 
 
 async def _purge(request: web.Request) -> web.Response:
-    await _auth(request, _OPERATOR)
+    record = await _auth(request, _OPERATOR)
     body: PurgeBody = await _body(request, PurgeBody)
     purged = await request.app[_CLIENT].purge(body.older_than, limit=body.limit)
+    await write_audit(request, record, "purge", f"older_than={body.older_than}", {"purged": purged})
     return _json(200, {"purged": purged})
 
 
@@ -238,4 +250,8 @@ async def _bulk(request: web.Request) -> web.Response:
     shown = errors[:_BULK_ERRORS_SHOWN]
     result = BulkResult(matched=len(ids), capped=more, acted=acted, failed=len(errors),
                         errors=shown)  # fmt: skip
+    if record.role == "operator":  # a producer's own cancels are not operator actions
+        summary = {"filter": _plain(body.filter), "matched": len(ids), "acted": acted,
+                   "failed": len(errors)}  # fmt: skip
+        await write_audit(request, record, f"bulk_{body.action}", "filter", summary)
     return _json(200, result)

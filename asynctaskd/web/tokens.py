@@ -120,6 +120,14 @@ class TokenCache:
         if m is None:
             return None
         token_id, secret = m[1], m[2]
+        record = await self.record(token_id)
+        if record is None or not hmac.compare_digest(record.sha256, _digest(secret)):
+            return None
+        return record
+
+    async def record(self, token_id: str) -> TokenRecord | None:
+        """The stored record of `token_id` (None: unknown or revoked), through the cache;
+        a console session keeps only the id, and finds its token revoked here."""
         now = time.monotonic()
         cached = self._cache.get(token_id)
         if cached is None or now - cached[0] >= self._ttl:
@@ -133,10 +141,7 @@ class TokenCache:
             if len(self._cache) > 10_000:
                 self._cache.clear()  # bounded: garbage ids cannot grow it forever
             self._cache[token_id] = cached = (now, record)
-        record = cached[1]
-        if record is None or not hmac.compare_digest(record.sha256, _digest(secret)):
-            return None
-        return record
+        return cached[1]
 
 
 class RateLimiter:
