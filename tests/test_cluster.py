@@ -27,7 +27,7 @@ from asynctaskd.embedded import find_binary
 from asynctaskd.errors import StoreUnavailable
 from asynctaskd.keys import Keys
 from asynctaskd.model import shard_of
-from asynctaskd.store import SyncStore
+from asynctaskd.store import Sweep, SyncStore
 from tests.cluster import LocalCluster
 from tests.configs import write_daemon_config
 from tests.conftest import statuses, wait_until_sync
@@ -314,7 +314,7 @@ def test_a_moved_reply_in_a_node_pipeline_refreshes_the_map(cluster: LocalCluste
             assert refreshed == [True]
             del store._node_client  # the real one again: the right node answers
             (result,), _, _ = await store.pipeline([call])
-            assert result == []
+            assert result == Sweep([])
         finally:
             await store.close()
             await client.aclose()

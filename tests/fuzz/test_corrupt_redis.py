@@ -414,8 +414,8 @@ async def test_corrupt_version_does_not_block_the_deadline_sweep(
 
     await wait_until(past_deadlines, "the 1 ms deadlines to pass")
     # the bug was: ScriptError, and no later deadline on the shard is enforced
-    timed_out = await short(store.time_out(0, 100))
-    assert set(ids[1:]) <= set(timed_out)
+    sweep = await short(store.time_out(0, 100))
+    assert set(ids[1:]) <= set(sweep.timed_out)
     assert await redis_client.zscore(KEYS.quarantine(0), ids[0]) is not None
 
 
