@@ -1,5 +1,5 @@
 """`main`, the entry point: parses the command line, runs the commands that need no client
-(run, dev, web, check-config, scripts export) and hands the others to `commands`, then
+(run, dev, web, check-config, scripts export, alerts) and hands the others to `commands`, then
 maps the exceptions to the exit codes.
 """
 
@@ -25,7 +25,7 @@ from asynctaskd.errors import (
 
 from .commands import _client_command
 from .common import EXIT_FAILED, EXIT_NOT_FOUND, EXIT_REFUSED, EXIT_USAGE, _out, _say
-from .operator import _export_scripts
+from .operator import _alerts, _export_scripts
 from .parser import _parser
 
 
@@ -96,6 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _restore(args)
         if args.command == "scripts" and args.scripts_command == "export":
             return _export_scripts(args.dir)
+        if args.command == "alerts":
+            return _alerts(args.runbook_base)
         code = _client_command(args)
         sys.stdout.flush()  # here, where a reader that went away is handled below
         return code

@@ -276,6 +276,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     lp.add_argument("dir", type=Path, help="the directory to write (created if missing)")
 
+    sp = sub.add_parser(
+        "alerts",
+        help="print this version's Prometheus alert rules, runbook links made full URLs",
+        description="Print prometheus/alerts.yml as shipped with this version, each alert's "
+        "runbook_url annotation built from --runbook-base: redirect it to your Prometheus "
+        "rule file (docs/deploy.md, section 4).",
+    )
+    sp.add_argument(
+        "--runbook-base",
+        required=True,
+        metavar="URL",
+        help="the http(s) URL of docs/deploy.md where your team reads it; each alert "
+        "appends #<its section>",
+    )
+
     sp = sub.add_parser("purge", help="delete terminal tasks older than a duration")
     conn(sp)
     sp.add_argument("--older-than", required=True, help="e.g. 7d")
