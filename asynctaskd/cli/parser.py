@@ -15,6 +15,8 @@ examples:
   asynctaskd check-config --config config.toml   validate, print the effective config
   asynctaskd submit demo '{"text": "hi"}' --timeout 10m
   asynctaskd get 01J... --json
+  asynctaskd watch 01J...                        each change until it settles (--json: lines)
+  asynctaskd submit demo '{"text": "hi"}' --dedup-by-content   the same request: one task
   asynctaskd list --status SUBMIT_UNKNOWN
   asynctaskd resolve 01J... --as SUBMITTED --external-id job_42
   asynctaskd stats
@@ -30,6 +32,8 @@ examples:
   asynctaskd backup --config config.toml --to /var/backups/asynctaskd/2026-12-03
                                                  snapshot the data while the daemon runs
   asynctaskd restore --from /var/backups/asynctaskd/2026-12-03 --data-dir /var/lib/asynctaskd
+  asynctaskd alerts --runbook-base https://git.example.com/ops/asynctaskd/blob/v1/docs/deploy.md
+                                                 Prometheus rules, runbook links to your docs
 
 Reads use --url/--namespace, or [redis] from --config, or $ASYNCTASKD_URL.
 
