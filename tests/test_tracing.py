@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -29,6 +30,7 @@ from asynctaskd.model import Status, Task
 from asynctaskd.store import Store
 from asynctaskd.tracing import from_headers
 from asynctaskd.worker import Worker
+from tests.conftest import wait_until
 from tests.test_web import Api, api  # noqa: F401 - the `api` fixture: a real HTTP API server
 from tests.test_worker import Scripted, entry, make_config
 
@@ -261,6 +263,56 @@ async def test_failed_retried_and_cancel_calls_say_so(
     assert (root.attributes or {}).get("asynctaskd.outcome") == "error"
 
 
+class Findable(Scripted):
+    """A handler whose submit's outcome is unknown (a read timeout after sending), and
+    whose vendor listing finds the job the submit made."""
+
+    find_visible_after = 0.0
+
+    async def find(self, params: Any, ctx: HandlerContext) -> Submitted | None:
+        return Submitted("x-" + ctx.task_id)
+
+
+@pytest.mark.slow
+async def test_a_lookup_of_a_parked_task_and_a_query_cut_at_the_deadline_are_spans_too(
+    spans: InMemorySpanExporter, client: AsyncClient, store: Store
+) -> None:
+    h = Findable()
+    request = httpx.Request("POST", "https://vendor.example/jobs")
+    h.on_submit = lambda ctx: httpx.ReadTimeout("sent, no answer", request=request)
+
+    async def hang(ctx: HandlerContext) -> Running:
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    h.on_query = hang  # until the task's deadline cuts it
+    with producer_span() as producer:
+        # long enough for the submit, the park and the lookup on a loaded machine
+        task = await client.submit("demo", {}, tracking_timeout=3, strict=False)
+    async with httpx.AsyncClient() as http:
+        worker = Worker(store, entry(h), make_config(telemetry={"otel": True}), http=http)
+
+        async def settled() -> bool:
+            got = await client.get(task.id)
+            return got is not None and got.status.is_terminal
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(worker.run)
+            await wait_until(settled, "the task timed out", timeout=30)
+            worker.stop(now=True)
+    done = await client.get(task.id)
+    assert done is not None and done.status is Status.TRACKING_TIMED_OUT
+    exported = spans.get_finished_spans()
+    outcomes = {
+        s.name: (s.attributes or {}).get("asynctaskd.outcome")
+        for s in exported
+        if s.parent is not None and s.parent.span_id == producer.get_span_context().span_id
+    }
+    assert outcomes == {"submit demo": "error", "find demo": "submitted", "query demo": "canceled"}
+    [find] = by_name(exported, "find demo")
+    assert (find.attributes or {}).get("asynctaskd.attempt") == 1  # the first lookup
+
+
 async def test_off_the_worker_makes_no_span(
     spans: InMemorySpanExporter, client: AsyncClient, store: Store
 ) -> None:
@@ -299,7 +351,18 @@ def test_client_and_daemon_need_nothing_of_opentelemetry_when_off() -> None:
 
 
 @pytest.mark.slow
-def test_otel_on_without_the_extra_is_a_config_error_naming_it() -> None:
+def test_otel_on_without_the_extra_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text("[telemetry]\notel = true\n")
+    checked = run_python(
+        "import sys\n"
+        "sys.modules['opentelemetry'] = None  # as if asynctaskd[otel] were not installed\n"
+        "from asynctaskd.cli import main\n"
+        f"raise SystemExit(main(['check-config', '--config', {str(config)!r}]))\n"
+    )
+    assert checked.returncode == 2, checked.stdout + checked.stderr
+    assert "[telemetry] otel = true needs the OpenTelemetry API" in checked.stderr
+    assert "asynctaskd[otel]" in checked.stderr
     done = run_python(
         "import sys\n"
         "sys.modules['opentelemetry'] = None  # as if asynctaskd[otel] were not installed\n"

@@ -66,6 +66,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from asynctaskd.embedded import require_valkey_binary
 
                 require_valkey_binary("redis.url = 'embedded'")
+            if config.telemetry.otel:
+                from asynctaskd.tracing import vendor_spans
+
+                vendor_spans(True)  # the extra is installed, or a ConfigError says what to do
             from asynctaskd import http_handler
             from asynctaskd.handlers import load_handlers
 
