@@ -94,18 +94,14 @@ def stored(trace: object) -> str:
     if unknown:
         names = ", ".join(sorted(map(repr, unknown)))
         raise InvalidTask(f"trace takes 'traceparent' and 'tracestate' only, got {names:.80}")
-    traceparent = trace.get("traceparent")
-    problem = (
-        _traceparent_problem(traceparent)
-        if "traceparent" in trace
-        else ("trace needs a 'traceparent'")
-    )
-    tracestate = trace.get("tracestate")
+    if "traceparent" not in trace:
+        raise InvalidTask("trace needs a 'traceparent'")
+    traceparent, tracestate = trace["traceparent"], trace.get("tracestate")
+    problem = _traceparent_problem(traceparent)
     if problem is None and tracestate is not None:
         problem = _tracestate_problem(tracestate)
     if problem is not None:
         raise InvalidTask(problem)
-    assert isinstance(traceparent, str)
     return _join(traceparent, tracestate)
 
 
