@@ -244,6 +244,7 @@ def _decode_task(hash_: Mapping[bytes, bytes], task_id: str | None) -> Task:
         lookups=int(v) if (v := get(b"lookups")) else 0,
         cancel_requested=get(b"cancel_requested") == b"1",
         dedup_key=_dedup_key(_text(get(b"dedup"))),
+        trace=_text(get(b"trace")),
         fence=int(v) if (v := get(b"fence")) else 0,
         owner=_text(get(b"owner")),
         started_fence=int(v) if (v := get(b"started_fence")) else 0,

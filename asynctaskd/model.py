@@ -179,6 +179,9 @@ class Task(msgspec.Struct, frozen=True, kw_only=True):
     lookups: int = 0  # vendor lookups while parked (SUBMIT_UNKNOWN, a handler with find)
     cancel_requested: bool = False
     dedup_key: str | None = None
+    # The producer's W3C trace context (traceparent, then a space and its tracestate, if
+    # any): what the worker's vendor call spans are children of (asynctaskd.tracing).
+    trace: str | None = None
     # Internals, for workers and operators.
     fence: int = 0
     owner: str | None = None

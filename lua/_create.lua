@@ -8,6 +8,7 @@
 
 --- @include _int_arg
 --- @include _statuses
+--- @include _trace
 --- @include _wake
 
 -- The fields of a request or a task that a resend must match: what the producer chose.
@@ -24,7 +25,7 @@ local function request_fields(packed)
 end
 
 local function create_one(k, A, o, n)
-  if n ~= 12 then error('asynctaskd: create takes 12 arguments, got ' .. n) end
+  if n ~= 12 and n ~= 13 then error('asynctaskd: create takes 12 or 13 arguments, got ' .. n) end
   local tk = KEYS[k]
   local id = A[o + 1]
   local handler = A[o + 2]
@@ -52,6 +53,11 @@ local function create_one(k, A, o, n)
       error('asynctaskd: KEYS[' .. (k + 1) .. '] is not the dedup key of tenant '
             .. A[o + 4] .. ' and dedup_key ' .. dedup_key)
     end
+  end
+  local trace = n == 13 and A[o + 13] or ''
+  if trace ~= '' and not trace_ok(trace) then
+    error('asynctaskd: ARGV trace must be a W3C traceparent, then a space and its tracestate, '
+          .. 'printable ASCII of at most 600 bytes')
   end
   local nk = P .. 'new:' .. id
 
@@ -103,6 +109,7 @@ local function create_one(k, A, o, n)
   if A[o + 4] ~= '' then fields[#fields + 1] = 'tenant'; fields[#fields + 1] = A[o + 4] end
   if A[o + 5] ~= '' then fields[#fields + 1] = 'account'; fields[#fields + 1] = A[o + 5] end
   if A[o + 11] ~= '' then fields[#fields + 1] = 'metadata'; fields[#fields + 1] = A[o + 11] end
+  if trace ~= '' then fields[#fields + 1] = 'trace'; fields[#fields + 1] = trace end
   if dedup then
     fields[#fields + 1] = 'dedup'; fields[#fields + 1] = dedup
     redis.call('SETNX', KEYS[k + 1], id)

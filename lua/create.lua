@@ -18,6 +18,9 @@
 -- ARGV[10] params          JSON text
 -- ARGV[11] metadata        JSON text, '' for none
 -- ARGV[12] dedup_key       '' for none; else KEYS[3] must be the dedup key of ARGV[4] and this
+-- ARGV[13] trace           optional, '' for none: the caller's W3C traceparent, then a space
+--                          and its tracestate if any (lua/_trace.lua); not part of the
+--                          content a resend must match
 --
 -- Returns {1, version, created_ms, due_ms} created (a resend of the same create, same id
 -- and content, gets the first one's reply: whatever a client retries, one task), or

@@ -22,7 +22,8 @@ def _names(requirements: list[str]) -> set[str]:
 
 
 def _runtime_requirements() -> list[Requirement]:
-    extras = PROJECT["optional-dependencies"]["embedded"]
+    optional = PROJECT["optional-dependencies"]
+    extras = [*optional["embedded"], *optional["otel"]]
     return [Requirement(r) for r in [*PROJECT["dependencies"], *extras]]
 
 
@@ -59,12 +60,19 @@ def test_the_wheel_requires_no_server_binary_and_holds_what_it_runs(tmp_path: Pa
         assert requirement.marker is not None
         assert not requirement.marker.evaluate({"extra": ""}), str(requirement)
         assert requirement.marker.evaluate({"extra": "embedded"}), str(requirement)
+    # OpenTelemetry only with the otel extra: zero cost for everyone else
+    otel = [r for r in requires if r.name.startswith("opentelemetry")]
+    assert all(r.marker is not None and not r.marker.evaluate({"extra": ""}) for r in otel)
+    assert [r.name for r in otel if r.marker and r.marker.evaluate({"extra": "otel"})] == [
+        "opentelemetry-api"
+    ]
     scripts = {f"asynctaskd/lua/{p.name}" for p in (ROOT / "lua").glob("*.lua")}
     assert scripts and scripts <= names
     assert "asynctaskd/devtools/fakevendor/__main__.py" in names  # for `asynctaskd dev`
     console = {f"asynctaskd/web/console/static/{n}" for n in ("index.html", "console.js",
                                                              "console.css")}  # fmt: skip
     assert console <= names  # the console's page: no build step, no CDN
+    assert "asynctaskd/prometheus/alerts.yml" in names  # for `asynctaskd alerts`
     assert not {"asynctaskd/fakevendor.py", "asynctaskd/fakehttp.py"} & names
 
 

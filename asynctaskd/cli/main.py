@@ -1,5 +1,5 @@
 """`main`, the entry point: parses the command line, runs the commands that need no client
-(run, dev, web, check-config, scripts export) and hands the others to `commands`, then
+(run, dev, web, check-config, scripts export, alerts) and hands the others to `commands`, then
 maps the exceptions to the exit codes.
 """
 
@@ -25,7 +25,7 @@ from asynctaskd.errors import (
 
 from .commands import _client_command
 from .common import EXIT_FAILED, EXIT_NOT_FOUND, EXIT_REFUSED, EXIT_USAGE, _out, _say
-from .operator import _export_scripts
+from .operator import _alerts, _export_scripts
 from .parser import _parser
 
 
@@ -66,6 +66,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from asynctaskd.embedded import require_valkey_binary
 
                 require_valkey_binary("redis.url = 'embedded'")
+            if config.telemetry.otel:
+                from asynctaskd.tracing import vendor_spans
+
+                vendor_spans(True)  # the extra is installed, or a ConfigError says what to do
             from asynctaskd import http_handler
             from asynctaskd.handlers import load_handlers
 
@@ -96,6 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _restore(args)
         if args.command == "scripts" and args.scripts_command == "export":
             return _export_scripts(args.dir)
+        if args.command == "alerts":
+            return _alerts(args.runbook_base)
         code = _client_command(args)
         sys.stdout.flush()  # here, where a reader that went away is handled below
         return code

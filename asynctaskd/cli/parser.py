@@ -15,6 +15,8 @@ examples:
   asynctaskd check-config --config config.toml   validate, print the effective config
   asynctaskd submit demo '{"text": "hi"}' --timeout 10m
   asynctaskd get 01J... --json
+  asynctaskd watch 01J...                        each change until it settles (--json: lines)
+  asynctaskd submit demo '{"text": "hi"}' --dedup-by-content   the same request: one task
   asynctaskd list --status SUBMIT_UNKNOWN
   asynctaskd resolve 01J... --as SUBMITTED --external-id job_42
   asynctaskd stats
@@ -30,6 +32,8 @@ examples:
   asynctaskd backup --config config.toml --to /var/backups/asynctaskd/2026-12-03
                                                  snapshot the data while the daemon runs
   asynctaskd restore --from /var/backups/asynctaskd/2026-12-03 --data-dir /var/lib/asynctaskd
+  asynctaskd alerts --runbook-base https://git.example.com/ops/asynctaskd/blob/v1/docs/deploy.md
+                                                 Prometheus rules, runbook links to your docs
 
 Reads use --url/--namespace, or [redis] from --config, or $ASYNCTASKD_URL.
 
@@ -275,6 +279,21 @@ def _parser() -> argparse.ArgumentParser:
         "(for producers in other languages: docs/protocol.md, section 7)",
     )
     lp.add_argument("dir", type=Path, help="the directory to write (created if missing)")
+
+    sp = sub.add_parser(
+        "alerts",
+        help="print this version's Prometheus alert rules, runbook links made full URLs",
+        description="Print prometheus/alerts.yml as shipped with this version, each alert's "
+        "runbook_url annotation built from --runbook-base: redirect it to your Prometheus "
+        "rule file (docs/deploy.md, section 4).",
+    )
+    sp.add_argument(
+        "--runbook-base",
+        required=True,
+        metavar="URL",
+        help="the http(s) URL of docs/deploy.md where your team reads it; each alert "
+        "appends #<its section>",
+    )
 
     sp = sub.add_parser("purge", help="delete terminal tasks older than a duration")
     conn(sp)

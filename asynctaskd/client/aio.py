@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import functools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Literal, Self, cast
 
 import redis.asyncio
@@ -22,6 +22,7 @@ from asynctaskd.plans import Pause, Reads
 from asynctaskd.plans import advance as _advance
 from asynctaskd.routing import Group, MemberSpec
 from asynctaskd.store import Batcher, Call, Store, open_redis, read_many
+from asynctaskd.tracing import stored
 
 from .context import _REQUEUE, Plan, Stats, Step, T, TaskEvent, TaskPage, _Context
 from .groups import _delete_group, _groups, _set_group
@@ -120,6 +121,7 @@ class AsyncClient:
         strict: bool = True,
         route_key: str | None = None,
         dedup: Literal["content"] | None = None,
+        trace: Mapping[str, str] | None = None,
     ) -> Task:
         """Store a new task as PENDING_SUBMIT and return its snapshot; no vendor is called.
 
@@ -136,10 +138,14 @@ class AsyncClient:
         provider, unless given), so workers never re-route; `metadata` is left as given.
         `route_key` is the business key a `consistent_hash` group needs (other policies
         and plain handlers ignore it). With `strict`, the picked member must be live.
+
+        `trace` is the W3C trace context the daemons' vendor call spans are children of
+        (`{"traceparent": ..., "tracestate": ...}`); by default the caller's current
+        OpenTelemetry span, if the process traces, and `{}` stores none (docs/tracing.md).
         """
         dedup_key = _dedup(handler, params, dedup, dedup_key)
         args = (handler, params, tracking_timeout, tenant, account, provider, priority,
-                dedup_key, metadata, not_before, delay, route_key)  # fmt: skip
+                dedup_key, metadata, not_before, delay, stored(trace), route_key)  # fmt: skip
         return await self._run(_submit(self._ctx, strict, args))
 
     async def get(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal, Self, cast
 
 import redis
@@ -18,6 +18,7 @@ from asynctaskd.plans import Pause, Reads
 from asynctaskd.plans import advance as _advance
 from asynctaskd.routing import Group, MemberSpec
 from asynctaskd.store import Call, SyncStore, read_many_sync, redis_credentials
+from asynctaskd.tracing import stored
 
 from .context import (
     _REQUEUE,
@@ -120,11 +121,12 @@ class Client:
         strict: bool = True,
         route_key: str | None = None,
         dedup: Literal["content"] | None = None,
+        trace: Mapping[str, str] | None = None,
     ) -> Task:
         """Store a new task (or route it through a handler group); see `AsyncClient.submit`."""
         dedup_key = _dedup(handler, params, dedup, dedup_key)
         args = (handler, params, tracking_timeout, tenant, account, provider, priority,
-                dedup_key, metadata, not_before, delay, route_key)  # fmt: skip
+                dedup_key, metadata, not_before, delay, stored(trace), route_key)  # fmt: skip
         return self._run(_submit(self._ctx, strict, args))
 
     def get(

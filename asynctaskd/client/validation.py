@@ -139,6 +139,7 @@ def _prepare_submit(
     metadata: Any,
     not_before: dt.datetime | float | None,
     delay: float | dt.timedelta | None,
+    trace: str,
     route_key: str | None,
 ) -> tuple[Callable[[str], tuple[Call[Created], Task]], int]:
     """Validate a submit; return a builder of the create call and the task it writes for a
@@ -179,13 +180,14 @@ def _prepare_submit(
             task_id, handler, params_json, timeout_ms=timeout_ms, provider=provider_s,
             tenant=tenant_s, account=account_s, priority=priority, delay_ms=delay_ms,
             not_before_ms=not_before_ms, metadata_json=metadata_json, dedup_key=dedup_key or "",
+            trace=trace,
         )  # fmt: skip
         task = Task(
             id=task_id, handler=handler, status=Status.PENDING_SUBMIT,
             params=msgspec.json.decode(params_json),
             metadata=msgspec.json.decode(metadata_json) if metadata_json else None,
             tenant=tenant_s, account=account_s, provider=provider_s or handler,
-            priority=priority, dedup_key=dedup_key,
+            priority=priority, dedup_key=dedup_key, trace=trace or None,
         )  # fmt: skip
         return call, task
 

@@ -22,6 +22,7 @@ from .tables import (
     ReaperConfig,
     RedisConfig,
     RetryConfig,
+    TelemetryConfig,
     WebConfig,
     WorkerConfig,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "ReaperConfig",
     "RedisConfig",
     "RetryConfig",
+    "TelemetryConfig",
     "WebConfig",
     "WorkerConfig",
     "decode_hook",

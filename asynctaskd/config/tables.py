@@ -1,6 +1,6 @@
 """The config's tables as frozen msgspec Structs, one per table (`[redis]`, `[worker]`,
-`[retry]`, `[reaper]`, `[metrics]`, `[log]`, `[web]`, `[[handlers]]`, `[[limits]]`), and
-`Config`, the whole file."""
+`[retry]`, `[reaper]`, `[metrics]`, `[telemetry]`, `[log]`, `[web]`, `[[handlers]]`,
+`[[limits]]`), and `Config`, the whole file."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ __all__ = [
     "ReaperConfig",
     "RedisConfig",
     "RetryConfig",
+    "TelemetryConfig",
     "WebConfig",
     "WorkerConfig",
 ]
@@ -109,6 +110,15 @@ class MetricsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
     enabled: bool = True
     listen: str = "127.0.0.1:9464"  # host:port; IPv6 as [::1]:9464
+
+
+class TelemetryConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The `[telemetry]` table: traces (docs/tracing.md)."""
+
+    # A span around every vendor call, a child of the trace context its task was
+    # submitted with; needs `asynctaskd[otel]` and a TracerProvider. Off, nothing of
+    # OpenTelemetry is imported, even where it is installed.
+    otel: bool = False
 
 
 class WebConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -228,6 +238,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     retry: RetryConfig = RetryConfig()
     reaper: ReaperConfig = ReaperConfig()
     metrics: MetricsConfig = MetricsConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
     log: LogConfig = LogConfig()
     web: WebConfig = WebConfig()
     handlers: list[HandlerConfig] = []

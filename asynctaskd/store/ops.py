@@ -83,6 +83,7 @@ class Ops:
         not_before_ms: int = 0,
         metadata_json: bytes = b"",
         dedup_key: str = "",
+        trace: str = "",
     ) -> Call[Created]:
         prefix, task_key = self._task(task_id)
         shard = shard_of(task_id)
@@ -116,6 +117,8 @@ class Ops:
             metadata_json,
             dedup_key,
         ]
+        if trace:  # the optional 13th ARGV: a create without one is the 12 of before
+            args.append(trace)
         return Call("create", [prefix, task_key, dedup], args, decode)
 
     def claim(

@@ -27,6 +27,7 @@ from aiohttp import web
 
 from asynctaskd.client import AsyncClient, TaskEvent
 from asynctaskd.keys import Keys
+from asynctaskd.tracing import from_headers
 
 from .common import (
     _ANY,
@@ -98,7 +99,7 @@ async def _submit(request: web.Request) -> web.Response:
         tenant=tenant if tenant is not None else body.tenant, account=body.account,
         provider=body.provider, priority=body.priority, dedup_key=key,
         metadata=body.metadata, not_before=body.not_before, delay=body.delay,
-        strict=body.strict, route_key=body.route_key,
+        strict=body.strict, route_key=body.route_key, trace=from_headers(request.headers),
     )  # fmt: skip
     existing = before_ms is not None and round(task.created_at * 1000) < before_ms
     return _json(200 if existing else 201, public_task(task),

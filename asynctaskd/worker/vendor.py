@@ -1,6 +1,9 @@
 """The vendor calls: submit, query (cut at the task's deadline) and find, each with its
 handler context. What each returns or raises is mapped by `Outcomes` (pure) to a `Save`
-(or a `Reconcile`), which this module reports, logs and hands to `Saver`."""
+(or a `Reconcile`), which this module reports, logs and hands to `Saver`.
+
+With `[telemetry] otel` each handler call is awaited inside a span (`tracing.VendorSpans`);
+without, `self.spans` is None and a call pays only that test."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from asynctaskd.handlers import HandlerContext, HandlerEntry, Succeeded
 from asynctaskd.metrics import Metrics
 from asynctaskd.model import Status, Task
 from asynctaskd.store import Batcher, Code, Lease, Reconciled, Store
+from asynctaskd.tracing import vendor_spans
 
 from .call import CALLING, Call, InFlight
 from .claiming import Claimer
@@ -64,6 +68,7 @@ class Vendor:
         self.http = http
         self.handler_http = handler_http  # handlers with a proxy or size limit of their own
         self._loggers: dict[str, logging.Logger] = {}
+        self.spans = vendor_spans(config.telemetry.otel)
         # Start tokens: unique to each start of this worker, and across workers and restarts.
         self._token_prefix = f"{secrets.token_hex(6)}-"
         self._token_serial = itertools.count(1)
@@ -147,7 +152,13 @@ class Vendor:
         t0 = time.perf_counter()
         outcome = "ok"
         try:
-            out = await entry.handler.submit(task.params, ctx)
+            pending = entry.handler.submit(task.params, ctx)
+            spans = self.spans
+            out = await (
+                pending
+                if spans is None
+                else spans.call("submit", task, ctx.submit_attempt, pending)
+            )
         except anyio.get_cancelled_exc_class():
             raise
         except BaseException as exc:
@@ -178,7 +189,11 @@ class Vendor:
         found: Any = None
         failure: BaseException | None = None
         try:
-            found = await find(task.params, ctx)
+            pending = find(task.params, ctx)
+            spans = self.spans
+            found = await (
+                pending if spans is None else spans.call("find", task, active.lookups, pending)
+            )
         except anyio.get_cancelled_exc_class():
             raise
         except BaseException as exc:
@@ -243,7 +258,13 @@ class Vendor:
         active.set_deadline(now + budget, now + self.lease_ms / 1000)  # see set_deadline
         failure: BaseException | None = None
         try:
-            out = await entry.handler.query(query_handle, ctx)
+            pending = entry.handler.query(query_handle, ctx)
+            spans = self.spans
+            out = await (
+                pending
+                if spans is None
+                else spans.call("query", task, task.poll_count + 1, pending)
+            )
         except anyio.get_cancelled_exc_class():
             if active.cut.expired() and active.state is CALLING:  # not LOST: the deadline
                 outcome = "deadline"
@@ -277,7 +298,13 @@ class Vendor:
         finalize = entry.hook("finalize")
         if finalize is not None:
             try:
-                result = await finalize(result, ctx)
+                pending = finalize(result, ctx)
+                spans = self.spans
+                result = await (
+                    pending
+                    if spans is None
+                    else spans.call("finalize", task, task.poll_count + 1, pending)
+                )
             except anyio.get_cancelled_exc_class():
                 raise
             except BaseException as exc:
@@ -292,7 +319,13 @@ class Vendor:
             return
         with anyio.move_on_after(max(1.0, self.lease_ms / 2000)):
             try:
-                await cancel(query_handle, ctx)
+                pending = cancel(query_handle, ctx)
+                spans = self.spans
+                await (
+                    pending
+                    if spans is None
+                    else spans.call("cancel", task, task.poll_count + 1, pending)
+                )
             except anyio.get_cancelled_exc_class():
                 raise
             except BaseException as exc:

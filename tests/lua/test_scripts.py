@@ -96,6 +96,9 @@ return 1
         ("timeout_ms", "x"),
         ("fence", "3"),
         ("dedup", "1:t:other"),
+        ("trace", "not-a-traceparent"),
+        ("trace", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01 k=\n"),
+        ("trace", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01 " + "k" * 600),
     ],
 )
 async def test_a_forged_create_request_is_dropped_whole(
@@ -120,7 +123,14 @@ async def test_a_forged_create_request_is_dropped_whole(
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("priority", 101), ("priority", "high"), ("timeout_ms", 0), ("delay_ms", -5)],
+    [
+        ("priority", 101),
+        ("priority", "high"),
+        ("timeout_ms", 0),
+        ("delay_ms", -5),
+        ("trace", "00-xyz"),
+        ("trace", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\x00"),
+    ],
 )
 async def test_create_refuses_malformed_argv_and_writes_nothing(
     store: Store, redis_client: redis.asyncio.Redis, field: str, value: object

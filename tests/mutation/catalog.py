@@ -131,6 +131,23 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/lua/test_fresh_claim.py::test_ties_go_by_id_in_byte_order_as_in_the_ready_set",),
     ),
     Mutant(
+        "forged-trace-taken-in",
+        "a request's trace context is checked where a daemon takes it in, like every field "
+        "a producer writes",
+        "lua/_intake.lua",
+        "  if f.trace and not trace_ok(f.trace) then",
+        "  if false then",
+        t(SCRIPTS, "test_a_forged_create_request_is_dropped_whole"),
+    ),
+    Mutant(
+        "oversized-trace-stored",
+        "a trace context is at most 600 printable bytes",
+        "lua/_trace.lua",
+        "  return type(v) == 'string' and #v <= 600 and string.find(v, TRACE_HEAD) ~= nil",
+        "  return type(v) == 'string' and string.find(v, TRACE_HEAD) ~= nil",
+        t(SCRIPTS, "test_a_forged_create_request_is_dropped_whole"),
+    ),
+    Mutant(
         "fresh-cancel-lost",
         "a cancel taken in with its create cancels the task before any claim",
         "lua/_intake.lua",
