@@ -62,6 +62,21 @@ local KNOWN = {PENDING_SUBMIT = true, SUBMITTING = true, SUBMITTED = true, RUNNI
 -- The statuses in which a task holds an in-flight slot (admission caps).
 local INFLIGHT = {SUBMITTING = true, SUBMITTED = true, RUNNING = true, SUBMIT_UNKNOWN = true}
 
+-- include: _trace
+-- _trace: the W3C trace context a producer stores on a task (an include).
+--
+-- `trace` is the caller's traceparent, then, after one space, its tracestate if it has
+-- one (asynctaskd/tracing.py writes it). The daemon reads it only to parent its vendor
+-- call spans, through OpenTelemetry's own parser, which ignores a malformed value; this
+-- check keeps what a producer can store small and printable: the traceparent's shape
+-- (version 00 is 55 characters), printable ASCII, at most 600 bytes (W3C lets tracestate
+-- be cut to 512 characters).
+local TRACE_HEAD = '^%x%x%-' .. string.rep('%x', 32) .. '%-' .. string.rep('%x', 16) .. '%-%x%x'
+local function trace_ok(v)
+  return type(v) == 'string' and #v <= 600 and string.find(v, TRACE_HEAD) ~= nil
+         and string.find(v, '[^\32-\126]') == nil
+end
+
 -- include: _wake
 -- _wake: waking idle daemons (an include).
 --
@@ -86,6 +101,7 @@ end
 
 --- @include _int_arg
 --- @include _statuses
+--- @include _trace
 --- @include _wake
 
 -- The fields of a request or a task that a resend must match: what the producer chose.
@@ -102,7 +118,7 @@ local function request_fields(packed)
 end
 
 local function create_one(k, A, o, n)
-  if n ~= 12 then error('asynctaskd: create takes 12 arguments, got ' .. n) end
+  if n ~= 12 and n ~= 13 then error('asynctaskd: create takes 12 or 13 arguments, got ' .. n) end
   local tk = KEYS[k]
   local id = A[o + 1]
   local handler = A[o + 2]
@@ -130,6 +146,11 @@ local function create_one(k, A, o, n)
       error('asynctaskd: KEYS[' .. (k + 1) .. '] is not the dedup key of tenant '
             .. A[o + 4] .. ' and dedup_key ' .. dedup_key)
     end
+  end
+  local trace = n == 13 and A[o + 13] or ''
+  if trace ~= '' and not trace_ok(trace) then
+    error('asynctaskd: ARGV trace must be a W3C traceparent, then a space and its tracestate, '
+          .. 'printable ASCII of at most 600 bytes')
   end
   local nk = P .. 'new:' .. id
 
@@ -181,6 +202,7 @@ local function create_one(k, A, o, n)
   if A[o + 4] ~= '' then fields[#fields + 1] = 'tenant'; fields[#fields + 1] = A[o + 4] end
   if A[o + 5] ~= '' then fields[#fields + 1] = 'account'; fields[#fields + 1] = A[o + 5] end
   if A[o + 11] ~= '' then fields[#fields + 1] = 'metadata'; fields[#fields + 1] = A[o + 11] end
+  if trace ~= '' then fields[#fields + 1] = 'trace'; fields[#fields + 1] = trace end
   if dedup then
     fields[#fields + 1] = 'dedup'; fields[#fields + 1] = dedup
     redis.call('SETNX', KEYS[k + 1], id)

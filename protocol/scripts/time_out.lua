@@ -403,6 +403,21 @@ local function bump(tk)
   return v
 end
 
+-- include: _trace
+-- _trace: the W3C trace context a producer stores on a task (an include).
+--
+-- `trace` is the caller's traceparent, then, after one space, its tracestate if it has
+-- one (asynctaskd/tracing.py writes it). The daemon reads it only to parent its vendor
+-- call spans, through OpenTelemetry's own parser, which ignores a malformed value; this
+-- check keeps what a producer can store small and printable: the traceparent's shape
+-- (version 00 is 55 characters), printable ASCII, at most 600 bytes (W3C lets tracestate
+-- be cut to 512 characters).
+local TRACE_HEAD = '^%x%x%-' .. string.rep('%x', 32) .. '%-' .. string.rep('%x', 16) .. '%-%x%x'
+local function trace_ok(v)
+  return type(v) == 'string' and #v <= 600 and string.find(v, TRACE_HEAD) ~= nil
+         and string.find(v, '[^\32-\126]') == nil
+end
+
 -- include: _intake
 -- _intake: producers' requests, carried out by a daemon (not a script itself).
 --
@@ -437,13 +452,14 @@ end
 --- @include _move
 --- @include _schedule
 --- @include _statuses
+--- @include _trace
 --- @include _unschedule
 --- @include _wake
 
 local REQUEST_FIELDS = {id = true, handler = true, status = true, priority = true,
   created_ms = true, updated_ms = true, deadline_ms = true, timeout_ms = true, due_ms = true,
   version = true, params = true, provider = false, tenant = false, account = false,
-  metadata = false, dedup = false}
+  metadata = false, dedup = false, trace = false}
 local REQUIRED = 11  -- the fields above marked true (any other count takes the long check)
 local MAX_MS = 999999999999999  -- 15 digits
 local NAME_PATTERN = '^[%w_.:%-]+$'  -- keys.HANDLER_KEY_RE, at most 64 characters
@@ -453,7 +469,7 @@ local function name_ok(v) return type(v) == 'string' and #v <= 64 and string.fin
 -- The task's fields as a table, or nil and why not.
 local function check_request(id, packed)
   local ok, flat = pcall(cmsgpack.unpack, packed)
-  if not ok or type(flat) ~= 'table' or #flat % 2 ~= 0 or #flat > 32 then
+  if not ok or type(flat) ~= 'table' or #flat % 2 ~= 0 or #flat > 34 then
     return nil, 'not a cmsgpack array of field, value pairs'
   end
   local f, required = {}, 0
@@ -477,6 +493,9 @@ local function check_request(id, packed)
   if not name_ok(f.handler) or (f.provider and not name_ok(f.provider))
      or (f.tenant and not name_ok(f.tenant)) or (f.account and not name_ok(f.account)) then
     return nil, 'a handler, provider, tenant or account name is not valid'
+  end
+  if f.trace and not trace_ok(f.trace) then
+    return nil, 'trace is not a W3C traceparent (and tracestate)'
   end
   -- the times, as create writes them: positive integers without leading zeros, at most 15
   -- digits (Lua's doubles hold them and their sums exactly), checked in one pattern
