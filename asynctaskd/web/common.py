@@ -3,7 +3,6 @@ application keys, authentication and body decoding."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 from collections.abc import Awaitable, Callable
@@ -13,7 +12,7 @@ import msgspec
 import redis.exceptions
 from aiohttp import web
 
-from asynctaskd.client import AsyncClient, TaskEvent
+from asynctaskd.client import AsyncClient
 from asynctaskd.errors import (
     AsyncTaskdError,
     IllegalTransition,
@@ -26,6 +25,7 @@ from asynctaskd.errors import (
 )
 from asynctaskd.keys import Keys
 
+from .feed import Feed
 from .tokens import RateLimiter, Role, TokenCache, TokenRecord
 
 logger = logging.getLogger(__name__)
@@ -123,8 +123,8 @@ _TOKENS: Final = web.AppKey("tokens", TokenCache)
 _SETTINGS: Final = web.AppKey("settings", WebSettings)
 _RATES: Final = web.AppKey("rates", RateLimiter)
 _KEYS: Final = web.AppKey("keys", Keys)
-# The queues of the open event streams: a shutdown ends each one (a None) at once.
-_STREAMS: Final = web.AppKey("streams", set[asyncio.Queue[TaskEvent | None]])
+# The shared readers of the events streams, and the open event streams they feed.
+_FEED: Final = web.AppKey("feed", Feed)
 
 
 async def _auth(request: web.Request, roles: tuple[Role, ...]) -> TokenRecord:
