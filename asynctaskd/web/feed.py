@@ -91,7 +91,7 @@ class Subscription:
 class _Reader:
     """A shard's reader task and the watchers it serves, by task id (bytes, as read)."""
 
-    __slots__ = ("ready", "shard", "task", "watchers")
+    __slots__ = ("ready", "shard", "stopped", "task", "watchers")
 
     def __init__(self, shard: int) -> None:
         self.shard = shard
@@ -100,6 +100,7 @@ class _Reader:
         # Retrieved even when every subscriber waiting for it has gone.
         self.ready.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.task: asyncio.Task[None] | None = None
+        self.stopped = False
 
     def each(self) -> list[Subscription]:
         return [sub for subs in self.watchers.values() for sub in subs]
@@ -161,6 +162,7 @@ class Feed:
             self._stop(reader)
 
     def _stop(self, reader: _Reader) -> None:
+        reader.stopped = True
         if self._readers.get(reader.shard) is reader:
             del self._readers[reader.shard]
         if reader.task is not None and reader.task is not asyncio.current_task():
@@ -235,7 +237,10 @@ class Feed:
         last: bytes | None = None  # None: take the stream's end as the position
         gap = False  # changes may have been missed: the watchers re-read once caught up
         failing: float | None = None
-        while True:
+        # Also checked, not only cancelled: a cancel that lands in a redis-py command
+        # can be lost (seen with redis-py 8.1 on Python 3.11, in the XREVRANGE after the
+        # XREAD), and a reader that lived on would hold its connection for good.
+        while not reader.stopped:
             try:
                 if last is None:
                     top = await conn.xrevrange(stream, "+", "-", count=1)

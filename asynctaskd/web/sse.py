@@ -93,13 +93,13 @@ async def _stream(
     if backlog[-1].status.is_settled and backlog[-1].version <= seen:
         return web.Response(status=204)  # tells an EventSource to stop reconnecting
     response = web.StreamResponse(headers=_HEADERS)
-    await response.prepare(request)
     transport = request.transport
     if transport is not None:
         sub.on_drop = transport.abort  # a client that stopped reading: no flush to wait for
     keepalive = request.app[_SETTINGS].keepalive
     shown = backlog[0]
     try:
+        await response.prepare(request)
         out = [b"retry: 1000\n\n"]
         for event in backlog:
             if event.version > seen:
