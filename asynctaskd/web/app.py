@@ -1,4 +1,5 @@
-"""The /api/v1 routes on aiohttp.web, with AsyncClient doing every Redis call.
+"""The /api/v1 routes on aiohttp.web, with AsyncClient doing every Redis call but the
+event streams' shared reads of the events streams (`sse`, `feed`).
 
 The server adds only what HTTP needs: tokens and their roles, status codes, the event
 stream. Every rule about tasks (names, ranges, payload size, tenants, dedup, quotas) is the
