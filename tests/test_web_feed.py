@@ -293,3 +293,22 @@ async def test_a_stream_survives_a_redis_restart(aof_api: tuple[Web, ServerProce
             await api.change(task_id, 2)
             event = await anext(events)
     assert (event["data"]["status"], event["data"]["version"]) == ("RUNNING", 2)
+
+
+async def test_streams_end_when_redis_stays_away(
+    aof_api: tuple[Web, ServerProcess], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the reconnect budget the shard's streams end (their clients reconnect, and get
+    503 while Redis is away) instead of hanging on with nothing to say."""
+    monkeypatch.setattr("asynctaskd.web.feed.RECONNECT_BUDGET_S", 0.5)
+    api, server = aof_api
+    task_id = await api.task()
+    with anyio.fail_after(30):
+        async with contextlib.aclosing(_events(api, task_id)) as events:
+            assert (await anext(events))["data"]["status"] == "PENDING_SUBMIT"
+            await anyio.to_thread.run_sync(server.kill)
+            rest = [e async for e in events]  # ends, though the task never settled
+    assert rest == []
+    await wait_until(lambda: _now(api.feed.shards == []), "the reader to stop")
+    r = await api.http.get(f"{API}/tasks/{task_id}/events", headers=api.auth)
+    assert r.status_code == 503
