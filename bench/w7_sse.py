@@ -1,9 +1,8 @@
 """W7: 5,000 concurrent SSE watchers on one `asynctaskd web` process: memory per watcher
 and the delay from a status change to its event at the client.
 
-One private redis-server, `python -m asynctaskd web` as a child process (its Redis pool
-sized for one connection per open stream, `[web] redis_connections`), `--watchers` tasks
-created waiting (PENDING_SUBMIT). The harness opens one event stream per task from
+One private redis-server, `python -m asynctaskd web` as a child process, `--watchers`
+tasks created waiting (PENDING_SUBMIT). The harness opens one event stream per task from
 aiohttp client sessions (500 connections each) and waits until every stream has shown
 its first event (the current state); the web process's RSS before and after, divided by
 the watchers, is the memory per watcher. Then it claims `--changes` of the tasks (the
@@ -14,10 +13,12 @@ every changed task's watcher got its event.
 
 The open-file limit is raised for the harness and its children.
 
-Each open stream reads its shard's events stream on its own connection
-(AsyncClient.watch), so every change is read and decoded once per open stream: the web
-process's work grows as watchers x changes per second, and the delay with it
-(docs/api.md, Not yet).
+The web process reads each shard's events stream once, for every open stream
+(asynctaskd/web/feed.py): "Redis connected clients while open" shows that the
+connections do not grow with the watchers. No daemon runs: the harness takes the
+creates in before the streams open, as a running daemon would have within milliseconds
+(left to the first timed claim, the take-in's 5,000 events would be the shard stream's
+first entries, and every stream would re-read its task once, docs/api.md).
 
     python bench/w7_sse.py [--watchers 5000] [--changes 200] [--batch 1] [--spacing 0.1]
 Prints a table, then one JSON line {"bench": "w7_sse", ...}.
@@ -70,6 +71,9 @@ async def _create(url: str, n: int) -> list[str]:
         for r in await store.run_many(calls[s : s + 1000]):
             if isinstance(r, Exception):
                 raise r
+    # Take the requests in (a claim of none), as a running daemon would within milliseconds.
+    while (await store.claim(0, "submit", 0, 1000, "w7-intake", 0)).taken:
+        pass
     await redis.aclose()
     return ids
 
@@ -194,7 +198,7 @@ def run(
     with redis_server() as server, workdir("bench-w7-") as tmp:
         m = machine(server.port)
         ids = arun(_create(server.url, watchers))
-        with web_process(server.url, tmp, redis_connections=min(10_000, watchers + 64)) as web:
+        with web_process(server.url, tmp) as web:
             r = arun(_run(web, ids, min(changes, watchers), batch, spacing))
     ok = r["delivered"] == r["changes"]
     return {

@@ -3,6 +3,7 @@ Redis behind it, httpx in front; a real Worker for the lifecycle the event strea
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import subprocess
@@ -26,7 +27,7 @@ from asynctaskd.handlers import HandlerContext, HandlerEntry, Running, Submitted
 from asynctaskd.model import Status
 from asynctaskd.store import Store
 from asynctaskd.web import WebSettings, make_app
-from asynctaskd.web.tokens import Role, mint, tokens_key
+from asynctaskd.web.tokens import Role, TokenCache, mint, tokens_key
 from asynctaskd.worker import Worker
 from tests.conftest import wait_until
 from tests.lua.helpers import ingest
@@ -894,6 +895,25 @@ async def test_a_token_over_its_rate_gets_429_and_writes_nothing(
     assert await _snapshot(redis_client) == before
     assert (await api.http.get(f"{API}/tasks", headers=limited)).status_code == 429
     assert (await api.http.get(f"{API}/tasks", headers=free)).status_code == 200  # per token
+
+
+async def test_a_burst_with_one_token_reads_its_record_once(
+    redis_client: redis.asyncio.Redis,
+) -> None:
+    token, record = mint("viewer", "t1")
+    await redis_client.hset(tokens_key("atd"), record.id, msgspec.json.encode(record))
+    cache = TokenCache(redis_client, "atd", ttl=60)
+
+    async def hgets() -> int:
+        stats = await redis_client.info("commandstats")
+        return int(stats.get("cmdstat_hget", {}).get("calls", 0))
+
+    before = await hgets()
+    checked = await asyncio.gather(*(cache.check(token) for _ in range(50)))
+    assert checked == [record] * 50
+    assert await hgets() - before == 1  # one read for the burst, not one per request
+    wrong = token[:-1] + ("A" if token[-1] != "A" else "B")
+    assert await cache.check(wrong) is None  # the secret is still checked on each use
 
 
 def test_the_rate_limiter_refills_at_the_rate() -> None:

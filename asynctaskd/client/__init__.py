@@ -17,6 +17,9 @@ from .context import Stats, TaskEvent, TaskPage
 from .operator import ArchiveTarget as ArchiveTarget
 from .sync import Client
 from .validation import content_dedup_key as content_dedup_key
+from .validation import task_shard as task_shard
 from .watch import event_from_entry as event_from_entry
+from .watch import stream_entries as stream_entries
+from .watch import task_event as task_event
 
 __all__ = ["AsyncClient", "Client", "Stats", "TaskEvent", "TaskPage"]

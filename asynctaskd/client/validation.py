@@ -96,6 +96,9 @@ def _shard(keys: Keys, task_id: object) -> int:
     return shard
 
 
+task_shard = _shard  # the public name: the web's event streams check ids the same way
+
+
 def _status(value: object) -> Status:
     try:
         return Status(value)

@@ -30,7 +30,7 @@ from .tasks import _public, _task_reads, _visible
 from .validation import _seconds, _shard
 
 
-def _entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
+def stream_entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
     """XREAD reply entries, whichever shape redis-py gave (RESP2 list or RESP3 dict)."""
     if not reply:
         return []
@@ -61,7 +61,7 @@ def event_from_entry(task_id: str, entry_id: bytes, fields: dict[bytes, bytes]) 
         return None  # written by something that is not our scripts: not an event of ours
 
 
-def _task_event(task: Task) -> TaskEvent:
+def task_event(task: Task) -> TaskEvent:
     """The task's state as an event, shaped as the stream's are (progress, stage and
     message come with RUNNING only), so that a state reads the same whether watch() took
     it from the stream or from the hash."""
@@ -127,7 +127,7 @@ def _wait(ctx: _Context, task_id: str, timeout: float, tenant: str | None) -> Pl
             break
         reply, at_last = yield _xread(stream, last, min(remaining, BLOCK_S))
         settled = False
-        for entry_id, fields in _entries(reply):
+        for entry_id, fields in stream_entries(reply):
             last = entry_id
             if fields.get(b"task") == tid:
                 changed = True
@@ -168,7 +168,7 @@ def _watch(ctx: _Context, task_id: str, tenant: str | None) -> Plan[None]:
         except _TRANSIENT as exc:
             failing = yield from _backoff(failing, exc)
     task, last = opened
-    shown = _task_event(task)
+    shown = task_event(task)
     yield shown
     stream, tid, version = ctx.keys.events(task.shard), task_id.encode(), task.version
     reconnected = False
@@ -187,7 +187,7 @@ def _watch(ctx: _Context, task_id: str, tenant: str | None) -> Plan[None]:
             reconnected = True
             continue  # resume from the last id seen
         failing, reconnected = None, False
-        for entry_id, fields in _entries(reply):
+        for entry_id, fields in stream_entries(reply):
             last = entry_id
             event = (
                 event_from_entry(task_id, entry_id, fields) if fields.get(b"task") == tid else None
@@ -199,7 +199,7 @@ def _watch(ctx: _Context, task_id: str, tenant: str | None) -> Plan[None]:
                     return
         if fresh is not None:  # read after these entries: at least as new as any of them
             task, version = fresh, fresh.version
-            current = _task_event(fresh)
+            current = task_event(fresh)
             if _shows(current) != _shows(shown):
                 shown = current
                 yield shown

@@ -132,8 +132,8 @@ class WebConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     token_cache: Duration = Duration(5)
     # Comment lines sent on an idle event stream, so that proxies do not cut it.
     keepalive: Duration = Duration(15)
-    # Redis connections of the web process. Each open event stream holds one while it
-    # waits for changes (up to 5 s at a time); other requests queue for a free one.
+    # Redis connections of the web process; requests queue for a free one. The open
+    # event streams share one per shard (web.feed), plus at most 16 for their snapshots.
     redis_connections: Annotated[int, msgspec.Meta(ge=4, le=10000)] = 256
 
 

@@ -1,4 +1,5 @@
-"""The /api/v1 routes on aiohttp.web, with AsyncClient doing every Redis call.
+"""The /api/v1 routes on aiohttp.web, with AsyncClient doing every Redis call but the
+event streams' shared reads of the events streams (`sse`, `feed`).
 
 The server adds only what HTTP needs: tokens and their roles, status codes, the event
 stream. Every rule about tasks (names, ranges, payload size, tenants, dedup, quotas) is the
@@ -17,26 +18,23 @@ decoded and checked before anything is written.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any, cast
 
 import msgspec
 from aiohttp import web
 
-from asynctaskd.client import AsyncClient, TaskEvent
+from asynctaskd.client import AsyncClient
 from asynctaskd.keys import Keys
 from asynctaskd.tracing import from_headers
 
 from .common import (
     _ANY,
     _CLIENT,
+    _FEED,
     _KEYS,
     _OPERATOR,
     _RATES,
     _SETTINGS,
-    _STREAMS,
     _TOKENS,
     _WRITERS,
     PREFIX,
@@ -51,6 +49,7 @@ from .common import (
 )
 from .console.audit import write_audit
 from .console.routes import mount_console
+from .feed import Feed
 from .operator import (
     _bulk,
     _clear_limit,
@@ -67,12 +66,12 @@ from .operator import (
     _set_group,
     _set_limit,
 )
-from .replay import missed_events
 from .schemas import (
     SubmitBody,
     openapi,
     public_task,
 )
+from .sse import events
 from .tokens import RateLimiter, TokenCache
 
 __all__ = ["ApiError", "WebSettings", "make_app"]
@@ -157,102 +156,6 @@ async def _stats(request: web.Request) -> web.Response:
     return _json(200, msgspec.to_builtins(await request.app[_CLIENT].stats()))
 
 
-def _last_event_id(request: web.Request) -> int:
-    text = request.headers.get("Last-Event-ID", "").strip()
-    if not text:
-        return 0
-    if not text.isdigit() or len(text) > 18:
-        raise ApiError(422, "invalid", f"Last-Event-ID must be a task version, got {text!r:.40}")
-    return int(text)
-
-
-def _shows(event: TaskEvent) -> tuple[Any, ...]:
-    return event.status, event.progress, event.stage, event.message
-
-
-def _frame(event: TaskEvent) -> bytes:
-    data = msgspec.json.encode(event)
-    return b"event: task\nid: %d\ndata: %s\n\n" % (event.version, data)
-
-
-async def _pump(events: AsyncIterator[TaskEvent], queue: asyncio.Queue[TaskEvent | None]) -> None:
-    try:
-        async for event in events:
-            await queue.put(event)
-    finally:
-        await queue.put(None)
-
-
-async def _events(request: web.Request) -> web.StreamResponse:
-    """SSE of the task's changes (AsyncClient.watch), ids are versions: a reconnect with
-    Last-Event-ID gets only newer states, the first of them the current one."""
-    record = await _auth(request, _ANY)
-    seen = _last_event_id(request)
-    task_id, client = _task_id(request), request.app[_CLIENT]
-    # An async generator (closed below, so that its Redis read ends with the stream).
-    watch = cast(AsyncGenerator[TaskEvent, None], client.watch(task_id, _scope(record)))
-    try:
-        first = await anext(watch)  # raises TaskNotFound or InvalidTask before any byte
-    except StopAsyncIteration:  # pragma: no cover - watch always yields the current state
-        raise ApiError(404, "not_found", f"no task {task_id}") from None
-    try:
-        backlog = [first]
-        if seen and first.version > seen:  # a reconnect that missed changes: replay them
-            missed = await missed_events(client.redis, request.app[_KEYS], task_id, seen)
-            if missed:
-                # The current state closes the replay unless the last missed event shows it.
-                last = missed[-1]
-                same = _shows(last) == _shows(first) or last.version >= first.version
-                backlog = missed if same else [*missed, first]
-        if backlog[-1].status.is_settled and backlog[-1].version <= seen:
-            await watch.aclose()
-            return web.Response(status=204)  # tells an EventSource to stop reconnecting
-        response = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-store",
-                "X-Accel-Buffering": "no",  # nginx: pass each event on at once
-            }
-        )
-        await response.prepare(request)
-    except BaseException:
-        await watch.aclose()  # its Redis read must not outlive the request
-        raise
-    queue: asyncio.Queue[TaskEvent | None] = asyncio.Queue()
-    for missed_or_current in backlog:
-        queue.put_nowait(missed_or_current)
-    pump = asyncio.create_task(_pump(watch, queue))
-    keepalive = request.app[_SETTINGS].keepalive
-    streams = request.app[_STREAMS]
-    streams.add(queue)
-    try:
-        await response.write(b"retry: 1000\n\n")
-        while True:
-            try:
-                event = await asyncio.wait_for(queue.get(), keepalive)
-            except TimeoutError:
-                await response.write(b": keep-alive\n\n")
-                continue
-            if event is None:
-                break
-            if event.version > seen:
-                seen = event.version
-                await response.write(_frame(event))
-            if event.status.is_settled:
-                break
-    finally:
-        streams.discard(queue)
-        pump.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await pump
-        with contextlib.suppress(Exception):
-            await watch.aclose()
-    if pump.done() and not pump.cancelled() and pump.exception() is not None:
-        logger.warning("event stream of %s ended early: %s", task_id, pump.exception())
-    await response.write_eof()
-    return response
-
-
 async def _openapi(request: web.Request) -> web.Response:
     return _json(200, openapi(request.app[_SETTINGS].version))
 
@@ -272,8 +175,7 @@ async def _readyz(request: web.Request) -> web.Response:
 async def _end_streams(app: web.Application) -> None:
     """On shutdown, end open event streams cleanly rather than wait for them: the clients
     reconnect (to another instance) with Last-Event-ID and miss nothing."""
-    for queue in app[_STREAMS]:
-        queue.put_nowait(None)
+    await app[_FEED].close()
 
 
 def make_app(client: AsyncClient, settings: WebSettings) -> web.Application:
@@ -282,7 +184,7 @@ def make_app(client: AsyncClient, settings: WebSettings) -> web.Application:
     app[_CLIENT] = client
     app[_SETTINGS] = settings
     app[_KEYS] = Keys(settings.namespace, settings.shards)
-    app[_STREAMS] = set()
+    app[_FEED] = Feed(client.redis, app[_KEYS])
     app.on_shutdown.append(_end_streams)
     app[_TOKENS] = TokenCache(client.redis, settings.namespace, settings.token_cache)
     app[_RATES] = RateLimiter()
@@ -292,7 +194,7 @@ def make_app(client: AsyncClient, settings: WebSettings) -> web.Application:
     app.router.add_post(f"{p}/tasks/bulk", _bulk)
     app.router.add_get(f"{p}/tasks/{{id}}", _get, allow_head=False)
     app.router.add_post(f"{p}/tasks/{{id}}/cancel", _cancel)
-    app.router.add_get(f"{p}/tasks/{{id}}/events", _events, allow_head=False)
+    app.router.add_get(f"{p}/tasks/{{id}}/events", events, allow_head=False)
     app.router.add_post(f"{p}/tasks/{{id}}/resolve", _resolve)
     app.router.add_post(f"{p}/tasks/{{id}}/requeue", _requeue)
     app.router.add_get(f"{p}/stats", _stats, allow_head=False)

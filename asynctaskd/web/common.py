@@ -3,7 +3,6 @@ application keys, authentication and body decoding."""
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 import math
@@ -14,7 +13,7 @@ import msgspec
 import redis.exceptions
 from aiohttp import web
 
-from asynctaskd.client import AsyncClient, TaskEvent
+from asynctaskd.client import AsyncClient
 from asynctaskd.errors import (
     AsyncTaskdError,
     IllegalTransition,
@@ -28,6 +27,7 @@ from asynctaskd.errors import (
 from asynctaskd.keys import Keys
 
 from .console.session import COOKIE, CSRF_HEADER, Sessions
+from .feed import Feed
 from .tokens import RateLimiter, Role, TokenCache, TokenRecord
 
 logger = logging.getLogger(__name__)
@@ -125,8 +125,8 @@ _TOKENS: Final = web.AppKey("tokens", TokenCache)
 _SETTINGS: Final = web.AppKey("settings", WebSettings)
 _RATES: Final = web.AppKey("rates", RateLimiter)
 _KEYS: Final = web.AppKey("keys", Keys)
-# The queues of the open event streams: a shutdown ends each one (a None) at once.
-_STREAMS: Final = web.AppKey("streams", set[asyncio.Queue[TaskEvent | None]])
+# The shared readers of the events streams, and the open event streams they feed.
+_FEED: Final = web.AppKey("feed", Feed)
 # Console sessions (set when the console is mounted: web.console.routes).
 _SESSIONS: Final = web.AppKey("sessions", Sessions)
 _SAFE_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS"})

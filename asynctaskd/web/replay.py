@@ -1,9 +1,9 @@
 """The changes a reconnecting event-stream client missed, read back from the events stream.
 
-`AsyncClient.watch` starts from the task's current state: right for a new watcher, but a
-client that reconnects with `Last-Event-ID` would see the states it missed folded into
-one. The shard's events stream (docs/protocol.md, section 8) still holds them unless it
-was trimmed: this module reads it backwards, newest first, until it meets an entry of
+An event stream (`sse`) starts from the task's current state: right for a new watcher,
+but a client that reconnects with `Last-Event-ID` would see the states it missed folded
+into one. The shard's events stream (docs/protocol.md, section 8) still holds them unless
+it was trimmed: this module reads it backwards, newest first, until it meets an entry of
 the task at or below the client's version, which proves that nothing in between was
 trimmed. Without that proof (the stream was trimmed past it, or the task changed too long
 ago to find cheaply) it returns None, and the caller falls back to the current state.

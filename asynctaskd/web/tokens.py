@@ -18,6 +18,8 @@ once (a miss is read from Redis) and a revoked one stops within that time, no re
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hashlib
 import hmac
 import math
@@ -113,6 +115,9 @@ class TokenCache:
         self._key = tokens_key(namespace)
         self._ttl = ttl
         self._cache: dict[str, tuple[float, TokenRecord | None]] = {}
+        # Reads in flight by id: a burst of requests with one token (thousands of event
+        # streams opening) makes one HGET, not one each, nor a pool connection each.
+        self._reading: dict[str, asyncio.Future[tuple[float, TokenRecord | None]]] = {}
 
     async def check(self, token: str) -> TokenRecord | None:
         """The token's record if the token is valid and not revoked, else None."""
@@ -128,20 +133,34 @@ class TokenCache:
     async def record(self, token_id: str) -> TokenRecord | None:
         """The stored record of `token_id` (None: unknown or revoked), through the cache;
         a console session keeps only the id, and finds its token revoked here."""
-        now = time.monotonic()
         cached = self._cache.get(token_id)
-        if cached is None or now - cached[0] >= self._ttl:
-            raw = await self._redis.hget(self._key, token_id)
-            record = None
-            if raw is not None:
-                try:
-                    record = msgspec.json.decode(raw, type=TokenRecord)
-                except msgspec.DecodeError:
-                    record = None  # written by something else: no valid token
-            if len(self._cache) > 10_000:
-                self._cache.clear()  # bounded: garbage ids cannot grow it forever
-            self._cache[token_id] = cached = (now, record)
+        if cached is None or time.monotonic() - cached[0] >= self._ttl:
+            reading = self._reading.get(token_id)
+            if reading is None:
+                reading = self._reading[token_id] = asyncio.ensure_future(self._read(token_id))
+                reading.add_done_callback(functools.partial(self._done, token_id))
+            cached = await asyncio.shield(reading)  # one caller leaving cancels no other's
         return cached[1]
+
+    async def _read(self, token_id: str) -> tuple[float, TokenRecord | None]:
+        now = time.monotonic()
+        raw = await self._redis.hget(self._key, token_id)
+        record = None
+        if raw is not None:
+            try:
+                record = msgspec.json.decode(raw, type=TokenRecord)
+            except msgspec.DecodeError:
+                record = None  # written by something else: no valid token
+        if len(self._cache) > 10_000:
+            self._cache.clear()  # bounded: garbage ids cannot grow it forever
+        self._cache[token_id] = (now, record)
+        return now, record
+
+    def _done(self, token_id: str, done: asyncio.Future[Any]) -> None:
+        if self._reading.get(token_id) is done:
+            del self._reading[token_id]
+        if not done.cancelled():
+            done.exception()  # seen, even if every caller stopped waiting for it
 
 
 class RateLimiter:
