@@ -3,41 +3,22 @@ section 7): the job whose `match` value equals `equals` is the one this task's s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from asynctaskd.downloads import origin_of
 from asynctaskd.errors import RetryableError
 from asynctaskd.handlers import HandlerContext, Submitted
-from asynctaskd.transport import Reply
 
-from .classify import _Classifying
+from .exchange import _Exchanging
 from .options import HttpOptions
-from .plan import _Plan, _Request
-from .templates import _MISSING, _as_text, _Rendering, _Vars
+from .templates import _MISSING, _as_text, _Vars
 
 
-class _Finding(_Classifying, _Rendering):
+class _Finding(_Exchanging):
     """HttpHandler's find(), set as `find` only with a find section."""
 
-    plan: _Plan
     options: HttpOptions
     _base_origin: tuple[str, str, int | None] | None
-
-    if TYPE_CHECKING:  # HttpHandler's
-
-        def _prepare(
-            self, request: _Request, v: _Vars, what: str
-        ) -> tuple[str, dict[str, str], bytes | None]: ...
-
-        async def _send(
-            self,
-            ctx: HandlerContext,
-            what: str,
-            method: str,
-            url: str,
-            headers: dict[str, str],
-            content: bytes | None,
-        ) -> Reply: ...
 
     async def _find(self, params: Any, ctx: HandlerContext) -> Submitted | None:
         """List the vendor's jobs; the one whose `match` value equals `equals` is ours."""

@@ -12,7 +12,7 @@ throttled step is a throttled submit.
 from __future__ import annotations
 
 import secrets
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
@@ -20,31 +20,13 @@ from asynctaskd.errors import NotSent, PermanentError, RetryableError
 from asynctaskd.handlers import HandlerContext
 from asynctaskd.transport import Reply
 
-from .classify import _Classifying
-from .plan import _FileSpec, _Plan, _Request, _Step
-from .templates import _MISSING, _Rendering, _Vars
+from .exchange import _Exchanging
+from .plan import _FileSpec, _Step
+from .templates import _MISSING, _Vars
 
 
-class _Stepping(_Classifying, _Rendering):
+class _Stepping(_Exchanging):
     """HttpHandler's submit steps (`submit.before`)."""
-
-    plan: _Plan
-
-    if TYPE_CHECKING:  # HttpHandler's
-
-        def _prepare(
-            self, request: _Request, v: _Vars, what: str
-        ) -> tuple[str, dict[str, str], bytes | None]: ...
-
-        async def _send(
-            self,
-            ctx: HandlerContext,
-            what: str,
-            method: str,
-            url: str,
-            headers: dict[str, str],
-            content: bytes | None,
-        ) -> Reply: ...
 
     async def _run_steps(self, v: _Vars, ctx: HandlerContext) -> None:
         """Send each step in order; what each keeps lands in `v.steps` for the next."""
