@@ -423,8 +423,17 @@ async def _events(
     api: Api, task_id: str, auth: dict[str, str], last: int | None = None, upto: int = 1000
 ) -> AsyncIterator[dict[str, Any]]:
     """Each event of the stream as {"id", "event", "data"}; stops after `upto` events."""
+    async for frame in event_frames(api.http, task_id, auth, last, upto):
+        yield frame
+
+
+async def event_frames(
+    http: httpx.AsyncClient, task_id: str, auth: dict[str, str], last: int | None, upto: int
+) -> AsyncIterator[dict[str, Any]]:
+    """GET /tasks/{id}/events (from `Last-Event-ID` `last`): each event as {"id", "event",
+    "data"}, until the stream ends or `upto` events came; keep-alive comments skipped."""
     headers = {**auth, **({"Last-Event-ID": str(last)} if last is not None else {})}
-    async with api.http.stream("GET", f"{API}/tasks/{task_id}/events", headers=headers) as r:
+    async with http.stream("GET", f"{API}/tasks/{task_id}/events", headers=headers) as r:
         assert r.status_code == 200, await r.aread()
         assert r.headers["Content-Type"].startswith("text/event-stream")
         frame: dict[str, Any] = {}

@@ -30,6 +30,7 @@ from asynctaskd.web.feed import Feed
 from asynctaskd.web.tokens import mint, tokens_key
 from tests.conftest import wait_until
 from tests.lua.helpers import ingest
+from tests.test_web import event_frames
 
 pytestmark = pytest.mark.anyio
 
@@ -95,23 +96,8 @@ async def _events(
     api: Web, task_id: str, last: int | None = None, upto: int = 1_000_000
 ) -> AsyncIterator[dict[str, Any]]:
     """Each event of one stream as {"id", "event", "data"}, until it ends or `upto`."""
-    headers = {**api.auth, **({"Last-Event-ID": str(last)} if last is not None else {})}
-    async with api.http.stream("GET", f"{API}/tasks/{task_id}/events", headers=headers) as r:
-        assert r.status_code == 200, await r.aread()
-        frame: dict[str, Any] = {}
-        count = 0
-        async for line in r.aiter_lines():
-            if line == "":
-                if "data" in frame:
-                    frame["data"] = msgspec.json.decode(frame["data"])
-                    yield frame
-                    count += 1
-                    if count == upto:
-                        return
-                frame = {}
-            elif not line.startswith(":"):
-                name, _, value = line.partition(": ")
-                frame[name] = value
+    async for frame in event_frames(api.http, task_id, api.auth, last, upto):
+        yield frame
 
 
 async def _cancel(api: Web, task_id: str) -> None:
