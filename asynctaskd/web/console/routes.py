@@ -123,7 +123,7 @@ async def _overview(request: web.Request) -> web.Response:
     return _json(200, await overview(request.app[_CLIENT], request.app[_KEYS]))
 
 
-def _epoch_ms(request: web.Request, name: str) -> int | None:
+def _epoch_s(request: web.Request, name: str) -> float | None:
     text = request.query.get(name, "").strip()
     if not text:
         return None
@@ -133,7 +133,7 @@ def _epoch_ms(request: web.Request, name: str) -> int | None:
         raise ApiError(422, "invalid", f"{name} must be epoch seconds, got {text!r:.40}") from None
     if not 0 <= value < 1e11:
         raise ApiError(422, "invalid", f"{name} must be epoch seconds, got {text!r:.40}")
-    return round(value * 1000)
+    return value
 
 
 def _limit(request: web.Request, default: int, top: int) -> int:
@@ -167,13 +167,12 @@ async def _tasks(request: web.Request) -> web.Response:
         handler=q.get("handler") or None,
         tenant=tenant if tenant is not None else (q.get("tenant") or None),
         account=q.get("account") or None,
-        since_ms=_epoch_ms(request, "since"), until_ms=_epoch_ms(request, "until"),
+        since=_epoch_s(request, "since"), until=_epoch_s(request, "until"),
     )  # fmt: skip
-    if f.since_ms is not None and f.until_ms is not None and f.since_ms > f.until_ms:
+    if f.since is not None and f.until is not None and f.since > f.until:
         raise ApiError(422, "invalid", "since must not be after until")
-    page = await browse(request.app[_CLIENT].redis, request.app[_KEYS], f,
-                        _limit(request, 50, 500), await _session_key(request),
-                        q.get("cursor") or None)  # fmt: skip
+    page = await browse(request.app[_CLIENT], f, _limit(request, 50, 500),
+                        await _session_key(request), q.get("cursor") or None)  # fmt: skip
     return _json(200, page)
 
 
