@@ -32,7 +32,7 @@ from asynctaskd.errors import InvalidTask
 from asynctaskd.keys import Keys, shard_for_dedup
 from asynctaskd.model import Status, Task
 
-__all__ = ["FIND_SCAN", "Filter", "browse", "find", "row"]
+__all__ = ["FIND_ORDER", "FIND_SCAN", "Filter", "browse", "find", "read_page", "row"]
 
 FIND_SCAN: Final = 200_000  # tasks whose field is read per find request, at most
 FIND_BUDGET_S: Final = 1.0  # and no new page is read after this long (the HMGET fallback)
@@ -40,7 +40,7 @@ _FIND_PAGE: Final = 5_000
 _FIND_MAX: Final = 50  # matches returned, at most
 # Live and parked tasks first (few, and what an operator most often looks for), then the
 # settled ones; newest first within each.
-_FIND_ORDER: Final = sorted(Status, key=lambda s: s.is_terminal)
+FIND_ORDER: Final = sorted(Status, key=lambda s: s.is_terminal)
 
 
 class Filter(msgspec.Struct, frozen=True, kw_only=True):
@@ -127,7 +127,7 @@ async def find(
     raise InvalidTask(f"find by id, dedup_key, external_id or metadata, not {kind!r:.40}")
 
 
-async def _page(
+async def read_page(
     server: Any, index: str, prefix: str, offset: int, n: int, field: str, tenant: bool,
     sort: list[bool],
 ) -> list[tuple[bytes, bytes | None, bytes | None]]:  # fmt: skip
@@ -171,7 +171,7 @@ async def _scan(
     owner = None if tenant is None else tenant.encode()
     ids: list[str] = []
     position, scanned = 0, 0
-    for st in _FIND_ORDER:
+    for st in FIND_ORDER:
         for shard in range(keys.shards):
             index = keys.index(shard, st)
             size = int(await server.zcard(index))
@@ -183,7 +183,7 @@ async def _scan(
                 if scanned >= FIND_SCAN or ids or time.monotonic() > deadline:
                     return await _found(client, ids, tenant, scanned, position + offset)
                 n = min(_FIND_PAGE, FIND_SCAN - scanned)
-                entries = await _page(server, index, keys.task_prefix(shard), offset, n,
+                entries = await read_page(server, index, keys.task_prefix(shard), offset, n,
                                       field.decode(), owner is not None, sort)  # fmt: skip
                 ids += [m.decode() for m, value, who in entries
                         if value is not None and match(value) and owner in (None, who)]  # fmt: skip
