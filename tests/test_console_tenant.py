@@ -65,21 +65,22 @@ async def test_a_viewer_sees_the_counts_and_troubles_of_its_own_tenant_only(
 async def test_a_spent_budget_gives_a_lower_bound_and_the_time_it_covers(
     console: Console, store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(tenant_module, "WALK", 4)
+    monkeypatch.setattr(tenant_module, "WALK", 6)
     ids = [(await create(store, tenant="t1" if i % 2 else "t2")).task_id for i in range(8)]
     index = Keys().index(0, Status.PENDING_SUBMIT)
     base = 1_700_000_000_000  # task i entered PENDING_SUBMIT at base + i seconds
     await console.redis.zadd(index, {t: base + 1000 * i for i, t in enumerate(ids)})
-    # A settled task the walk never reaches (live statuses come first)
-    await console.redis.zadd(Keys().index(0, Status.SUCCEEDED), {ids[0]: base + 9000})
+    # Three t1 tasks in SUCCEEDED, to be found however much budget PENDING_SUBMIT had
+    await console.redis.zadd(Keys().index(0, Status.SUCCEEDED), dict.fromkeys(ids[1:6:2], base))
     async with console.browser() as http:
         await console.login(http, "viewer", "t1")
         o = (await http.get(f"{CON}/tenant")).json()
-    # Newest first, 4 entries read: tasks 7, 6, 5, 4, of which t1's are 7 and 5; every
-    # task that entered the status after task 3 (the newest not read) is counted.
-    assert o["by_status"]["PENDING_SUBMIT"] == 2 and o["scanned"] == 4
-    assert o["whole_since"]["PENDING_SUBMIT"] == (base + 3000 + 1) / 1000
-    assert o["whole_since"]["SUCCEEDED"] == (base + 9000 + 1) / 1000  # not reached at all
+    # Two statuses share the 6 entries: 3 of PENDING_SUBMIT, newest first: tasks 7, 6, 5,
+    # of which t1's are 7 and 5; every task that entered the status after task 4 (the
+    # newest not read) is counted. SUCCEEDED's 3 are read to the end.
+    assert o["by_status"]["PENDING_SUBMIT"] == 2 and o["scanned"] == 6
+    assert o["whole_since"]["PENDING_SUBMIT"] == (base + 4000 + 1) / 1000
+    assert o["by_status"]["SUCCEEDED"] == 3 and o["whole_since"]["SUCCEEDED"] is None
     assert o["whole_since"]["FAILED"] is None  # an empty index: nothing to read
 
 

@@ -3,14 +3,15 @@ counts by status, its parked and stalled tasks, its paused state and its last ho
 finished tasks.
 
 No counter is kept per tenant, and none is added: the daemons' scripts stay as they are.
-This reads what exists instead, a bounded walk of the status indexes newest first (live
-and parked statuses before settled ones, the shards in turn, a page of each at a time)
-that reads each entry's tenant, and the finish time of settled ones, with one `SORT_RO
-... GET` per page (or `ZRANGE` and `HMGET`s where the server refuses GET patterns: the
-find's page reader). It stops after `WALK` entries or `WALK_BUDGET_S`: a status whose
-indexes were read to the end has its count complete, the others "at least" the count,
-with the time from which it is whole (the newest entry the walk did not reach entered the
-status before it). docs/console.md has the figures at 1,000,000 tasks.
+This reads what exists instead, a bounded walk of the status indexes newest first (parked
+tasks first, then the other live statuses, then the settled ones; the shards in turn, a
+page of each at a time) that reads each entry's tenant, and the finish time of settled
+ones, with one `SORT_RO ... GET` per page (or `ZRANGE` and `HMGET`s where the server
+refuses GET patterns: the find's page reader). It reads at most `WALK` entries and for
+`WALK_BUDGET_S`, each status an equal share of what is left: a status whose indexes were
+read to the end has its count complete, the others "at least" the count, with the time
+from which it is whole (the newest entry the walk did not reach entered the status before
+it). docs/console.md has the figures at 1,000,000 tasks.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from asynctaskd.client import AsyncClient
 from asynctaskd.keys import Keys, ready_due_ms
 from asynctaskd.model import Status
 
-from .browse import FIND_ORDER, read_page
+from .browse import read_page
 from .overview import BUCKET_MS, HOUR_MS, STALL_S
 
 __all__ = ["WALK", "tenant_overview"]
@@ -32,6 +33,8 @@ WALK_BUDGET_S: Final = 1.0  # and no new page is read after this long
 READY_READ: Final = 1_000  # entries of each ready set checked for the tenant's stalls
 _PAGE: Final = 5_000
 _ENDED: Final = {Status.SUCCEEDED: 0, Status.FAILED: 1, Status.TRACKING_TIMED_OUT: 1}
+# What needs a human first, then the other live statuses, then the settled ones
+ORDER: Final = sorted(Status, key=lambda s: (s is not Status.SUBMIT_UNKNOWN, s.is_terminal))
 
 
 async def tenant_overview(client: AsyncClient, keys: Keys, tenant: str) -> dict[str, Any]:
@@ -39,8 +42,7 @@ async def tenant_overview(client: AsyncClient, keys: Keys, tenant: str) -> dict[
     seconds, micros = await redis.time()
     now_ms = int(seconds) * 1000 + int(micros) // 1000
     walk = _Walk(redis, keys, tenant.encode(), now_ms)
-    for status in FIND_ORDER:
-        await walk.status(status)
+    await walk.run()
     parked_for_lookup = 0
     if walk.parked:
         async with redis.pipeline(transaction=False) as pipe:
@@ -97,20 +99,30 @@ class _Walk:
         self.series = ([0] * 60, [0] * 60)
         self.parked: list[tuple[int, str]] = []
 
-    def spent(self) -> bool:
-        return self.scanned >= WALK or time.monotonic() > self.deadline
-
-    async def status(self, status: Status) -> None:
-        shards = range(self.keys.shards)
+    async def run(self) -> None:
+        """Each status's walk gets an equal share of what budget is left (entries and
+        time), so that a big settled status cannot leave the others unread; what a status
+        does not use goes to those after it."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            for shard in shards:
-                pipe.zcard(self.keys.index(shard, status))
+            for status in ORDER:
+                for shard in range(self.keys.shards):
+                    pipe.zcard(self.keys.index(shard, status))
             sizes = [int(n) for n in await pipe.execute()]
+        per = self.keys.shards
+        todo = [(st, sizes[i * per : (i + 1) * per]) for i, st in enumerate(ORDER)]
+        todo = [(st, sz) for st, sz in todo if any(sz)]
+        for i, (status, sz) in enumerate(todo):
+            share = len(todo) - i
+            entries = self.scanned + (WALK - self.scanned) // share
+            deadline = time.monotonic() + max(0.0, self.deadline - time.monotonic()) / share
+            await self._status(status, sz, entries, deadline)
+
+    async def _status(self, status: Status, sizes: list[int], top: int, deadline: float) -> None:
         offsets = [0] * len(sizes)
-        left = [shard for shard in shards if sizes[shard]]
-        while left and not self.spent():
+        left = [shard for shard, size in enumerate(sizes) if size]
+        while left and self.scanned < top and time.monotonic() < deadline:
             for shard in list(left):
-                n = min(_PAGE, WALK - self.scanned)
+                n = min(_PAGE, top - self.scanned)
                 if n <= 0:
                     break
                 entries = await read_page(
