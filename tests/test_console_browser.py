@@ -282,6 +282,10 @@ def test_pause_and_resume_a_handler_and_the_overview(page: Any, stack: Stack) ->
     page.wait_for_selector("#attention")
     assert "handler:demo" in page.inner_text("main")
     shot(page, "overview")
+    page.fill("#tenant-form input[name=tenant]", "acme")
+    page.click("#tenant-form button")
+    page.wait_for_selector("#tenant-note")
+    assert page.inner_text("h1") == "Tenant acme"
     page.goto("/#/controls")
     page.wait_for_selector("#paused")
     page.fill("#limit-form input[placeholder=name]", "demo")

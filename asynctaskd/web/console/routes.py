@@ -137,7 +137,9 @@ async def _tenant(request: web.Request) -> web.Response:
     if not HANDLER_KEY_RE.fullmatch(tenant):
         raise ApiError(422, "invalid", "tenant must be 1-64 characters from letters, digits, "
                        f"'_', '.', ':' and '-', got {tenant!r:.40}")  # fmt: skip
-    return _json(200, await tenant_overview(request.app[_CLIENT], request.app[_KEYS], tenant))
+    page = await tenant_overview(request.app[_CLIENT], request.app[_KEYS], tenant,
+                                 operator=record.role == "operator")  # fmt: skip
+    return _json(200, page)
 
 
 def _epoch_s(request: web.Request, name: str) -> float | None:

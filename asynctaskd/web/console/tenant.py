@@ -37,7 +37,12 @@ _ENDED: Final = {Status.SUCCEEDED: 0, Status.FAILED: 1, Status.TRACKING_TIMED_OU
 ORDER: Final = sorted(Status, key=lambda s: (s is not Status.SUBMIT_UNKNOWN, s.is_terminal))
 
 
-async def tenant_overview(client: AsyncClient, keys: Keys, tenant: str) -> dict[str, Any]:
+async def tenant_overview(
+    client: AsyncClient, keys: Keys, tenant: str, *, operator: bool
+) -> dict[str, Any]:
+    """The overview of `tenant`. Where the walk stopped is another tenant's business: a
+    viewer gets the times rounded up to the minute (still true: a count whole since a time
+    is whole since any later one) and not how many entries, of all tenants, were read."""
     redis = client.redis
     seconds, micros = await redis.time()
     now_ms = int(seconds) * 1000 + int(micros) // 1000
@@ -77,7 +82,7 @@ async def tenant_overview(client: AsyncClient, keys: Keys, tenant: str) -> dict[
         "attention": attention,
         "by_status": {s.value: walk.counts[s] for s in Status},
         "whole_since": whole_since,
-        "scanned": walk.scanned,
+        "scanned": walk.scanned if operator else None,
         "parked_for_lookup": parked_for_lookup,
         "parked_for_operator": parked - parked_for_lookup,
         "stalls": stalls,
@@ -136,7 +141,7 @@ class _Walk:
                     left.remove(shard)
         if left:  # from the newest entry the walk did not reach on, the count is whole
             stops = [await self._score_at(status, shard, offsets[shard]) for shard in left]
-            self.since[status] = max(stops)
+            self.since[status] = -(-max(stops) // BUCKET_MS) * BUCKET_MS  # a whole minute
 
     def _count(self, status: Status, shard: int, entries: list[Any]) -> None:
         mine = [(m, finished) for m, finished, who in entries if who == self.owner]

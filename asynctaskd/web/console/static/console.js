@@ -205,11 +205,19 @@ async function viewOverview(view, params) {
   const counts = h("div.panel", {}, h("h2", {text: "Tasks by status"}), tiles,
     h("p.small.mute", {text: `${o.requests} create or cancel requests not yet taken in · ` +
       `${o.parked_for_lookup} parked tasks wait for a vendor lookup, ${o.parked_for_operator} ` +
-      `for an operator · ${o.quarantined} quarantined`}));
+      `for an operator · ${o.quarantined} quarantined`}), tenantForm());
   view.append(h("h1", {text: "Overview"}), att, counts, h("div.grid.g2", {}, through, paused),
     daemons, byHandler);
 }
 
+
+function tenantForm() {
+  const name = h("input", {name: "tenant", placeholder: "tenant", required: true});
+  return h("form.row", {id: "tenant-form", onsubmit: (ev) => {
+    ev.preventDefault();
+    location.hash = "#/overview?" + new URLSearchParams({tenant: name.value.trim()});
+  }}, h("label", {}, "One tenant's overview", name), h("button.ghost", {type: "submit", text: "Open"}));
+}
 
 // A tenant's overview: its viewers' (and an operator's, with ?tenant=). No counter is kept
 // per tenant: the server walks the status indexes within a budget, and a count it could
@@ -224,11 +232,12 @@ async function viewTenant(view, tenant) {
     h("div.n", {text: (o.whole_since[s] === null ? "" : "≥ ") + o.by_status[s].toLocaleString()}),
     h("div.l", {text: s.replace(/_/g, " ").toLowerCase()}))));
   const oldest = Math.max(...partial.map((s) => o.whole_since[s]));
+  const read = o.scanned === null ? "" : ` (${o.scanned.toLocaleString()} tasks of all tenants read)`;
   const note = partial.length
-    ? `Counted from ${o.scanned.toLocaleString()} tasks, newest first; a count marked ≥ ` +
-      `is of the tasks that entered the status since then (for all of them: since ` +
-      `${fmtTime(oldest)}), the others are exact.`
-    : `Exact: all ${o.scanned.toLocaleString()} stored tasks were read.`;
+    ? `Counted newest first within a bounded read${read}: a count marked ≥ is of the ` +
+      `tasks that entered the status since a time (hover the tile; for all of them: ` +
+      `since ${fmtTime(oldest)}); the others are exact.`
+    : `Exact: every stored task was read${read}.`;
   const paused = Object.keys(o.paused);
   const counts = h("div.panel", {}, h("h2", {text: "Tasks by status"}), tiles,
     h("p.small.mute", {id: "tenant-note", text: note + ` · ${o.parked_for_lookup} parked ` +
