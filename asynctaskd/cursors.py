@@ -11,10 +11,10 @@ The construction is SIV (deterministic authenticated encryption) over keyed BLAK
 PRF: the IV is the PRF of the filters and the position, and it is also the tag; the
 position is XORed with a PRF keystream derived from the IV. Distinct personalisations
 make the IV, keystream and filter-tag functions independent. A cursor is also bound to
-the filters it was made for (status, handler, tenant): its position means nothing under
-others, so it is refused there with an error that says so. In clear are a key id, a tag
-of the filters and the IV: keyed digests, which tell at most whether two cursors share a
-key, filters or position.
+the filters it was made for (status, handler, tenant, account, time range): its position
+means nothing under others, so it is refused there with an error that says so. In clear
+are a key id, a tag of the filters and the IV: keyed digests, which tell at most whether
+two cursors share a key, filters or position.
 """
 
 from __future__ import annotations
@@ -66,9 +66,15 @@ def derive_key(stored: bytes) -> bytes:
     return hashlib.blake2b(stored, digest_size=KEY_BYTES, person=b"atd-list-key").digest()
 
 
-def filters_of(status: str | None, handler: str | None, tenant: str | None) -> bytes:
-    """The bytes a cursor is bound to: the filters of the walk, unambiguously."""
-    return msgspec.json.encode((status, handler, tenant))
+def filters_of(
+    status: str | None, handler: str | None, tenant: str | None, *, account: str | None = None,
+    since_ms: int | None = None, until_ms: int | None = None,
+) -> bytes:  # fmt: skip
+    """The bytes a cursor is bound to: the filters of the walk, unambiguously. Without an
+    account or time range they are the three of the first cursors, which stay valid."""
+    if account is None and since_ms is None and until_ms is None:
+        return msgspec.json.encode((status, handler, tenant))
+    return msgspec.json.encode((status, handler, tenant, account, since_ms, until_ms))
 
 
 def seal(key: bytes, filters: bytes, position: Position) -> str:
@@ -106,7 +112,7 @@ def open_cursor(key: bytes, filters: bytes, cursor: object) -> Position:
     if not hmac.compare_digest(token[1 + _KEY_ID : _CLEAR - _IV], _filter_tag(key, filters)):
         raise InvalidTask(
             f"cursor {shown} was made by list() with other filters: continue a walk with "
-            "the status, handler and tenant it started with"
+            "the status, handler, tenant, account, since and until it started with"
         )
     iv = token[_CLEAR - _IV : _CLEAR]
     plain = _xor(token[_CLEAR:], _stream(key, iv, len(token) - _CLEAR))

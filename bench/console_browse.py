@@ -16,8 +16,12 @@ query REPEAT times (p50 and p99 of the HTTP round trip):
   parked ones, 5% of N, in the walk; and one that is not there: one call reads up to
   FIND_SCAN tasks or for FIND_BUDGET_S, and "rows/read" says how many it looked at); by
   metadata field (the newest SUCCEEDED task's, and not there);
-- the finds again as a Redis user allowed only the `atd:` keys (the operator's of
-  docs/security.md), whom Redis refuses SORT's GET patterns: the HMGET fallback.
+- a tenant's overview (the viewers' page): a walk of the status indexes reading each
+  entry's tenant, up to WALK entries or WALK_BUDGET_S; "rows/read" is how many it read,
+  and the JSON line says from how long ago each incomplete count is whole;
+- the finds and the tenant's overview again as a Redis user allowed only the `atd:` keys
+  (the operator's of docs/security.md), whom Redis refuses SORT's GET patterns: the
+  HMGET fallback.
 
     python bench/console_browse.py [--tasks 1000000] [--repeat 30]
 Prints a table, then one JSON line {"bench": "console_browse", ...}.
@@ -84,6 +88,7 @@ def fill(port: int, n: int, now_ms: int) -> tuple[str, str]:
             "created_ms", str(at), "updated_ms", str(at), "deadline_ms", str(at + DAY_MS),
             "version", "6", "params", '{"doc":"x.pdf"}', "metadata", f'{{"order":{i}}}',
             "external_id", ext, "handle", f'{{"external_id":"{ext}","query":{{}}}}',
+            *(("finished_ms", str(at)) if status.is_terminal else ()),
         ))  # fmt: skip
         chunk.append(_resp("ZADD", keys.index(0, status), str(at), task_id))
         if status is Status.SUCCEEDED:
@@ -134,12 +139,19 @@ async def measure(
                     took.append((time.perf_counter() - start) * 1000)
                     assert r.status_code == 200, r.text
                     body = r.json()
-                shown = body["scanned"] if path.endswith("find") else len(body["tasks"])
+                shown = body["scanned"] if "scanned" in body else len(body["tasks"])
+                if path.endswith("tenant"):
+                    whole = {k: v for k, v in body["whole_since"].items() if v is not None}
+                    result[name + ": counts whole since (h ago)"] = {
+                        k: round((now_ms / 1000 - v) / 3600, 2) for k, v in whole.items()
+                    }
                 p50, p99 = percentile(took, 50), percentile(took, 99)
                 rows.append([name, shown, p50, p99])
                 result[name] = {"p50_ms": round(p50, 2), "p99_ms": round(p99, 2), "rows": shown}
 
             find = "/console/api/find"
+            await timed("tenant overview (1 in 47)", "/console/api/tenant", {"tenant": "t7"},
+                        repeat)  # fmt: skip
             if keys_only:
                 await finds(timed, find, newest, repeat)
                 return rows, result

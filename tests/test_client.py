@@ -742,6 +742,51 @@ async def test_list_pages_through_every_task_and_filters(make_api: Callable[...,
         await api.list(status="DONE")
 
 
+async def test_list_filters_by_account_and_by_when_tasks_entered_their_status(
+    api: Api, redis_client: redis.asyncio.Redis
+) -> None:
+    made = [await api.submit("h", {"i": i}, account=f"acc{i % 2}", **BASE) for i in range(6)]
+    await api.take_in()
+    index = Keys().index(0, S.PENDING_SUBMIT)
+    start = 1_700_000_000  # entered their status 1 s apart, task i at start + i
+    await redis_client.zadd(index, {t.id: (start + i) * 1000 for i, t in enumerate(made)})
+
+    async def walk(**kwargs: Any) -> list[str]:
+        out, cursor = [], None
+        for _ in range(20):
+            page = await api.list(limit=1, cursor=cursor, **kwargs)
+            out += [t.id for t in page.tasks]
+            if (cursor := page.cursor) is None:
+                return out
+        raise AssertionError("list() never finished")
+
+    ids = [t.id for t in made]
+    assert await walk(since=start + 1, until=start + 3) == ids[3:0:-1]  # bounds included
+    aware = dt.datetime.fromtimestamp(start + 4, dt.UTC)
+    assert await walk(since=aware) == ids[:3:-1]
+    assert await walk(until=start + 0.5) == ids[:1]
+    assert await walk(account="acc1") == ids[5::-2]
+    assert await walk(account="acc0", since=start + 2) == [ids[4], ids[2]]
+    assert await walk(account="nobody") == []
+    # A cursor is bound to its time range and account too.
+    page = await api.list(limit=1, account="acc0", since=start + 2)
+    for other in ({"account": "acc0"}, {"account": "acc1", "since": start + 2},
+                  {"account": "acc0", "since": start + 2, "until": start + 9}):  # fmt: skip
+        with pytest.raises(InvalidTask, match=r"made by list\(\) with other filters"):
+            await api.list(limit=1, cursor=page.cursor, **other)
+    for bad, message in (
+        ({"since": start + 2, "until": start + 1}, "since must not be after until"),
+        ({"since": "yesterday"}, "since must be an aware datetime or epoch seconds"),
+        ({"until": dt.datetime(2030, 1, 1)}, "until must be timezone-aware"),
+        ({"since": start * 1000}, r"since must be epoch seconds \(not milliseconds\)"),
+        ({"until": float("nan")}, "until must be epoch seconds"),
+        ({"account": "no spaces"}, "account must be 1-64 characters"),
+        ({"tenant": 7}, "tenant must be 1-64 characters"),
+    ):
+        with pytest.raises(InvalidTask, match=message):
+            await api.list(**bad)
+
+
 async def test_list_pages_over_equal_scores_and_bounds_its_work(api: Api, store: Store) -> None:
     for i in range(130):
         await api.submit("h", {"i": i}, **BASE)

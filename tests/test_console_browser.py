@@ -11,6 +11,7 @@ Each page is photographed; with ASYNCTASKD_SCREENSHOTS=<dir> the pictures are ke
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -138,9 +139,9 @@ def page(browser: Any, stack: Stack) -> Iterator[Any]:
     assert not errors, f"the page raised: {errors}"
 
 
-def shot(page: Any, name: str) -> None:
+def shot(page: Any, name: str, *, full_page: bool = True) -> None:
     path = Path(SHOTS) / f"{name}.png" if SHOTS else None
-    data = page.screenshot(full_page=True, path=path)
+    data = page.screenshot(full_page=full_page, path=path)
     assert len(data) > 1000
 
 
@@ -155,8 +156,9 @@ def confirm(page: Any, expected: str, photo: str = "") -> None:
     dialog = page.locator("dialog#confirm")
     dialog.wait_for(state="visible")
     assert expected in dialog.inner_text()
-    if photo:
-        shot(page, photo)
+    if photo:  # the window from the top: the dialog's backdrop covers it, not the page
+        page.evaluate("window.scrollTo(0, 0)")
+        shot(page, photo, full_page=False)
     page.click("#confirm-yes")
     dialog.wait_for(state="hidden")
 
@@ -281,6 +283,10 @@ def test_pause_and_resume_a_handler_and_the_overview(page: Any, stack: Stack) ->
     page.wait_for_selector("#attention")
     assert "handler:demo" in page.inner_text("main")
     shot(page, "overview")
+    page.fill("#tenant-form input[name=tenant]", "acme")
+    page.click("#tenant-form button")
+    page.wait_for_selector("#tenant-note")
+    assert page.inner_text("h1") == "Tenant acme"
     page.goto("/#/controls")
     page.wait_for_selector("#paused")
     page.fill("#limit-form input[placeholder=name]", "demo")
@@ -306,13 +312,74 @@ def test_pause_and_resume_a_handler_and_the_overview(page: Any, stack: Stack) ->
     shot(page, "audit")
 
 
+def test_create_edit_and_delete_a_handler_group(page: Any, stack: Stack) -> None:
+    login(page, stack.token("operator", note="ops on call"))
+    page.goto("/#/controls")
+    page.fill("#group-form input[name=name]", "ocr-pool")
+    page.select_option("#group-form select[name=policy]", "weighted")
+    page.fill("#group-form input[name=members]", "demo, demo-eu=3")
+    page.click("#group-form button[type=submit]")
+    confirm(page, "Submits to ocr-pool go to demo, demo-eu (weight 3) by weighted")
+    page.wait_for_selector("#groups tr[data-group=ocr-pool]")
+    group = stack.client.groups()["ocr-pool"]
+    assert group.policy == "weighted"
+    assert [(m.handler, m.weight) for m in group.members] == [("demo", 1), ("demo-eu", 3)]
+    page.click("#groups tr[data-group=ocr-pool] button[data-action=edit]")
+    assert page.input_value("#group-form input[name=members]") == "demo, demo-eu=3"
+    page.fill("#group-form input[name=members]", "demo=2, demo-eu")
+    page.click("#group-form button[type=submit]")
+    confirm(page, "Change handler group ocr-pool", "group-confirm")
+    wait_until_sync(lambda: [m.weight for m in stack.client.groups()["ocr-pool"].members]
+                    == [2, 1], "the edit", 10)  # fmt: skip
+    page.wait_for_selector("#groups tr[data-group=ocr-pool] td:has-text('demo=2')")
+    page.click("#groups tr[data-group=ocr-pool] button[data-action=delete]")
+    confirm(page, "Delete handler group ocr-pool?")
+    page.wait_for_selector("#groups tr[data-group=ocr-pool]", state="detached")
+    assert "ocr-pool" not in stack.client.groups()
+    page.goto("/#/audit")
+    page.wait_for_selector("#audit")
+    rows = page.locator("#audit tbody tr").all_inner_texts()
+    assert [r.split("\t")[3] for r in rows[:3]] == ["delete_group", "set_group", "set_group"]
+    assert all("ocr-pool" in r for r in rows[:3])
+
+
+def test_purge_settled_tasks_after_a_confirmation(page: Any, stack: Stack) -> None:
+    done = submit(stack)
+    wait_until_sync(lambda: stack.status(done) is Status.SUCCEEDED, "the task", 30)
+    login(page, stack.token("operator", note="ops on call"))
+    page.goto("/#/controls")
+    page.fill("#purge-form input[name=age]", "1")
+    page.select_option("#purge-form select[name=unit]", label="days")
+    page.click("#purge-form button[type=submit]")
+    confirm(page, "finished over 1 day ago?", "purge-confirm")
+    page.wait_for_selector("#flash:not([hidden])")
+    assert page.inner_text("#flash") == "0 tasks purged"  # none finished a day ago
+    assert stack.status(done) is Status.SUCCEEDED
+    page.fill("#purge-form input[name=age]", "0")
+    page.click("#purge-form button[type=submit]")
+    confirm(page, "Up to 1000 tasks that succeeded, failed, were canceled or timed out")
+    page.locator("#flash", has_text=re.compile(r"^[1-9][0-9]* tasks purged")).wait_for()
+    assert stack.status(done) is None
+    page.goto("/#/audit")
+    page.wait_for_selector("#audit")
+    assert page.locator("#audit tbody tr").first.inner_text().split("\t")[3] == "purge"
+
+
 def test_a_viewer_sees_its_tenant_and_can_act_on_nothing(page: Any, stack: Stack) -> None:
     mine = submit(stack, tenant="acme")
     theirs = submit(stack, tenant="globex")
     wait_until_sync(lambda: stack.status(mine) is Status.SUCCEEDED, "the task", 30)
     login(page, stack.token("viewer", "acme", note="acme support"))
+    # Its overview: its own tenant's counts, from a walk that read every task here.
+    page.wait_for_selector("#tenant-note")
+    assert page.locator("nav a:visible").all_inner_texts() == ["Overview", "Tasks"]
+    assert page.inner_text("h1") == "Tenant acme" and "Exact" in page.inner_text("#tenant-note")
+    acme = stack.client.list(tenant="acme", status=Status.SUCCEEDED, limit=1000).tasks
+    tile = page.locator(".tile.t-SUCCEEDED .n").inner_text()
+    assert tile == f"{len(acme):,}", (tile, len(acme))
+    shot(page, "tenant")
+    page.goto("/#/tasks")
     page.wait_for_selector("#task-table")
-    assert page.locator("nav a:visible").all_inner_texts() == ["Tasks"]
     tenants = page.locator("#task-table tbody tr td:nth-child(4)").all_inner_texts()
     assert tenants and set(tenants) == {"acme"}
     page.goto(f"/#/task/{mine}")

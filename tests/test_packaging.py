@@ -69,8 +69,8 @@ def test_the_wheel_requires_no_server_binary_and_holds_what_it_runs(tmp_path: Pa
     scripts = {f"asynctaskd/lua/{p.name}" for p in (ROOT / "lua").glob("*.lua")}
     assert scripts and scripts <= names
     assert "asynctaskd/devtools/fakevendor/__main__.py" in names  # for `asynctaskd dev`
-    console = {f"asynctaskd/web/console/static/{n}" for n in ("index.html", "console.js",
-                                                             "console.css")}  # fmt: skip
+    pages = ("index.html", "console.js", "controls.js", "console.css")
+    console = {f"asynctaskd/web/console/static/{n}" for n in pages}
     assert console <= names  # the console's page: no build step, no CDN
     assert "asynctaskd/prometheus/alerts.yml" in names  # for `asynctaskd alerts`
     assert not {"asynctaskd/fakevendor.py", "asynctaskd/fakehttp.py"} & names

@@ -193,17 +193,34 @@ class AsyncClient:
         status: Status | str | None = None,
         handler: str | None = None,
         tenant: str | None = None,
+        account: str | None = None,
+        since: float | dt.datetime | None = None,
+        until: float | dt.datetime | None = None,
         limit: int = 100,
         cursor: str | None = None,
     ) -> TaskPage:
         """Tasks newest first per status (all statuses in a fixed order if None), filtered.
 
-        Each call looks at a bounded number of tasks, so a page may be short; continue
-        with its cursor until the cursor is None. A cursor is opaque (it names no task),
-        the same for the same place in the walk, valid in any client of the namespace, and
-        refused (InvalidTask) with a status, handler or tenant other than its walk's.
+        `since` and `until` (epoch seconds or aware datetimes, both included) bound when
+        a task entered its status: a range of the status index, read as such. `handler`,
+        `tenant` and `account` are checked on the tasks themselves. Each call looks at a
+        bounded number of tasks (20 x `limit`), so a page may be short; continue with its
+        cursor until the cursor is None. A cursor is opaque (it names no task), the same
+        for the same place in the walk, valid in any client of the namespace, and refused
+        (InvalidTask) with filters other than its walk's.
         """
-        return await self._run(_list(self._ctx, status, handler, tenant, limit, cursor))
+        return await self._run(_list(
+            self._ctx, status, handler, tenant, limit, cursor, account=account, since=since,
+            until=until,
+        ))  # fmt: skip
+
+    async def _list_sealed(self, sealing: bytes, **filters: Any) -> TaskPage:
+        """`list()` whose cursors are sealed with `sealing` rather than the namespace's key:
+        the console's, one per session, so that a cursor works in that session only."""
+        status, handler, tenant = (filters.pop(k, None) for k in ("status", "handler", "tenant"))
+        limit, cursor = filters.pop("limit", 100), filters.pop("cursor", None)
+        plan = _list(self._ctx, status, handler, tenant, limit, cursor, sealing=sealing, **filters)
+        return await self._run(plan)
 
     async def stats(self) -> Stats:
         """Exact task counts by status and by handler, and the live daemons."""

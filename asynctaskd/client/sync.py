@@ -162,11 +162,17 @@ class Client:
         status: Status | str | None = None,
         handler: str | None = None,
         tenant: str | None = None,
+        account: str | None = None,
+        since: float | dt.datetime | None = None,
+        until: float | dt.datetime | None = None,
         limit: int = 100,
         cursor: str | None = None,
     ) -> TaskPage:
         """One page of tasks; see `AsyncClient.list`."""
-        return self._run(_list(self._ctx, status, handler, tenant, limit, cursor))
+        return self._run(_list(
+            self._ctx, status, handler, tenant, limit, cursor, account=account, since=since,
+            until=until,
+        ))  # fmt: skip
 
     def stats(self) -> Stats:
         """Exact counts and live daemons; see `AsyncClient.stats`."""

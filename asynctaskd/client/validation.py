@@ -56,11 +56,11 @@ def _seconds(value: object, what: str, *, positive: bool) -> float:
     return seconds
 
 
-def _epoch_ms(value: object) -> int:
+def _epoch_ms(value: object, what: str = "not_before") -> int:
     if isinstance(value, dt.datetime):
         if value.tzinfo is None or value.utcoffset() is None:
             raise InvalidTask(
-                "not_before must be timezone-aware, e.g. datetime.now(timezone.utc) + ..."
+                f"{what} must be timezone-aware, e.g. datetime.now(timezone.utc) + ..."
             )
         seconds = value.timestamp()
     elif isinstance(value, int | float) and not isinstance(value, bool):
@@ -70,11 +70,11 @@ def _epoch_ms(value: object) -> int:
             seconds = math.inf  # refused just below
     else:
         raise InvalidTask(
-            f"not_before must be an aware datetime or epoch seconds, got {type(value).__name__}"
+            f"{what} must be an aware datetime or epoch seconds, got {type(value).__name__}"
         )
     if not (math.isfinite(seconds) and 0 <= seconds <= time.time() + MAX_SECONDS):
         raise InvalidTask(
-            f"not_before must be epoch seconds (not milliseconds) within 10 years, got {value!r}"
+            f"{what} must be epoch seconds (not milliseconds) within 10 years, got {value!r}"
         )
     return round(seconds * 1000)
 

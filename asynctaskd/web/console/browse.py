@@ -1,13 +1,12 @@
 """The task browser's reads: a filtered walk of the status indexes, and finding a task by
 id, dedup key, external id or a metadata field.
 
-Walk: each status has a per-shard index scored by the time a task entered the status, so
-a time range is a score range and a page is one ZREVRANGEBYSCORE plus the pages' task
-hashes, whatever the number of stored tasks. Filters the indexes do not hold (handler,
-tenant, account) are checked on the hashes, at most `20 * limit` of them per request; a
-page that ran out of that budget comes back short with a cursor, so no request is slow.
-The cursor is sealed with a key of the session (asynctaskd.cursors): it names no task and
-cannot be replayed with other filters.
+Walk: the client's `list()` (asynctaskd.client.listing): a time range is a score range of
+the per-shard status indexes, the filters they do not hold (handler, tenant, account) are
+checked on at most `20 * limit` task hashes per request, and a page that ran out of that
+budget comes back short with a cursor. Its cursors are sealed with a key of the session
+(asynctaskd.cursors): one names no task and cannot be replayed with other filters or in
+another session.
 
 Find: a task id is one read, a dedup key of a live task one GET of its dedup key. External
 ids and metadata are in no index (adding one would cost every save on the daemons' path):
@@ -27,22 +26,21 @@ from typing import Any, Final
 import msgspec
 import redis.exceptions
 
-from asynctaskd.codec import decode_task
-from asynctaskd.cursors import Position, derive_key, open_cursor, seal
-from asynctaskd.errors import CorruptTask, InvalidTask
+from asynctaskd.client import AsyncClient
+from asynctaskd.cursors import derive_key
+from asynctaskd.errors import InvalidTask
 from asynctaskd.keys import Keys, shard_for_dedup
 from asynctaskd.model import Status, Task
 
-__all__ = ["FIND_SCAN", "Filter", "browse", "find", "row"]
+__all__ = ["FIND_ORDER", "FIND_SCAN", "Filter", "browse", "find", "read_page", "row"]
 
 FIND_SCAN: Final = 200_000  # tasks whose field is read per find request, at most
 FIND_BUDGET_S: Final = 1.0  # and no new page is read after this long (the HMGET fallback)
 _FIND_PAGE: Final = 5_000
 _FIND_MAX: Final = 50  # matches returned, at most
-_BATCH: Final = 200
 # Live and parked tasks first (few, and what an operator most often looks for), then the
 # settled ones; newest first within each.
-_FIND_ORDER: Final = sorted(Status, key=lambda s: s.is_terminal)
+FIND_ORDER: Final = sorted(Status, key=lambda s: s.is_terminal)
 
 
 class Filter(msgspec.Struct, frozen=True, kw_only=True):
@@ -50,15 +48,8 @@ class Filter(msgspec.Struct, frozen=True, kw_only=True):
     handler: str | None = None
     tenant: str | None = None
     account: str | None = None
-    since_ms: int | None = None
-    until_ms: int | None = None
-
-    def statuses(self) -> list[Status]:
-        return list(Status) if self.status is None else [self.status]
-
-    def matches(self, task: Task) -> bool:
-        return (self.handler in (None, task.handler) and self.tenant in (None, task.tenant)
-                and self.account in (None, task.account))  # fmt: skip
+    since: float | None = None  # epoch seconds
+    until: float | None = None
 
 
 def sealing_key(seed: str) -> bytes:
@@ -79,59 +70,13 @@ def row(task: Task) -> dict[str, Any]:
 
 
 async def browse(
-    redis: Any, keys: Keys, f: Filter, limit: int, key: bytes, cursor: str | None
+    client: AsyncClient, f: Filter, limit: int, key: bytes, cursor: str | None
 ) -> dict[str, Any]:
-    """One page of tasks matching `f`, newest first within each status."""
-    filters = msgspec.json.encode(f)
-    statuses = f.statuses()
-    si, shard, score, after = 0, 0, None, b""
-    if cursor:
-        si, shard, score, after = open_cursor(key, filters, cursor)
-        if si >= len(statuses) or shard >= keys.shards:
-            raise InvalidTask("this cursor belongs to another deployment; start again")
-    out: list[dict[str, Any]] = []
-    budget = 20 * limit
-    top = "+inf" if f.until_ms is None else f.until_ms
-    bottom = "-inf" if f.since_ms is None else f.since_ms
-    while si < len(statuses):
-        st = statuses[si]
-        index = keys.index(shard, st)
-        offset, done = 0, False
-        while not done:
-            if budget <= 0:
-                position = Position(si, shard, score, after)
-                return {"tasks": out, "cursor": seal(key, filters, position)}
-            batch = min(_BATCH, budget)
-            entries = await redis.zrevrangebyscore(index, top if score is None else score,
-                                                   bottom, start=offset, num=batch,
-                                                   withscores=True)  # fmt: skip
-            # Ties on the score come by id, descending: skip those already seen.
-            fresh = [(m, int(s)) for m, s in entries
-                     if score is None or int(s) != score or m < after]  # fmt: skip
-            done = len(entries) < batch
-            if not fresh:
-                offset += len(entries)
-                continue
-            offset = 0
-            async with redis.pipeline(transaction=False) as pipe:
-                for member, _ in fresh:
-                    pipe.hgetall(keys.task(shard, member.decode()))
-                raws = await pipe.execute()
-            for (member, s), raw in zip(fresh, raws, strict=True):
-                budget, score, after = budget - 1, s, member
-                try:
-                    task = decode_task(raw, member.decode()) if raw else None
-                except CorruptTask:
-                    continue
-                if task is not None and task.status is st and f.matches(task):
-                    out.append(row(task))
-                    if len(out) == limit:
-                        position = Position(si, shard, s, member)
-                        return {"tasks": out, "cursor": seal(key, filters, position)}
-        shard, score, after = shard + 1, None, b""
-        if shard == keys.shards:
-            si, shard = si + 1, 0
-    return {"tasks": out, "cursor": None}
+    """One page of tasks matching `f`, newest first within each status: the client's
+    `list()`, its cursors sealed with the session's key."""
+    filters = msgspec.structs.asdict(f)
+    page = await client._list_sealed(key, limit=limit, cursor=cursor, **filters)
+    return {"tasks": [row(t) for t in page.tasks], "cursor": page.cursor}
 
 
 def _metadata_match(name: str, want: str) -> Any:
@@ -182,7 +127,7 @@ async def find(
     raise InvalidTask(f"find by id, dedup_key, external_id or metadata, not {kind!r:.40}")
 
 
-async def _page(
+async def read_page(
     server: Any, index: str, prefix: str, offset: int, n: int, field: str, tenant: bool,
     sort: list[bool],
 ) -> list[tuple[bytes, bytes | None, bytes | None]]:  # fmt: skip
@@ -226,7 +171,7 @@ async def _scan(
     owner = None if tenant is None else tenant.encode()
     ids: list[str] = []
     position, scanned = 0, 0
-    for st in _FIND_ORDER:
+    for st in FIND_ORDER:
         for shard in range(keys.shards):
             index = keys.index(shard, st)
             size = int(await server.zcard(index))
@@ -238,7 +183,7 @@ async def _scan(
                 if scanned >= FIND_SCAN or ids or time.monotonic() > deadline:
                     return await _found(client, ids, tenant, scanned, position + offset)
                 n = min(_FIND_PAGE, FIND_SCAN - scanned)
-                entries = await _page(server, index, keys.task_prefix(shard), offset, n,
+                entries = await read_page(server, index, keys.task_prefix(shard), offset, n,
                                       field.decode(), owner is not None, sort)  # fmt: skip
                 ids += [m.decode() for m, value, who in entries
                         if value is not None and match(value) and owner in (None, who)]  # fmt: skip

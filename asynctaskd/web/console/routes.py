@@ -4,7 +4,7 @@ the pages need that `/api/v1` has no route for. Actions are the `/api/v1` routes
 Roles: an operator sees and acts on everything; a viewer sees its tenant's tasks and acts
 on nothing (the API answers 403); a producer token cannot log in (it is an app's, not a
 person's). Every route but login needs the session; the overview and the audit stream
-are for operators, as `/stats` is.
+are for operators, as `/stats` is; a tenant's overview is its viewers' (and operators').
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import msgspec
 import redis.exceptions
 from aiohttp import web
 
+from asynctaskd.keys import HANDLER_KEY_RE
 from asynctaskd.model import LEGAL_TRANSITIONS, Status
 from asynctaskd.web.common import (
     _ANY,
@@ -39,6 +40,7 @@ from .audit import read_audit
 from .browse import Filter, browse, find, sealing_key
 from .overview import overview
 from .session import COOKIE, Sessions
+from .tenant import tenant_overview
 
 __all__ = ["mount_console"]
 
@@ -123,7 +125,24 @@ async def _overview(request: web.Request) -> web.Response:
     return _json(200, await overview(request.app[_CLIENT], request.app[_KEYS]))
 
 
-def _epoch_ms(request: web.Request, name: str) -> int | None:
+async def _tenant(request: web.Request) -> web.Response:
+    """A tenant's overview: a viewer's own tenant's, or the one an operator names."""
+    record = await _auth(request, _CONSOLE_ROLES)
+    _known(request, {"tenant"})
+    tenant = _scope(record)
+    asked = request.query.get("tenant", "").strip()
+    if tenant is not None and asked not in ("", tenant):
+        raise ApiError(403, "forbidden", f"this token sees tenant {tenant!r} only")
+    tenant = tenant or asked
+    if not HANDLER_KEY_RE.fullmatch(tenant):
+        raise ApiError(422, "invalid", "tenant must be 1-64 characters from letters, digits, "
+                       f"'_', '.', ':' and '-', got {tenant!r:.40}")  # fmt: skip
+    page = await tenant_overview(request.app[_CLIENT], request.app[_KEYS], tenant,
+                                 operator=record.role == "operator")  # fmt: skip
+    return _json(200, page)
+
+
+def _epoch_s(request: web.Request, name: str) -> float | None:
     text = request.query.get(name, "").strip()
     if not text:
         return None
@@ -133,7 +152,7 @@ def _epoch_ms(request: web.Request, name: str) -> int | None:
         raise ApiError(422, "invalid", f"{name} must be epoch seconds, got {text!r:.40}") from None
     if not 0 <= value < 1e11:
         raise ApiError(422, "invalid", f"{name} must be epoch seconds, got {text!r:.40}")
-    return round(value * 1000)
+    return value
 
 
 def _limit(request: web.Request, default: int, top: int) -> int:
@@ -167,13 +186,12 @@ async def _tasks(request: web.Request) -> web.Response:
         handler=q.get("handler") or None,
         tenant=tenant if tenant is not None else (q.get("tenant") or None),
         account=q.get("account") or None,
-        since_ms=_epoch_ms(request, "since"), until_ms=_epoch_ms(request, "until"),
+        since=_epoch_s(request, "since"), until=_epoch_s(request, "until"),
     )  # fmt: skip
-    if f.since_ms is not None and f.until_ms is not None and f.since_ms > f.until_ms:
+    if f.since is not None and f.until is not None and f.since > f.until:
         raise ApiError(422, "invalid", "since must not be after until")
-    page = await browse(request.app[_CLIENT].redis, request.app[_KEYS], f,
-                        _limit(request, 50, 500), await _session_key(request),
-                        q.get("cursor") or None)  # fmt: skip
+    page = await browse(request.app[_CLIENT], f, _limit(request, 50, 500),
+                        await _session_key(request), q.get("cursor") or None)  # fmt: skip
     return _json(200, page)
 
 
@@ -246,6 +264,7 @@ def mount_console(app: web.Application) -> None:
     app.router.add_post(f"{API}/logout", _logout)
     app.router.add_get(f"{API}/session", _whoami, allow_head=False)
     app.router.add_get(f"{API}/overview", _overview, allow_head=False)
+    app.router.add_get(f"{API}/tenant", _tenant, allow_head=False)
     app.router.add_get(f"{API}/tasks", _tasks, allow_head=False)
     app.router.add_get(f"{API}/find", _find, allow_head=False)
     app.router.add_get(f"{API}/tasks/{{id}}", _task, allow_head=False)

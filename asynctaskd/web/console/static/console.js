@@ -83,6 +83,13 @@ const pill = (status) => h("span.pill.s-" + status, {"data-status": status, text
 const taskLink = (id) => h("a.mono", {href: "#/task/" + encodeURIComponent(id), text: id});
 const isOperator = () => me && me.role === "operator";
 
+// Show the page at `hash`: a change of hash routes (hashchange), the same hash routes
+// again; never both, or the page would be drawn twice.
+function go(hash) {
+  if (location.hash === hash) route();
+  else location.hash = hash;
+}
+
 async function guard(fn) {
   try { await fn(); } catch (e) { flash(e.message, true); }
 }
@@ -99,8 +106,7 @@ function viewLogin(view) {
     guard(async () => {
       me = await api("POST", "/console/api/login", {token: input.value});
       flash("");
-      location.hash = isOperator() ? "#/overview" : "#/tasks";
-      route();
+      go("#/overview");
     });
   }},
     h("h1", {text: "Log in"}),
@@ -140,27 +146,38 @@ function chart(series) {
   return svg;
 }
 
-async function viewOverview(view) {
-  const o = await api("GET", "/console/api/overview");
-  const att = h("div.panel.attention" + (o.attention.length ? "" : ".calm"), {id: "attention"},
-    h("h2", {text: o.attention.length ? "Needs a human" : "Nothing needs a human"}),
-    o.attention.length ? h("ul", {}, o.attention.map((a) => h("li", {"data-kind": a.kind}, a.text,
-      a.kind === "submit_unknown" ? [" — ", h("a", {href: "#/inbox", text: "open the inbox"})] : null)))
-      : h("p.mute", {text: "No parked tasks, stalls, quarantined tasks or durability risks."}));
-  const tiles = h("div.tiles", {}, STATUSES.map((s) => h("a.tile.t-" + s, {href: `#/tasks?status=${s}`},
-    h("div.n", {text: o.by_status[s].toLocaleString()}),
-    h("div.l", {text: s.replace(/_/g, " ").toLowerCase()}))));
+function attentionPanel(items, calm, inbox) {
+  return h("div.panel.attention" + (items.length ? "" : ".calm"), {id: "attention"},
+    h("h2", {text: items.length ? "Needs a human" : "Nothing needs a human"}),
+    items.length ? h("ul", {}, items.map((a) => h("li", {"data-kind": a.kind}, a.text,
+      a.kind === "submit_unknown" ? [" — ", h("a", {href: inbox, text: "see them"})] : null)))
+      : h("p.mute", {text: calm}));
+}
+
+function throughputPanel(series) {
   const sum = (a) => a.reduce((x, y) => x + y, 0);
-  const ok = sum(o.series.succeeded), bad = sum(o.series.failed);
+  const ok = sum(series.succeeded), bad = sum(series.failed);
   const rate = ok + bad ? ((100 * bad) / (ok + bad)).toFixed(1) : "0.0";
-  const partial = o.series.since > o.series.start + 1
-    ? h("p.small.mute", {text: `events before ${fmtTime(o.series.since)} were not read`}) : null;
-  const through = h("div.panel", {},
+  const partial = series.since > series.start + 1
+    ? h("p.small.mute", {text: `tasks that ended before ${fmtTime(series.since)} were not read`})
+    : null;
+  return h("div.panel", {},
     h("h2", {text: "Last hour: tasks finished per minute"}),
     h("div.legend.small", {}, h("span", {}, h("i.sw.ok"), `succeeded ${ok}`),
       h("span", {}, h("i.sw.bad"), `failed ${bad}`), h("span.mute", {text: `failure rate ${rate}%`})),
-    chart(o.series), h("div.axis.small.mute", {}, h("span", {text: "60 min ago"}),
+    chart(series), h("div.axis.small.mute", {}, h("span", {text: "60 min ago"}),
       h("span", {text: "30 min"}), h("span", {text: "now"})), partial);
+}
+
+async function viewOverview(view, params) {
+  if (!isOperator() || params.get("tenant")) return viewTenant(view, me.tenant || params.get("tenant"));
+  const o = await api("GET", "/console/api/overview");
+  const att = attentionPanel(o.attention,
+    "No parked tasks, stalls, quarantined tasks or durability risks.", "#/inbox");
+  const tiles = h("div.tiles", {}, STATUSES.map((s) => h("a.tile.t-" + s, {href: `#/tasks?status=${s}`},
+    h("div.n", {text: o.by_status[s].toLocaleString()}),
+    h("div.l", {text: s.replace(/_/g, " ").toLowerCase()}))));
+  const through = throughputPanel(o.series);
   const handlers = Object.keys(o.by_handler);
   const byHandler = h("div.panel", {}, h("h2", {text: "By handler"}),
     handlers.length ? h("table", {}, h("thead", {}, h("tr", {}, h("th", {text: "handler"}),
@@ -188,9 +205,51 @@ async function viewOverview(view) {
   const counts = h("div.panel", {}, h("h2", {text: "Tasks by status"}), tiles,
     h("p.small.mute", {text: `${o.requests} create or cancel requests not yet taken in · ` +
       `${o.parked_for_lookup} parked tasks wait for a vendor lookup, ${o.parked_for_operator} ` +
-      `for an operator · ${o.quarantined} quarantined`}));
+      `for an operator · ${o.quarantined} quarantined`}), tenantForm());
   view.append(h("h1", {text: "Overview"}), att, counts, h("div.grid.g2", {}, through, paused),
     daemons, byHandler);
+}
+
+
+function tenantForm() {
+  const name = h("input", {name: "tenant", placeholder: "tenant", required: true});
+  return h("form.row", {id: "tenant-form", onsubmit: (ev) => {
+    ev.preventDefault();
+    location.hash = "#/overview?" + new URLSearchParams({tenant: name.value.trim()});
+  }}, h("label", {}, "One tenant's overview", name), h("button.ghost", {type: "submit", text: "Open"}));
+}
+
+// A tenant's overview: its viewers' (and an operator's, with ?tenant=). No counter is kept
+// per tenant: the server walks the status indexes within a budget, and a count it could
+// not finish is a lower bound, whole for the tasks that entered the status since a time.
+async function viewTenant(view, tenant) {
+  const o = await api("GET", "/console/api/tenant?" + new URLSearchParams({tenant}));
+  const partial = STATUSES.filter((s) => o.whole_since[s] !== null);
+  const tiles = h("div.tiles", {}, STATUSES.map((s) => h("a.tile.t-" + s,
+    {href: `#/tasks?status=${s}` + (isOperator() ? `&tenant=${encodeURIComponent(tenant)}` : ""),
+      title: o.whole_since[s] === null ? "exact" : `at least: of the tasks that entered ${s} ` +
+        `since ${fmtTime(o.whole_since[s])}`},
+    h("div.n", {text: (o.whole_since[s] === null ? "" : "≥ ") + o.by_status[s].toLocaleString()}),
+    h("div.l", {text: s.replace(/_/g, " ").toLowerCase()}))));
+  const oldest = Math.max(...partial.map((s) => o.whole_since[s]));
+  const read = o.scanned === null ? "" : ` (${o.scanned.toLocaleString()} tasks of all tenants read)`;
+  const note = partial.length
+    ? `Counted newest first within a bounded read${read}: a count marked ≥ is of the ` +
+      `tasks that entered the status since a time (hover the tile; for all of them: ` +
+      `since ${fmtTime(oldest)}); the others are exact.`
+    : `Exact: every stored task was read${read}.`;
+  const paused = Object.keys(o.paused);
+  const counts = h("div.panel", {}, h("h2", {text: "Tasks by status"}), tiles,
+    h("p.small.mute", {id: "tenant-note", text: note + ` · ${o.parked_for_lookup} parked ` +
+      `tasks wait for a vendor lookup, ${o.parked_for_operator} for an operator`}));
+  const state = h("div.panel", {}, h("h2", {text: "Paused"}), paused.length
+    ? h("ul", {}, paused.map((d) => h("li", {}, h("b.mono", {text: d}), " ",
+      h("span.mute", {text: o.paused[d].note || ""}))))
+    : h("p.mute", {text: `Tenant ${tenant} is not paused.`}));
+  view.append(h("h1", {text: `Tenant ${tenant}`}), attentionPanel(o.attention,
+    "None of its tasks is parked for an operator or stalled, and it is not paused.",
+    isOperator() ? "#/inbox" : "#/tasks?status=SUBMIT_UNKNOWN"),
+  counts, h("div.grid.g2", {}, throughputPanel(o.series), state));
 }
 
 // ---- task browser -----------------------------------------------------------------
@@ -433,96 +492,6 @@ async function viewInbox(view) {
   view.append(h("div.panel", {}, table), bulk);
 }
 
-// ---- controls: pauses, limits, bulk -----------------------------------------------
-
-async function viewControls(view) {
-  const [paused, limits] = await Promise.all([api("GET", "/api/v1/pause"), api("GET", "/api/v1/limits")]);
-  const dim = h("select", {name: "dimension"}, ["handler", "provider", "tenant", "account"]
-    .map((d) => h("option", {value: d, text: d})));
-  const value = h("input", {name: "value", placeholder: "e.g. ocr", required: true});
-  const note = h("input", {name: "note", placeholder: "why (shown to everyone)", size: 30});
-  const pauseForm = h("form.row", {id: "pause-form", onsubmit: (ev) => {
-    ev.preventDefault();
-    guard(async () => {
-      const body = {[dim.value]: value.value.trim(), note: note.value};
-      if (!(await confirmDialog(`Pause ${dim.value} ${body[dim.value]}?`,
-        "Daemons stop claiming its new submits until it is resumed; tasks already at the " +
-        "vendor are still tracked.", "Pause"))) return;
-      await api("POST", "/api/v1/pause", body);
-      flash(`${dim.value}:${body[dim.value]} paused`);
-      route();
-    });
-  }}, h("label", {}, "Dimension", dim), h("label", {}, "Name", value), h("label", {}, "Note", note),
-  h("button.warn", {type: "submit", text: "Pause"}));
-  const label = (text, input) => h("label", {}, text, input);
-  const names = Object.keys(paused.paused);
-  const pausedTable = names.length ? h("table.spaced", {id: "paused"}, h("thead", {}, h("tr", {},
-    ["paused", "note", "since", ""].map((x) => h("th", {text: x})))), h("tbody", {}, names.map((d) =>
-    h("tr", {"data-dimension": d}, h("td.mono", {text: d}), h("td.small", {text: paused.paused[d].note || ""}),
-      h("td.small", {text: fmtTime(paused.paused[d].at / 1000)}),
-      h("td", {}, h("button.small", {"data-action": "resume", onclick: () => guard(async () => {
-        const [kind, ...rest] = d.split(":");
-        const r = await api("POST", "/api/v1/resume", {[kind]: rest.join(":")});
-        flash(`${d} resumed; ${r.moved} held tasks put back`);
-        route();
-      })}, "Resume")))))) : h("p.mute", {text: "Nothing is paused."});
-  const clear = (scope) => guard(async () => {
-    if (!(await confirmDialog(`Clear the limits of ${scope}?`, "Its tasks are no longer held " +
-      "back by these rates, caps or quota; the daemons apply the change within seconds.", "Clear"))) return;
-    await api("DELETE", "/api/v1/limits?" + new URLSearchParams({scope}));
-    flash(`limits of ${scope} cleared`);
-    route();
-  });
-  const limitRows = limits.limits.map((e) => h("tr", {"data-scope": e.scope}, h("td.mono", {text: e.scope}),
-    h("td", {text: e.source}), h("td.small", {text: plain(e.limit)}),
-    h("td", {}, h("button.small.ghost", {type: "button", onclick: () => clear(e.scope)}, "Clear"))));
-  const scope = h("select", {}, ["provider", "tenant"].map((d) => h("option", {value: d, text: d})));
-  const scopeName = h("input", {placeholder: "name", required: true});
-  const knobs = ["submit_rate", "submit_burst", "query_rate", "max_in_flight", "quota"]
-    .map((k) => h("input", {name: k, placeholder: "—", size: 9}));
-  const limitForm = h("form.row", {id: "limit-form", onsubmit: (ev) => {
-    ev.preventDefault();
-    guard(async () => {
-      const body = {[scope.value]: scopeName.value.trim()};
-      for (const k of knobs) if (k.value) body[k.name] = Number(k.value);
-      await api("PUT", "/api/v1/limits", body);
-      flash(`limits of ${scope.value}:${scopeName.value} saved`);
-      route();
-    });
-  }}, label("Scope", scope), label("Name", scopeName),
-  knobs.map((k) => label(k.name.replace(/_/g, " "), k)), h("button", {type: "submit", text: "Save limit"}));
-  const action = h("select", {name: "action"}, h("option", {value: "requeue", text: "requeue"}),
-    h("option", {value: "cancel", text: "cancel"}));
-  const bstatus = h("select", {}, h("option", {value: "", text: "every status the action takes"}),
-    STATUSES.map((s) => h("option", {value: s, text: s})));
-  const bhandler = h("input", {placeholder: "handler (any)"});
-  const btenant = h("input", {placeholder: "tenant (any)"});
-  const bulkForm = h("form.row", {id: "bulk-form", onsubmit: (ev) => {
-    ev.preventDefault();
-    guard(async () => {
-      const filter = {};
-      if (bstatus.value) filter.status = bstatus.value;
-      if (bhandler.value) filter.handler = bhandler.value.trim();
-      if (btenant.value) filter.tenant = btenant.value.trim();
-      const dry = await api("POST", "/api/v1/tasks/bulk", {action: action.value, filter, dry_run: true});
-      if (!dry.matched) { flash("no task matches that filter"); return; }
-      const n = dry.capped ? `more than ${dry.matched}` : String(dry.matched);
-      if (!(await confirmDialog(`${action.value} ${n} tasks?`, `${n} tasks match. The first 1000 are ` +
-        `${action.value === "requeue" ? "submitted to the vendor again" : "canceled"} now; run it ` +
-        "again for the rest.", `${action.value} them`))) return;
-      const r = await api("POST", "/api/v1/tasks/bulk", {action: action.value, filter, limit: 1000});
-      flash(`${r.acted} tasks: ${action.value} done; ${r.failed} failed`, r.failed > 0);
-    });
-  }}, label("Action", action), label("Status", bstatus), label("Handler", bhandler),
-  label("Tenant", btenant), h("button.warn", {type: "submit", text: "Count, then confirm…"}));
-  view.append(h("h1", {text: "Controls"}),
-    h("div.panel", {}, h("h2", {text: "Pause and resume"}), pauseForm, h("div", {}, pausedTable)),
-    h("div.panel", {}, h("h2", {text: "Limits"}), limitRows.length ? h("table", {}, h("thead", {},
-      h("tr", {}, ["scope", "source", "limit", ""].map((x) => h("th", {text: x})))), h("tbody", {}, limitRows))
-      : h("p.mute", {text: "No limits."}), limitForm),
-    h("div.panel", {}, h("h2", {text: "Bulk requeue or cancel"}), bulkForm));
-}
-
 // ---- audit ------------------------------------------------------------------------
 
 async function viewAudit(view, params) {
@@ -554,8 +523,10 @@ async function refreshInboxCount() {
 
 async function route() {
   if (stream) { stream.close(); stream = null; }
-  const view = document.getElementById("view");
-  view.replaceChildren();
+  // Each route draws into a container of its own: one still waiting for its data when
+  // the next begins (a click, a hash change) then draws into a detached one, unseen.
+  const view = h("div.page");
+  document.getElementById("view").replaceChildren(view);
   const [path, query] = location.hash.slice(2).split("?");
   const params = new URLSearchParams(query || "");
   if (!me) {
@@ -571,7 +542,7 @@ async function route() {
   document.getElementById("who-text").textContent =
     `${me.role}${me.tenant ? " of " + me.tenant : ""}${me.note ? " · " + me.note : ""}`;
   for (const a of document.querySelectorAll("[data-role=operator]")) a.hidden = !isOperator();
-  const [name, arg] = (path || (isOperator() ? "overview" : "tasks")).split("/");
+  const [name, arg] = (path || "overview").split("/");
   for (const a of document.querySelectorAll("nav a"))
     a.classList.toggle("active", a.dataset.nav === name || (name === "task" && a.dataset.nav === "tasks"));
   await guard(async () => {
@@ -585,8 +556,7 @@ document.addEventListener("DOMContentLoaded", () => {
   document.getElementById("logout").addEventListener("click", () => guard(async () => {
     await api("POST", "/console/api/logout");
     me = null;
-    location.hash = "#/login";
-    route();
+    go("#/login");
   }));
   window.addEventListener("hashchange", () => { flash(""); route(); });
   route();
