@@ -90,7 +90,7 @@ async def _submit(request: web.Request) -> web.Response:
     # Redis's clock, as created_at is: a task created before this instant is a duplicate.
     # In whole ms, as the create script stores it: a task of the same ms counts as new.
     before_ms: int | None = None
-    if key is not None:
+    if key is not None or body.dedup is not None:
         seconds, micros = await client.redis.time()
         before_ms = int(seconds) * 1000 + int(micros) // 1000
     task = await client.submit(
@@ -98,7 +98,8 @@ async def _submit(request: web.Request) -> web.Response:
         tenant=tenant if tenant is not None else body.tenant, account=body.account,
         provider=body.provider, priority=body.priority, dedup_key=key,
         metadata=body.metadata, not_before=body.not_before, delay=body.delay,
-        strict=body.strict, route_key=body.route_key, trace=from_headers(request.headers),
+        strict=body.strict, route_key=body.route_key, dedup=body.dedup,
+        trace=from_headers(request.headers),
     )  # fmt: skip
     existing = before_ms is not None and round(task.created_at * 1000) < before_ms
     return _json(200 if existing else 201, public_task(task),
