@@ -13,12 +13,17 @@ import httpx
 import msgspec
 import pytest
 import redis.asyncio
+from aiohttp import web
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from asynctaskd.client import AsyncClient
 from asynctaskd.config import parse_config
 from asynctaskd.errors import ConfigError
 from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.store import Store
+from asynctaskd.web import WebSettings, make_app
+from asynctaskd.web.common import _METRICS
 from asynctaskd.web.server import serve_web
 from asynctaskd.web.tokens import Role, mint, tokens_key
 from tests.conftest import wait_until
@@ -221,6 +226,43 @@ async def test_the_metrics_listener_serves_process_collectors_health_and_readine
     # The API's listener serves no metrics: a scrape there is an unknown route.
     r = await api.http.get("/metrics")
     assert r.status_code == 404 and r.json()["error"]["code"] == "no_route"
+
+
+async def test_answers_no_middleware_made_are_counted_too(
+    redis_client: redis.asyncio.Redis,
+) -> None:
+    """A redirect raised as an exception, and a bug's exception (aiohttp's 500): both pass
+    the API's error middleware untouched and are still counted, with their route."""
+
+    async def moved(request: web.Request) -> web.Response:
+        raise web.HTTPFound("/elsewhere")
+
+    async def broken(request: web.Request) -> web.Response:
+        raise RuntimeError("a bug")
+
+    app = make_app(AsyncClient(redis_client, "atd"), WebSettings())
+    app.router.add_get("/moved", moved)
+    app.router.add_get("/broken/{x}", broken)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        async with httpx.AsyncClient(base_url=url, timeout=20) as http:
+            assert (await http.get("/moved")).status_code == 302
+            assert (await http.get("/broken/1")).status_code == 500
+            assert (await http.get("/broken/2")).status_code == 500
+    finally:
+        await runner.cleanup()
+    text = generate_latest(app[_METRICS].registry).decode()
+    samples = {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert requests(samples, "/moved", "GET", 302) == 1
+    assert requests(samples, "/broken/{x}", "GET", 500) == 2
+    assert timed(samples, "/broken/{x}") == 2
 
 
 @pytest.mark.parametrize(
