@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -24,6 +26,7 @@ from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.store import Store
 from asynctaskd.web import WebSettings, make_app
 from asynctaskd.web.common import _METRICS
+from asynctaskd.web.metrics import WebMetrics
 from asynctaskd.web.server import serve_web
 from asynctaskd.web.tokens import Role, mint, tokens_key
 from tests.conftest import wait_until
@@ -35,6 +38,7 @@ API = "/api/v1"
 TASKS = f"{API}/tasks"
 EVENTS = f"{API}/tasks/{{id}}/events"
 KEYS = Keys("atd", 1)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class Web(msgspec.Struct):
@@ -280,3 +284,20 @@ def test_a_bad_metrics_listen_is_refused_naming_the_key(web_section: str) -> Non
 
 def test_metrics_are_not_served_unless_asked_for() -> None:
     assert parse_config("").web.metrics_listen == ""
+
+
+def test_docs_list_every_web_metric_and_names_follow_the_conventions() -> None:
+    text = generate_latest(WebMetrics().registry).decode()
+    types = dict(line.split()[2:4] for line in text.splitlines() if line.startswith("# TYPE "))
+    ours = {n for n in types if n.startswith("asynctaskd_web_") and not n.endswith("_created")}
+    doc = (ROOT / "docs" / "api.md").read_text()
+    assert set(re.findall(r"^\| `(asynctaskd_web_[a-z_]+)`", doc, re.M)) == ours
+    for name in ours:
+        if types[name] == "counter":
+            assert name.endswith("_total"), name
+        if types[name] == "histogram":
+            assert name.endswith("_seconds"), name
+    # The daemon's process collectors and build info, as docs/deploy.md lists them.
+    assert "asynctaskd_build_info" in types
+    for prefix in ("process_", "python_gc_", "python_info"):
+        assert any(name.startswith(prefix) for name in types), prefix
