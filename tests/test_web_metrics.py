@@ -187,6 +187,22 @@ async def test_an_open_event_stream_is_counted_until_it_ends(api: Web) -> None:
     )
 
 
+async def test_a_stream_its_client_left_is_no_longer_counted_as_open(api: Web) -> None:
+    auth = await api.token("producer", "t1")
+    task_id = (await api.submit(auth)).json()["id"]
+    store = Store(api.redis, KEYS)
+    await store.prepare()
+    await ingest(store)
+    async with api.http.stream("GET", f"{TASKS}/{task_id}/events", headers=auth) as stream:
+        async for line in stream.aiter_lines():
+            if line.startswith("data: "):
+                break
+        assert value(await api.scrape(), "asynctaskd_web_event_streams") == 1
+    # The task never settles: the server finds the client gone at a keep-alive (1 s).
+    await wait_until(lambda: _gone(api, "asynctaskd_web_event_streams"), "the stream to close")
+    await wait_until(lambda: _gone(api, "asynctaskd_web_event_readers"), "the reader to stop")
+
+
 async def _gone(api: Web, name: str) -> bool:
     return value(await api.scrape(), name) == 0
 
