@@ -12,7 +12,8 @@ GET and HEAD are served; any other method gets 405 with an `Allow` header, any o
 404; aiohttp answers a request it cannot parse with 400. One request per connection
 (`Connection: close`): scrapers and probes do not need keep-alive, and a drain leaves no
 idle connection behind. The listener binds exactly the host it is given (the daemon's
-`[metrics] listen`, loopback unless configured otherwise), never every interface.
+`[metrics] listen`, loopback unless configured otherwise; `asynctaskd web`'s
+`[web] metrics_listen`), never every interface.
 """
 
 from __future__ import annotations
