@@ -12,23 +12,24 @@ GET and HEAD are served; any other method gets 405 with an `Allow` header, any o
 404; aiohttp answers a request it cannot parse with 400. One request per connection
 (`Connection: close`): scrapers and probes do not need keep-alive, and a drain leaves no
 idle connection behind. The listener binds exactly the host it is given (the daemon's
-`[metrics] listen`, loopback unless configured otherwise), never every interface.
+`[metrics] listen`, loopback unless configured otherwise; `asynctaskd web`'s
+`[web] metrics_listen`), never every interface.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import anyio
 from aiohttp import web
 from aiohttp.http import HttpProcessingError
 from anyio.abc import TaskStatus
+from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
-from .metrics import Metrics
-
-__all__ = ["ReadyCheck", "serve_health"]
+__all__ = ["Exported", "ReadyCheck", "serve_health"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,14 @@ class _ClientMistakes(logging.Filter):
 # What aiohttp's server logs about the requests it handles for us.
 _http_logger = logging.getLogger(__name__ + ".http")
 _http_logger.addFilter(_ClientMistakes())
+
+
+class Exported(Protocol):
+    """What /metrics serves: the daemon's `Metrics`, the web process's `WebMetrics`."""
+
+    @property
+    def registry(self) -> CollectorRegistry: ...
+
 
 # (ready, reason); may be a coroutine function when checking needs I/O.
 ReadyCheck = Callable[[], tuple[bool, str] | Awaitable[tuple[bool, str]]]
@@ -76,7 +85,7 @@ def _response(status: int, body: bytes, content_type: str = _TEXT, **headers: st
 
 
 def _handler(
-    metrics: Metrics, ready: ReadyCheck
+    metrics: Exported, ready: ReadyCheck
 ) -> Callable[[web.BaseRequest], Awaitable[web.Response]]:
     async def handle(request: web.BaseRequest) -> web.Response:
         if request.path not in _PATHS:
@@ -100,7 +109,7 @@ def _handler(
 async def serve_health(
     host: str,
     port: int,
-    metrics: Metrics,
+    metrics: Exported,
     ready: ReadyCheck,
     *,
     task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,

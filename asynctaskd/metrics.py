@@ -23,7 +23,16 @@ from prometheus_client.utils import floatToGoString
 
 from . import __version__
 
-__all__ = ["DURABILITY_FSYNC", "DURABILITY_MARKS", "DURABILITY_MODES", "Metrics"]
+__all__ = [
+    "DURABILITY_FSYNC",
+    "DURABILITY_MARKS",
+    "DURABILITY_MODES",
+    "LATENCY_BUCKETS",
+    "LoopCounter",
+    "LoopHistogram",
+    "Metrics",
+    "process_collectors",
+]
 
 # The states of the durability state sets (asynctaskd.durability says what each means).
 DURABILITY_MODES = ("waitaof", "wait", "off")
@@ -102,7 +111,7 @@ class _LoopCollector(Collector, Generic[C]):
         return self.collect()
 
 
-class _LoopHistogram(_LoopCollector[_HistogramChild]):
+class LoopHistogram(_LoopCollector[_HistogramChild]):
     def __init__(
         self,
         name: str,
@@ -127,7 +136,7 @@ class _LoopHistogram(_LoopCollector[_HistogramChild]):
         return [family]
 
 
-class _LoopCounter(_LoopCollector[_CounterChild]):
+class LoopCounter(_LoopCollector[_CounterChild]):
     def _new_child(self) -> _CounterChild:
         return _CounterChild()
 
@@ -144,13 +153,30 @@ def _go_float(value: float) -> str:
     return text
 
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 # One Redis round trip: a script on a local server takes ~0.1-1 ms; a pipeline or a busy
 # server more. The top buckets catch stalls just under the socket timeout.
 _REDIS_BUCKETS = (0.0002, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
 # How late the event loop wakes a 0.25 s sleep: anything above ~10 ms means blocking code.
 _LOOP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+def process_collectors(registry: CollectorRegistry) -> Gauge:
+    """What every asynctaskd process exports (the daemon, `asynctaskd web`): the process
+    as the host sees it (process_* memory, CPU, open files; Linux only), the interpreter
+    (python_info) and its garbage collector (python_gc_*); returns `asynctaskd_build_info`."""
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    build_info = Gauge(
+        "asynctaskd_build_info",
+        "Always 1; the version label says which asynctaskd runs.",
+        ["version"],
+        registry=registry,
+    )
+    build_info.labels(__version__).set(1)
+    return build_info
 
 
 class Metrics:
@@ -165,42 +191,31 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        # The process as the host sees it (process_* memory, CPU, open files; Linux only),
-        # the interpreter (python_info) and its garbage collector (python_gc_*).
-        ProcessCollector(registry=r)
-        PlatformCollector(registry=r)
-        GCCollector(registry=r)
-        self.build_info = Gauge(
-            "asynctaskd_build_info",
-            "Always 1; the version label says which asynctaskd runs.",
-            ["version"],
-            registry=r,
-        )
-        self.build_info.labels(__version__).set(1)
-        self.transitions = _LoopCounter(
+        self.build_info = process_collectors(r)
+        self.transitions = LoopCounter(
             "asynctaskd_transitions_total",
             "Task status changes saved by this daemon.",
             ["handler", "status"],
             registry=r,
         )
-        self.calls = _LoopHistogram(
+        self.calls = LoopHistogram(
             "asynctaskd_handler_call_seconds",
             "Handler call latency by operation and outcome.",
             ["handler", "op", "outcome"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.inflight = Gauge(
             "asynctaskd_inflight_calls", "Handler calls in flight in this daemon.", registry=r
         )
-        self.due_lag = _LoopHistogram(
+        self.due_lag = LoopHistogram(
             "asynctaskd_due_lag_seconds",
             "How late a claimed task started compared with its due time.",
             ["phase"],
             buckets=_LAG_BUCKETS,
             registry=r,
         )
-        self.claimed = _LoopCounter(
+        self.claimed = LoopCounter(
             "asynctaskd_claimed_total", "Tasks claimed, by phase.", ["phase"], registry=r
         )
         self.rejected_writes = Counter(
@@ -252,7 +267,7 @@ class Metrics:
             "asynctaskd_durability_gate_seconds",
             "Time to make the started mark durable before a vendor submit.",
             ["outcome"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         # State sets, one series per state (1 for the current one), so that an alert can
@@ -322,7 +337,7 @@ class Metrics:
             "1 while the claim loop keeps up with due work, 0 when it stalls.",
             registry=r,
         )
-        self.redis_calls = _LoopHistogram(
+        self.redis_calls = LoopHistogram(
             "asynctaskd_redis_call_seconds",
             "Round-trip time of one Redis script call (or pipeline), by script.",
             ["script"],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from asynctaskd.metrics import Metrics, _LoopCounter, _LoopHistogram
+from asynctaskd.metrics import LoopCounter, LoopHistogram, Metrics
 
 BUCKETS = (0.001, 0.005, 0.1, 1, 30)
 # Bounds themselves (le is inclusive), between, below the first, above the last, zero.
@@ -19,7 +19,7 @@ def _exposition(registry: CollectorRegistry) -> list[str]:
 
 def test_a_histogram_exposes_the_same_samples_as_prometheus_client() -> None:
     ours, theirs = CollectorRegistry(), CollectorRegistry()
-    loop = _LoopHistogram("x_seconds", "Doc.", ["op", "outcome"], buckets=BUCKETS, registry=ours)
+    loop = LoopHistogram("x_seconds", "Doc.", ["op", "outcome"], buckets=BUCKETS, registry=ours)
     reference = Histogram("x_seconds", "Doc.", ["op", "outcome"], buckets=BUCKETS, registry=theirs)
     for i, amount in enumerate(AMOUNTS):
         labels = ("submit", "ok") if i % 3 else ("query", "error")
@@ -36,7 +36,7 @@ def test_a_histogram_exposes_the_same_samples_as_prometheus_client() -> None:
 
 def test_a_counter_exposes_the_same_samples_as_prometheus_client() -> None:
     ours, theirs = CollectorRegistry(), CollectorRegistry()
-    loop = _LoopCounter("y_total", "Doc.", ["handler", "status"], registry=ours)
+    loop = LoopCounter("y_total", "Doc.", ["handler", "status"], registry=ours)
     reference = Counter("y_total", "Doc.", ["handler", "status"], registry=theirs)
     for labels, amount in (
         (("a", "SUCCEEDED"), 1),
@@ -51,7 +51,7 @@ def test_a_counter_exposes_the_same_samples_as_prometheus_client() -> None:
 
 def test_wrong_labels_and_negative_increments_are_refused_as_prometheus_client_does() -> None:
     registry = CollectorRegistry()
-    counter = _LoopCounter("z_total", "Doc.", ["handler"], registry=registry)
+    counter = LoopCounter("z_total", "Doc.", ["handler"], registry=registry)
     with pytest.raises(ValueError, match="takes labels"):
         counter.labels("a", "b")
     with pytest.raises(ValueError, match="non-negative"):

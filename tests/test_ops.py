@@ -42,6 +42,7 @@ from asynctaskd.metrics import Metrics
 from asynctaskd.model import Status
 from asynctaskd.reaper import observe, read_backlog
 from asynctaskd.store import Store, SyncStore
+from asynctaskd.web.metrics import WebMetrics
 from tests.acl import create_user_sync
 from tests.configs import daemon_toml, write_daemon_config
 from tests.conftest import wait_until_sync
@@ -783,10 +784,12 @@ def test_scrape_during_a_run_matches_the_tasks_and_covers_dashboard_and_alerts(
     logs = "".join(p.read_text() for p in tmp_path.glob("daemon-*.log"))
     assert "NOPERM" not in logs
 
-    # Every metric the dashboard and the alert rules use is one the daemon exports.
+    # Every metric the dashboard and the alert rules use is one the daemon exports (the
+    # web panels: one `asynctaskd web` exports).
     used = {m for e in _dashboard_exprs() for m in METRIC_NAME.findall(e)}
     used |= set(METRIC_NAME.findall(ALERTS.read_text()))
     assert used, "no metric found in the dashboard or the rules"
+    text += generate_latest(WebMetrics().registry).decode()
     assert not _unexported(used, text), _unexported(used, text)
 
 

@@ -20,7 +20,7 @@ import redis.asyncio
 import redis.exceptions
 from aiohttp import web
 
-from asynctaskd.client import AsyncClient
+from asynctaskd.client import AsyncClient, content_dedup_key
 from asynctaskd.config import parse_config
 from asynctaskd.errors import ConfigError, InvalidTask, PayloadTooLarge
 from asynctaskd.handlers import HandlerContext, HandlerEntry, Running, Submitted, Succeeded
@@ -106,6 +106,43 @@ async def test_idempotency_key_returns_the_live_task_with_200(api: Api) -> None:
     assert first.json()["id"] == again.json()["id"]
     other = await api.submit({**auth, "Idempotency-Key": "order-43"})
     assert other.status_code == 201 and other.json()["id"] != first.json()["id"]
+
+
+async def test_dedup_by_content_is_one_task_per_handler_and_params(api: Api) -> None:
+    auth = await api.token("producer", "t1")
+    params = {"prompt": "a cat", "size": 512}
+    first = await api.submit(auth, params=params, dedup="content")
+    again = await api.submit(auth, params={"size": 512, "prompt": "a cat"}, dedup="content")
+    assert (first.status_code, again.status_code) == (201, 200), again.text
+    assert first.json()["id"] == again.json()["id"]
+    stored = await api.client.get(first.json()["id"])
+    assert stored is not None and stored.dedup_key == content_dedup_key("demo", params)
+    other = await api.submit(auth, params={**params, "size": 1024}, dedup="content")
+    assert other.status_code == 201 and other.json()["id"] != first.json()["id"]
+    plain = await api.submit(auth, params=params)  # no dedup asked: a task of its own
+    assert plain.status_code == 201 and plain.json()["id"] != first.json()["id"]
+    assert len(await api.redis.keys("atd:{s*}:new:*")) == 3  # create requests, no daemon
+    schema = (await api.http.get(f"{API}/openapi.json")).json()["components"]["schemas"]
+    assert "content" in msgspec.json.encode(schema["SubmitBody"]["properties"]["dedup"]).decode()
+
+
+async def test_dedup_by_content_refusals_are_422_and_write_nothing(
+    api: Api, redis_client: redis.asyncio.Redis
+) -> None:
+    auth = await api.token("producer", "t1")
+    python = AsyncClient(redis_client, "atd")
+    with pytest.raises(InvalidTask) as both:
+        await python.submit("demo", {"n": 1}, tracking_timeout=60, strict=False,
+                            dedup_key="k", dedup="content")  # fmt: skip
+    before = await _snapshot(redis_client)
+    r = await api.submit({**auth, "Idempotency-Key": "k"}, dedup="content")
+    assert r.status_code == 422 and error_code(r) == "invalid"
+    assert r.json()["error"]["message"] == str(both.value)
+    for bad in ("hash", "", 1, True, ["content"]):
+        r = await api.submit(auth, dedup=bad)
+        assert r.status_code == 422 and error_code(r) == "invalid", (bad, r.text)
+        assert "$.dedup" in r.json()["error"]["message"]
+    assert await _snapshot(redis_client) == before
 
 
 @pytest.mark.parametrize(

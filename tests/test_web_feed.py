@@ -19,14 +19,16 @@ import msgspec
 import pytest
 import redis.asyncio
 from aiohttp import web
+from prometheus_client import generate_latest
 
 from asynctaskd.client import AsyncClient
 from asynctaskd.embedded import ServerProcess
 from asynctaskd.keys import Keys
 from asynctaskd.store import Store, open_redis
 from asynctaskd.web import WebSettings, make_app
-from asynctaskd.web.common import _FEED
+from asynctaskd.web.common import _FEED, _METRICS
 from asynctaskd.web.feed import Feed
+from asynctaskd.web.metrics import WebMetrics
 from asynctaskd.web.tokens import mint, tokens_key
 from tests.conftest import wait_until
 from tests.lua.helpers import ingest
@@ -45,6 +47,7 @@ class Web(msgspec.Struct):
     redis: redis.asyncio.Redis
     feed: Feed
     auth: dict[str, str]
+    metrics: WebMetrics
 
     async def task(self) -> str:
         """A new task of tenant t1, taken in (PENDING_SUBMIT, version 1, one event)."""
@@ -81,7 +84,8 @@ async def _serve(redis_client: redis.asyncio.Redis) -> AsyncIterator[Web]:
     await redis_client.hset(tokens_key("atd"), record.id, msgspec.json.encode(record))
     try:
         async with httpx.AsyncClient(base_url=url, timeout=20) as http:
-            yield Web(url, http, redis_client, app[_FEED], {"Authorization": f"Bearer {token}"})
+            auth = {"Authorization": f"Bearer {token}"}
+            yield Web(url, http, redis_client, app[_FEED], auth, app[_METRICS])
     finally:
         await runner.cleanup()
 
@@ -239,6 +243,8 @@ async def test_a_stalled_watcher_is_dropped_without_holding_up_the_others(api: W
             while await reader.read(65536):
                 pass
     writer.close()
+    scraped = generate_latest(api.metrics.registry).decode()
+    assert "\nasynctaskd_web_event_streams_dropped_total 1.0\n" in scraped
 
 
 async def test_a_trimmed_stream_makes_the_watchers_re_read(api: Web) -> None:

@@ -112,6 +112,14 @@ def _check(config: Config, text: str) -> Iterator[tuple[list[str], str]]:
         parse_listen(config.web.listen)
     except ValueError as exc:
         yield ["$.web.listen"], str(exc)
+    if config.web.metrics_listen:
+        try:
+            _, port = parse_listen(config.web.metrics_listen)
+        except ValueError as exc:
+            yield ["$.web.metrics_listen"], str(exc)
+        else:
+            if port and config.web.metrics_listen == config.web.listen:
+                yield ["$.web.metrics_listen"], "must not be web.listen: the API's listener"
     if not 0 < config.web.token_cache <= 300:
         yield ["$.web.token_cache"], "must be more than 0s and at most 5m"
     if not 1 <= config.web.keepalive <= 300:

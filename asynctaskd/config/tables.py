@@ -135,6 +135,9 @@ class WebConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     # Redis connections of the web process; requests queue for a free one. The open
     # event streams share one per shard (web.feed), plus at most 16 for their snapshots.
     redis_connections: Annotated[int, msgspec.Meta(ge=4, le=10000)] = 256
+    # /metrics (asynctaskd_web_*), /healthz and /readyz on a listener of their own, as the
+    # daemon's [metrics] listen; "" serves none. Not on `listen`: no token to scrape it.
+    metrics_listen: str = ""
 
 
 class LogConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -10,6 +10,7 @@ inside another aiohttp server; `serve_web` runs it as a process of its own.
 from __future__ import annotations
 
 from .app import ApiError, WebSettings, make_app
+from .metrics import WebMetrics
 from .server import run_web, serve_web
 
-__all__ = ["ApiError", "WebSettings", "make_app", "run_web", "serve_web"]
+__all__ = ["ApiError", "WebMetrics", "WebSettings", "make_app", "run_web", "serve_web"]

@@ -32,6 +32,7 @@ from .common import (
     _CLIENT,
     _FEED,
     _KEYS,
+    _METRICS,
     _OPERATOR,
     _RATES,
     _SETTINGS,
@@ -50,6 +51,7 @@ from .common import (
 from .console.audit import write_audit
 from .console.routes import mount_console
 from .feed import Feed
+from .metrics import WebMetrics, measure
 from .operator import (
     _bulk,
     _clear_limit,
@@ -90,7 +92,7 @@ async def _submit(request: web.Request) -> web.Response:
     # Redis's clock, as created_at is: a task created before this instant is a duplicate.
     # In whole ms, as the create script stores it: a task of the same ms counts as new.
     before_ms: int | None = None
-    if key is not None:
+    if key is not None or body.dedup is not None:
         seconds, micros = await client.redis.time()
         before_ms = int(seconds) * 1000 + int(micros) // 1000
     task = await client.submit(
@@ -98,7 +100,8 @@ async def _submit(request: web.Request) -> web.Response:
         tenant=tenant if tenant is not None else body.tenant, account=body.account,
         provider=body.provider, priority=body.priority, dedup_key=key,
         metadata=body.metadata, not_before=body.not_before, delay=body.delay,
-        strict=body.strict, route_key=body.route_key, trace=from_headers(request.headers),
+        strict=body.strict, route_key=body.route_key, dedup=body.dedup,
+        trace=from_headers(request.headers),
     )  # fmt: skip
     existing = before_ms is not None and round(task.created_at * 1000) < before_ms
     return _json(200 if existing else 201, public_task(task),
@@ -164,12 +167,20 @@ async def _healthz(request: web.Request) -> web.Response:
     return web.Response(text="ok\n", headers={"Cache-Control": "no-store"})
 
 
-async def _readyz(request: web.Request) -> web.Response:
+async def redis_ready(client: AsyncClient) -> tuple[bool, str]:
+    """Ready while Redis answers a PING within 2 s: /readyz here and on the metrics listener."""
     try:
-        await asyncio.wait_for(request.app[_CLIENT].redis.ping(), 2.0)
+        await asyncio.wait_for(client.redis.ping(), 2.0)
     except Exception as exc:  # any failure means "not ready", with the reason
-        return web.Response(status=503, text=f"Redis unreachable: {exc}\n")
-    return web.Response(text="ready\n", headers={"Cache-Control": "no-store"})
+        return False, f"Redis unreachable: {exc}"
+    return True, "ready"
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    ok, why = await redis_ready(request.app[_CLIENT])
+    if not ok:
+        return web.Response(status=503, text=f"{why}\n")
+    return web.Response(text=f"{why}\n", headers={"Cache-Control": "no-store"})
 
 
 async def _end_streams(app: web.Application) -> None:
@@ -178,13 +189,19 @@ async def _end_streams(app: web.Application) -> None:
     await app[_FEED].close()
 
 
-def make_app(client: AsyncClient, settings: WebSettings) -> web.Application:
-    """The API as an aiohttp Application on `client` (left open: the caller owns it)."""
-    app = web.Application(middlewares=[_errors], client_max_size=settings.max_body)
+def make_app(
+    client: AsyncClient, settings: WebSettings, metrics: WebMetrics | None = None
+) -> web.Application:
+    """The API as an aiohttp Application on `client` (left open: the caller owns it),
+    counted in `metrics` (a registry of its own when not given; `app[_METRICS]`)."""
+    metrics = metrics or WebMetrics()
+    app = web.Application(middlewares=[measure(metrics), _errors],
+                          client_max_size=settings.max_body)  # fmt: skip
     app[_CLIENT] = client
     app[_SETTINGS] = settings
+    app[_METRICS] = metrics
     app[_KEYS] = Keys(settings.namespace, settings.shards)
-    app[_FEED] = Feed(client.redis, app[_KEYS])
+    app[_FEED] = metrics.feed = Feed(client.redis, app[_KEYS])
     app.on_shutdown.append(_end_streams)
     app[_TOKENS] = TokenCache(client.redis, settings.namespace, settings.token_cache)
     app[_RATES] = RateLimiter()

@@ -28,6 +28,7 @@ from asynctaskd.keys import Keys
 
 from .console.session import COOKIE, CSRF_HEADER, Sessions
 from .feed import Feed
+from .metrics import WebMetrics
 from .tokens import RateLimiter, Role, TokenCache, TokenRecord
 
 logger = logging.getLogger(__name__)
@@ -127,6 +128,7 @@ _RATES: Final = web.AppKey("rates", RateLimiter)
 _KEYS: Final = web.AppKey("keys", Keys)
 # The shared readers of the events streams, and the open event streams they feed.
 _FEED: Final = web.AppKey("feed", Feed)
+_METRICS: Final = web.AppKey("metrics", WebMetrics)
 # Console sessions (set when the console is mounted: web.console.routes).
 _SESSIONS: Final = web.AppKey("sessions", Sessions)
 _SAFE_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -138,16 +140,20 @@ async def _session_record(request: web.Request) -> TokenRecord:
     if _SESSIONS in request.app:
         session = await request.app[_SESSIONS].load(request.cookies[COOKIE])
     if session is None:
-        raise ApiError(401, "unauthorized", "the console session has ended: log in again")
+        raise _refused(request, "session_ended",
+                       ApiError(401, "unauthorized", "the console session has ended: log in "
+                                "again"))  # fmt: skip
     record = await request.app[_TOKENS].record(session.token_id)
     if record is None or not hmac.compare_digest(record.sha256, session.sha256):
-        raise ApiError(401, "unauthorized", "the token of this session was revoked: log in "
-                       "with another")  # fmt: skip
+        raise _refused(request, "session_revoked",
+                       ApiError(401, "unauthorized", "the token of this session was revoked: "
+                                "log in with another"))  # fmt: skip
     if request.method not in _SAFE_METHODS:
         sent = request.headers.get(CSRF_HEADER, "")
         if not hmac.compare_digest(sent.encode(), session.csrf.encode()):
-            raise ApiError(403, "csrf", f"send this session's {CSRF_HEADER} header with "
-                           "every change (the console does)")  # fmt: skip
+            raise _refused(request, "csrf",
+                           ApiError(403, "csrf", f"send this session's {CSRF_HEADER} header "
+                                    "with every change (the console does)"))  # fmt: skip
     return record
 
 
@@ -160,14 +166,22 @@ async def _auth(request: web.Request, roles: tuple[Role, ...]) -> TokenRecord:
         record = await _bearer_record(request)
     wait = request.app[_RATES].take(record)
     if wait > 0:
+        request.app[_METRICS].rate_limited.inc()
         raise ApiError(429, "rate_limited",
                        f"this token may make {record.rate:g} requests per second "
                        f"(bursts of {record.burst}); try again in {wait:.2f} s",
                        **{"Retry-After": str(max(1, math.ceil(wait)))})  # fmt: skip
     if record.role not in roles:
         needs = " or ".join(roles)
-        raise ApiError(403, "forbidden", f"a {record.role} token may not do this; needs {needs}")
+        raise _refused(request, "role", ApiError(403, "forbidden", f"a {record.role} token "
+                                                 f"may not do this; needs {needs}"))  # fmt: skip
     return record
+
+
+def _refused(request: web.Request, reason: str, error: ApiError) -> ApiError:
+    """`error`, counted as an authentication failure for `reason` (WebMetrics)."""
+    request.app[_METRICS].auth_failures.labels(reason).inc()
+    return error
 
 
 def _via(request: web.Request) -> str:
@@ -181,12 +195,15 @@ async def _bearer_record(request: web.Request) -> TokenRecord:
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
-        raise ApiError(401, "unauthorized", "send Authorization: Bearer <token>",
-                       **{"WWW-Authenticate": "Bearer"})  # fmt: skip
+        raise _refused(request, "missing",
+                       ApiError(401, "unauthorized", "send Authorization: Bearer <token>",
+                                **{"WWW-Authenticate": "Bearer"}))  # fmt: skip
     record = await request.app[_TOKENS].check(token.strip())
     if record is None:
-        raise ApiError(401, "unauthorized", "the token is unknown or revoked",
-                       **{"WWW-Authenticate": 'Bearer error="invalid_token"'})  # fmt: skip
+        challenge = {"WWW-Authenticate": 'Bearer error="invalid_token"'}
+        raise _refused(request, "invalid_token",
+                       ApiError(401, "unauthorized", "the token is unknown or revoked",
+                                **challenge))  # fmt: skip
     return record
 
 

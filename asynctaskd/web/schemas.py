@@ -39,7 +39,8 @@ INTERNALS: Final = ("fence", "owner", "started_fence", "reclaims", "idempotent")
 
 
 class SubmitBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """POST /tasks. The dedup key is the `Idempotency-Key` header, not a field.
+    """POST /tasks. A dedup key is the `Idempotency-Key` header, not a field; `dedup`
+    "content" makes one from the handler and params instead (not both).
 
     `tenant` is for operator tokens only: a producer's tasks are its token's tenant's.
     `tracking_timeout`, `delay` are seconds; `not_before` is epoch seconds."""
@@ -56,6 +57,8 @@ class SubmitBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     route_key: str | None = None
     tenant: str | None = None
     strict: bool = True
+    # "content": the dedup key is a hash of handler and params (client.content_dedup_key).
+    dedup: Literal["content"] | None = None
 
 
 class ResolveBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -242,11 +245,18 @@ def openapi(version: str) -> dict[str, Any]:
                     "requestBody": submit_body,
                     "responses": {
                         "201": _ok("created", "Task"),
-                        "200": _ok("a live task with this Idempotency-Key exists", "Task"),
+                        "200": _ok(
+                            "a live task with this Idempotency-Key (or, with "
+                            '"dedup": "content", this handler and params) exists',
+                            "Task",
+                        ),
                         "400": _err("malformed JSON"),
                         "413": _err("body over the configured limit"),
                         "415": _err("not application/json"),
-                        "422": _err("invalid input; the message is the Python client's"),
+                        "422": _err(
+                            'invalid input (an Idempotency-Key and "dedup" '
+                            "together too); the message is the Python client's"
+                        ),
                         "429": _err("the tenant's quota is used; see Retry-After"),
                         **_AUTH,
                     },

@@ -19,8 +19,20 @@ from aiohttp import web
 
 from asynctaskd.client import TaskEvent, task_event, task_shard
 
-from .common import _ANY, _CLIENT, _FEED, _KEYS, _SETTINGS, ApiError, _auth, _scope, _task_id
+from .common import (
+    _ANY,
+    _CLIENT,
+    _FEED,
+    _KEYS,
+    _METRICS,
+    _SETTINGS,
+    ApiError,
+    _auth,
+    _scope,
+    _task_id,
+)
 from .feed import Signal, Subscription
+from .metrics import route_of
 from .replay import missed_events
 
 __all__ = ["events"]
@@ -96,16 +108,34 @@ async def _stream(
     transport = request.transport
     if transport is not None:
         sub.on_drop = transport.abort  # a client that stopped reading: no flush to wait for
+    try:
+        await response.prepare(request)
+    except ConnectionError:  # the client left already
+        return response
+    metrics = request.app[_METRICS]
+    metrics.stream_opened(request, route_of(request))
+    try:
+        return await _follow(request, response, sub, backlog, seen, tenant)
+    finally:
+        metrics.streams_open -= 1
+
+
+async def _follow(
+    request: web.Request, response: web.StreamResponse, sub: Subscription,
+    backlog: list[TaskEvent], seen: int, tenant: str | None,
+) -> web.StreamResponse:  # fmt: skip
+    """Write the backlog, then the live changes until the task settles or the feed ends."""
+    client, feed, metrics = request.app[_CLIENT], request.app[_FEED], request.app[_METRICS]
     keepalive = request.app[_SETTINGS].keepalive
     shown = backlog[0]
     try:
-        await response.prepare(request)
         out = [b"retry: 1000\n\n"]
         for event in backlog:
             if event.version > seen:
                 seen, shown = event.version, event
                 out.append(_frame(event))
         await response.write(b"".join(out))
+        metrics.events_sent += len(out) - 1
         while not shown.status.is_settled:
             item = await sub.get(keepalive)
             if item is None:
@@ -126,6 +156,7 @@ async def _stream(
             if isinstance(item, TaskEvent) and item.version > seen:
                 seen, shown = item.version, item
                 await response.write(_frame(item))
+                metrics.events_sent += 1
     except ConnectionError:  # the client left, or the feed dropped it for falling behind
         return response
     except Exception as exc:  # Redis failing a GAP re-read: the client reconnects
