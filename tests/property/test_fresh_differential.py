@@ -11,13 +11,16 @@ tasks in the same order, with the same fences and versions; at the end every tas
 ids and times left out) must be the same. The invariants of the script tests hold after
 every step of both runs.
 
-Ids are made in increasing order, so that tasks created in one millisecond in one run and
-in two in the other still have one ready order: by priority, then creation.
+Each step runs in a later millisecond than the one before (the runs wait for it), so both
+runs give their tasks one ready order (by priority, then the step that made it due, then
+id), whatever the ids: some ids are made smaller than all before, so that the id order is
+not the order of due times, and two creates in one create_many call share a due time.
 """
 
 from __future__ import annotations
 
 import collections
+import time
 from typing import Any
 
 import pytest
@@ -46,11 +49,16 @@ CREATE = st.tuples(
     st.integers(-2, 2),  # priority
     st.sampled_from([0, 0, 0, 0, LATER_MS]),  # delay
     st.sampled_from(["", "", "", "k"]),  # dedup key
+    st.booleans(),  # an id smaller than every id made before (see small_id)
 )
+# two creates of one priority in one create_many call: one server time, one ready score;
+# the second one's id maybe the smaller
+TOGETHER = st.tuples(st.just("together"), st.integers(-2, 2), st.booleans())
 OPS = st.one_of(
     CREATE,
     CREATE,
     CREATE,
+    TOGETHER,
     st.tuples(st.just("cancel"), st.integers(0, 15)),
     st.tuples(st.just("claim"), st.integers(1, 4)),
     st.tuples(st.just("claim"), st.integers(1, 4)),
@@ -61,6 +69,11 @@ OPS = st.one_of(
     ),
     st.tuples(st.just("deadline"), st.integers(0, 15)),
 )
+
+
+def small_id() -> str:
+    """A task id before every id new_task_id makes (its time part is the smallest)."""
+    return "00" + new_task_id()[2:]
 
 
 class Run:
@@ -75,19 +88,29 @@ class Run:
         self.leases: dict[str, Lease] = {}  # the worker's live leases
         self.replies: list[Any] = []  # what each step answered, to compare
 
-    def step(self, op: Op, ids: list[str]) -> None:
+    def step(self, op: Op, ids: tuple[str, str]) -> None:
         kind = op[0]
         if kind == "create":
-            _, priority, delay, dedup = op
-            tid = ids[len(self.replies)]
+            _, priority, delay, dedup, _ = op
             call = self.store.ops.create(
-                tid, "h", encode_json({"p": priority}), timeout_ms=TIMEOUT_MS,
+                ids[0], "h", encode_json({"p": priority}), timeout_ms=TIMEOUT_MS,
                 priority=priority, delay_ms=delay, dedup_key=dedup,
             )  # fmt: skip
             created = self.store.run(call)
             if not created.deduped:
-                self.created.append(tid)
+                self.created.append(ids[0])
             self.replies.append((kind, created.task_id, created.deduped))
+        elif kind == "together":
+            calls = [
+                self.store.ops.create(
+                    tid, "h", encode_json({"p": op[1]}), timeout_ms=TIMEOUT_MS, priority=op[1]
+                )
+                for tid in ids
+            ]
+            replies = self.store.run(self.store.ops.create_many(calls))
+            assert [r[:2] for r in replies] == [[1, 1], [1, 1]], replies
+            self.created += ids
+            self.replies.append((kind, ids))
         elif kind == "cancel":
             tid = self.pick(op[1])
             got = self.store.run(self.store.ops.cancel(tid)) if tid else None
@@ -120,6 +143,9 @@ class Run:
             swept = self.store.run(self.store.ops.time_out(0, 100)).timed_out
             self.replies.append((kind, tid, sorted(swept)))
         check_invariants_sync(self.r, self.keys)
+        # the next step's server time is a later millisecond: every ready score it makes
+        # is above this step's, in both runs, whatever the ids
+        time.sleep(0.0012)
 
     def pick(self, i: int) -> str | None:
         return self.created[i % len(self.created)] if self.created else None
@@ -161,7 +187,12 @@ class Run:
 
 def run_twice(r: SyncRedis, program: list[Op]) -> None:
     r.flushdb()  # the session's private server
-    ids = sorted(new_task_id() for _ in program)  # one per step: made in increasing order
+    # a step's ids, the same in both runs
+    ids = [
+        (small_id() if op[0] == "create" and op[4] else new_task_id(),
+         small_id() if op[0] == "together" and op[2] else new_task_id())
+        for op in program
+    ]  # fmt: skip
     long_way = Run(r, "long", take_in=True)
     shortcut = Run(r, "fresh", take_in=False)
     for i, op in enumerate(program):
@@ -169,8 +200,8 @@ def run_twice(r: SyncRedis, program: list[Op]) -> None:
         if op[0] == "claim":
             met = shortcut.requests()
             nothing_ready = r.zcard(f"{shortcut.keys.tag(0)}:ready:submit") == 0
-        long_way.step(op, ids)
-        shortcut.step(op, ids)
+        long_way.step(op, ids[i])
+        shortcut.step(op, ids[i])
         assert shortcut.replies[i] == long_way.replies[i], f"step {i} {op} answered differently"
         claimed = {c[0] for c in shortcut.replies[i][1]} if op[0] == "claim" else set()
         if claimed & met:
@@ -186,8 +217,19 @@ def test_fresh_claims_end_as_the_long_way(sync_redis: SyncRedis) -> None:
     REACHED.clear()
     # besides what hypothesis draws: a claim of more requests than it wants, then one of a
     # task left ready and new requests; a cancel in the intake with its create
-    mixed = [("create", 0, 0, ""), ("create", 1, 0, ""), ("claim", 1), ("create", 0, 0, "")]
-    canceled = [("create", 0, 0, "k"), ("create", 2, 0, ""), ("cancel", 1), ("claim", 3)]
+    mixed = [
+        ("create", 0, 0, "", False),
+        ("create", 1, 0, "", True),
+        ("claim", 1),
+        ("create", 0, 0, "", False),
+    ]
+    canceled = [
+        ("create", 0, 0, "k", False),
+        ("create", 2, 0, "", False),
+        ("cancel", 1),
+        ("together", 0, True),
+        ("claim", 3),
+    ]
     test = given(program=st.lists(OPS, min_size=6, max_size=24))(
         settings(
             max_examples=120,

@@ -39,6 +39,7 @@ tests/property/test_fresh_differential.py holds the two ways to the same end sta
 from __future__ import annotations
 
 import collections
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,6 +131,12 @@ class Task:
         if self.version == read:
             return True
         return self.cancel_version == self.version and self.version == read + 1
+
+
+def small_id() -> str:
+    """A task id before every id new_task_id makes (its time part is the smallest), so
+    that the id order of tasks of one priority need not be the order of their due times."""
+    return "00" + new_task_id()[2:]
 
 
 def raw(call: Call[Any]) -> Call[Any]:
@@ -256,11 +263,17 @@ class Lifecycle(RuleBasedStateMachine):
     # --- one script call each, predicted ------------------------------------------------
 
     def do_create(
-        self, priority: int, dedup: str = "", *, take_in: bool = True, delay_ms: int = 0
+        self,
+        priority: int,
+        dedup: str = "",
+        *,
+        take_in: bool = True,
+        delay_ms: int = 0,
+        small: bool = False,
     ) -> str | None:
         """A producer's create; with `take_in`, a daemon takes the requests in at once (a
         claim of no task), else the request waits for the next claim or sweep."""
-        tid = new_task_id()
+        tid = small_id() if small else new_task_id()
         named = self.dedup.get(dedup) if dedup else None
         call = self.store.ops.create(
             tid, "h", encode_json({"p": priority}), timeout_ms=TIMEOUT_MS, priority=priority,
@@ -729,7 +742,8 @@ class Lifecycle(RuleBasedStateMachine):
                 break
             dedup = data.draw(st.sampled_from(["", "", "", "k1"]), label="dedup")
             delay = data.draw(st.sampled_from([0, 0, 0, 0, LATER_MS]), label="delay")
-            tid = self.do_create(priority, dedup, take_in=False, delay_ms=delay)
+            small = data.draw(st.booleans(), label="small id")
+            tid = self.do_create(priority, dedup, take_in=False, delay_ms=delay, small=small)
             if tid is not None and data.draw(st.integers(0, 3), label="cancel") == 0:
                 self.do_cancel(tid, take_in=False)
         if then == "claim":
@@ -1227,13 +1241,39 @@ class Lifecycle(RuleBasedStateMachine):
         assert self.do_claim("submit", 3) == [high, low]
         self.reached(gone, S.CANCELED)
         first = self.do_create(0, take_in=False)
-        second = self.do_create(0, take_in=False)
-        assert len(self.do_claim("submit", 1)) == 1  # both written: one is left ready
+        second = self.do_create(1, take_in=False)
+        assert self.do_claim("submit", 1) == [second]  # both written: the first waits ready
         ready = self.do_create(0)
         newer = self.do_create(0, take_in=False)
-        assert {first, second, ready, newer} <= set(self._held("submit")) | {
-            *self.do_claim("submit", 3)
-        }
+        assert self.do_claim("submit", 3) == [first, ready, newer]
+        # one priority: in due order, whatever the ids; one due time: ids in byte order
+        self.do_claim("submit", 1000)
+        early = self.do_create(0, take_in=False)
+        time.sleep(0.002)  # due a millisecond later at least
+        late = self.do_create(0, take_in=False, small=True)  # and its id is the smaller
+        assert self.do_claim("submit", 2) == [early, late]
+        made, smaller = self.do_create_together([False, True])
+        assert self.do_claim("submit", 2) == [smaller, made]
+        # a new task due later is not fresh: it waits in due:submit
+        later = self.do_create(0, take_in=False, delay_ms=LATER_MS)
+        assert self.do_claim("submit", 1) == []
+        assert later is not None and self.tasks[later].later
+
+    def do_create_together(self, small: list[bool]) -> list[str]:
+        """Creates of priority 0 in one create_many call (one server time: one ready score),
+        their requests not taken in; `small` as for do_create."""
+        ids = [small_id() if s else new_task_id() for s in small]
+        calls = [
+            self.store.ops.create(tid, "h", encode_json({"p": 0}), timeout_ms=TIMEOUT_MS)
+            for tid in ids
+        ]
+        replies = self.store.run(self.store.ops.create_many(calls))
+        for tid, reply in zip(ids, replies, strict=True):
+            assert reply[:2] == [Code.OK, 1], reply
+            self._code("create", Code.OK)
+            self.tasks[tid] = Task(0, intake=True, due_ms=int(reply[3]))
+            self.intake.append(("c", tid))
+        return ids
 
     # --- after every step -----------------------------------------------------------------
 
