@@ -40,7 +40,7 @@ LEASE_MS = 60_000
 TIMEOUT_MS = 600_000
 LATER_MS = 600_000  # a create due later: it waits in due:submit, never fresh
 TIMES = {b"created_ms", b"updated_ms", b"deadline_ms", b"due_ms", b"finished_ms"}
-# What the runs met, over the whole test (the long run's point of view is the other's).
+# What the programs met, over the whole test, as the run without take-in saw it.
 REACHED: collections.Counter[str] = collections.Counter()
 
 Op = tuple[Any, ...]
