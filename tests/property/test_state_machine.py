@@ -30,7 +30,8 @@ nothing waits in ready:submit, takes up to n new tasks due now straight to SUBMI
 (lua/_intake.lua, "Fresh tasks"), in ready order, after a cancel in the same intake has
 settled its task; the rest, and everything when a task was ready, go the long way
 (PENDING_SUBMIT in the ready set, then the claim's pop). A deadline sweep and a cancel
-taken in at once take every request in the long way. The run counts the claims that met
+taken in at once take every request in the long way. After each step the counters and
+the number of requests waiting (what `stats()` reads) must be the model's. The run counts the claims that met
 requests and fails when none took a task straight, settled one by a cancel, wrote one
 the long way or claimed from both requests and the ready set.
 tests/property/test_fresh_differential.py holds the two ways to the same end state.
@@ -1329,6 +1330,26 @@ class Lifecycle(RuleBasedStateMachine):
             if t.idempotent is not None:
                 model["idempotent"] = t.idempotent
             assert seen == model, f"{tid}: the hash has {seen}, the model {model}"
+
+    @invariant()
+    def stats_match_the_model(self) -> None:
+        """What `stats()` reads: the counters (of tasks taken in only) and the requests
+        waiting in the intake."""
+        raw = self.r.hgetall(KEYS.counts(0))
+        requests = self.r.llen(KEYS.intake(0))
+        seen: collections.Counter[str] = collections.Counter()
+        for name, value in raw.items():  # type: ignore[union-attr]
+            if int(value):
+                seen[name.decode()] += int(value)
+        model: collections.Counter[str] = collections.Counter()
+        for t in self.tasks.values():
+            if not t.intake:
+                model[t.status.value] += 1
+                model[f"{t.status.value}@h"] += 1
+        assert (seen, requests) == (model, len(self.intake)), (
+            f"counters {dict(seen)} and {requests} requests, the model {dict(model)} and "
+            f"{self.intake}"
+        )
 
     @invariant()
     def invariants_hold(self) -> None:
