@@ -31,9 +31,9 @@ nothing waits in ready:submit, takes up to n new tasks due now straight to SUBMI
 settled its task; the rest, and everything when a task was ready, go the long way
 (PENDING_SUBMIT in the ready set, then the claim's pop). A deadline sweep and a cancel
 taken in at once take every request in the long way. After each step the counters and
-the number of requests waiting (what `stats()` reads) must be the model's. The run counts the claims that met
-requests and fails when none took a task straight, settled one by a cancel, wrote one
-the long way or claimed from both requests and the ready set.
+the number of requests waiting (what `stats()` reads) must be the model's. The run counts
+the claims that met requests and fails when none took a task straight, settled one by a
+cancel, wrote one the long way or claimed from both requests and the ready set.
 tests/property/test_fresh_differential.py holds the two ways to the same end state.
 """
 
