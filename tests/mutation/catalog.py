@@ -25,6 +25,13 @@ class Mutant:
 
 SCRIPTS = "tests/lua/test_scripts.py"
 LUA_ADMISSION = "tests/lua/test_admission.py"
+# the state machine and the differential test of claims that meet new requests
+STATE_MACHINE = "tests/property/test_state_machine.py"
+FRESH_DIFF = "tests/property/test_fresh_differential.py"
+FRESH_PROPERTIES = (
+    f"{STATE_MACHINE}::test_every_transition_and_reply_code_is_predicted",
+    f"{FRESH_DIFF}::test_fresh_claims_end_as_the_long_way",
+)
 RECONCILE = "tests/lua/test_reconcile.py"
 
 
@@ -120,7 +127,25 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             "tests/lua/test_fresh_claim.py"
             "::test_a_task_that_falls_due_in_the_same_claim_goes_before_new_ones",
+            *FRESH_PROPERTIES,
         ),
+    ),
+    Mutant(
+        "fresh-before-due",
+        "only a new task due now is claimed straight from its request; one due later waits",
+        "lua/_intake.lua",
+        "  if FRESH and #fresh < FRESH_MOST and tonumber(f.due_ms) <= NOW",
+        "  if FRESH and #fresh < FRESH_MOST",
+        FRESH_PROPERTIES,  # tests/lua/test_fresh_claim.py lets it through
+    ),
+    Mutant(
+        "fresh-order-ignores-due-time",
+        "new tasks of one priority are claimed straight in due-time order, as the ready set "
+        "gives them, whatever their ids",
+        "lua/_intake.lua",
+        "      score[id] = (100 - tonumber(f.priority)) * PRIO_SPAN + tonumber(f.due_ms)",
+        "      score[id] = (100 - tonumber(f.priority)) * PRIO_SPAN",
+        FRESH_PROPERTIES,  # tests/lua/test_fresh_claim.py lets it through
     ),
     Mutant(
         "fresh-ties-reversed",
@@ -128,7 +153,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "lua/_intake.lua",
         "        return a < b",
         "        return a > b",
-        ("tests/lua/test_fresh_claim.py::test_ties_go_by_id_in_byte_order_as_in_the_ready_set",),
+        (
+            "tests/lua/test_fresh_claim.py::test_ties_go_by_id_in_byte_order_as_in_the_ready_set",
+            *FRESH_PROPERTIES,
+        ),
     ),
     Mutant(
         "forged-trace-taken-in",
@@ -153,7 +181,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "lua/_intake.lua",
         "  if FRESH and FRESH[id] then settle_fresh(id) end",
         "  if false then settle_fresh(id) end",
-        ("tests/lua/test_fresh_claim.py::test_a_cancel_taken_in_with_its_create_wins",),
+        (
+            "tests/lua/test_fresh_claim.py::test_a_cancel_taken_in_with_its_create_wins",
+            *FRESH_PROPERTIES,
+        ),
     ),
     Mutant(
         "illegal-transitions-allowed",

@@ -23,11 +23,24 @@ per example, from whatever state the others left) walks every legal transition a
 reply code. The run counts what it reached, prints the counts (`pytest -s`; those outside
 the tour apart), and fails when a legal transition of asynctaskd.model or a reply code
 was never reached.
+
+A create may leave its request in the intake (no daemon takes it in yet): the model keeps
+the requests in order and predicts what takes them in. The next submit claim, when
+nothing waits in ready:submit, takes up to n new tasks due now straight to SUBMITTING
+(lua/_intake.lua, "Fresh tasks"), in ready order, after a cancel in the same intake has
+settled its task; the rest, and everything when a task was ready, go the long way
+(PENDING_SUBMIT in the ready set, then the claim's pop). A deadline sweep and a cancel
+taken in at once take every request in the long way. After each step the counters and
+the number of requests waiting (what `stats()` reads) must be the model's. The run counts
+the claims that met requests and fails when none took a task straight, settled one by a
+cancel, wrote one the long way or claimed from both requests and the ready set.
+tests/property/test_fresh_differential.py holds the two ways to the same end state.
 """
 
 from __future__ import annotations
 
 import collections
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +89,14 @@ ACTORS: collections.Counter[tuple[Status | None, Status, str]] = collections.Cou
 CODES: collections.Counter[tuple[str, Code]] = collections.Counter()
 # The same, counted outside the tour (the other rules' reach).
 ROAMING: collections.Counter[Any] = collections.Counter()
+# Requests a submit claim met (lua/_intake.lua, "Fresh tasks"), counted as "claims" (that
+# took some straight to SUBMITTING), "taken" (tasks so taken), "canceled" (fresh tasks a
+# cancel in the same intake settled), "settled" (fresh tasks written the long way because
+# more requests than the claim wanted, or a ready task, came with them), "mixed" (claims
+# that took tasks both from requests and from what was ready before); and (kind,
+# "roaming") outside the tour.
+FRESH: collections.Counter[Any] = collections.Counter()
+PRIO_SPAN = 2**42  # lua/_schedule.lua: ready score = (100 - priority) * 2^42 + due_ms
 
 
 @dataclass
@@ -84,6 +105,8 @@ class Task:
 
     priority: int
     dedup: str = ""
+    intake: bool = False  # created, its request not yet taken in (no hash yet)
+    due_ms: int = 0  # as create answered: with the priority, its first ready score
     status: Status = Status.PENDING_SUBMIT
     version: int = 1
     fence: int = 0  # the current fence: every claim adds one
@@ -111,6 +134,12 @@ class Task:
         return self.cancel_version == self.version and self.version == read + 1
 
 
+def small_id() -> str:
+    """A task id before every id new_task_id makes (its time part is the smallest), so
+    that the id order of tasks of one priority need not be the order of their due times."""
+    return "00" + new_task_id()[2:]
+
+
 def raw(call: Call[Any]) -> Call[Any]:
     """The same script call, its reply undecoded."""
     return Call(call.script, call.keys, call.args, lambda reply: reply)
@@ -123,6 +152,7 @@ class Lifecycle(RuleBasedStateMachine):
         self.store = SyncStore(self.r, KEYS)
         self.tasks: dict[str, Task] = {}
         self.dedup: dict[str, str] = {}  # dedup key -> the live task it names
+        self.intake: list[tuple[str, str]] = []  # requests not taken in: ("c"|"x", id)
         self.lost_once = False
         self.touring = False  # inside the tour (its counts are reported apart)
         self.toured = False
@@ -189,18 +219,66 @@ class Lifecycle(RuleBasedStateMachine):
         live = sum(not t.status.is_terminal for t in self.tasks.values())
         return live < MAX_LIVE and len(self.tasks) < MAX_TASKS
 
+    def _fresh(self, kind: str, count: int = 1) -> None:
+        FRESH[kind] += count
+        if not self.touring:
+            FRESH[(kind, "roaming")] += count
+
     def _ingest(self) -> None:
-        """What every submit claim does first: take in the producers' requests."""
+        """What every submit claim does first: take in the producers' requests (a claim of
+        no task takes every one the long way)."""
         self.store.run(self.store.ops.claim(0, "submit", 0, LEASE_MS, "take-in", 0))
+        self._take_in(0)
+
+    def _written(self, tid: str) -> None:
+        """A request taken in the long way: the task is PENDING_SUBMIT, version 1."""
+        t = self.tasks[tid]
+        assert t.intake
+        t.intake = False
+        self._count(None, S.PENDING_SUBMIT, "C")
+
+    def _take_in(self, most: int) -> list[str]:
+        """The model of ingest(): every request in order. A create due now is one of the
+        `most` fresh tasks while there is room, else written at once; a cancel of a fresh
+        task writes it first, then cancels it. Returns the tasks still fresh."""
+        fresh: list[str] = []
+        entries, self.intake = self.intake, []
+        for kind, tid in entries:
+            if kind == "c":
+                if len(fresh) < most and not self.tasks[tid].later:
+                    fresh.append(tid)
+                else:
+                    self._written(tid)
+            else:
+                if tid in fresh:
+                    fresh.remove(tid)
+                    self._written(tid)
+                    self._fresh("canceled")
+                self.cancel_taken_in(tid)
+        return fresh
+
+    def _ready_score(self, tid: str) -> int:
+        t = self.tasks[tid]
+        return (100 - t.priority) * PRIO_SPAN + t.due_ms
 
     # --- one script call each, predicted ------------------------------------------------
 
-    def do_create(self, priority: int, dedup: str = "") -> str | None:
-        tid = new_task_id()
+    def do_create(
+        self,
+        priority: int,
+        dedup: str = "",
+        *,
+        take_in: bool = True,
+        delay_ms: int = 0,
+        small: bool = False,
+    ) -> str | None:
+        """A producer's create; with `take_in`, a daemon takes the requests in at once (a
+        claim of no task), else the request waits for the next claim or sweep."""
+        tid = small_id() if small else new_task_id()
         named = self.dedup.get(dedup) if dedup else None
         call = self.store.ops.create(
             tid, "h", encode_json({"p": priority}), timeout_ms=TIMEOUT_MS, priority=priority,
-            dedup_key=dedup,
+            dedup_key=dedup, delay_ms=delay_ms,
         )  # fmt: skip
         reply = self.store.run(raw(call))
         if named is not None:
@@ -210,26 +288,49 @@ class Lifecycle(RuleBasedStateMachine):
             return None
         assert reply[:2] == [Code.OK, 1], reply
         self._code("create", Code.OK)
-        self._ingest()
-        self.tasks[tid] = Task(priority, dedup)
+        self.tasks[tid] = Task(priority, dedup, intake=True, due_ms=int(reply[3]))
+        self.tasks[tid].later = delay_ms > 0
+        self.intake.append(("c", tid))
         if dedup:
-            self.dedup[dedup] = tid
-        self._count(None, S.PENDING_SUBMIT, "C")
+            self.dedup[dedup] = tid  # a request not taken in holds its key too
+        if take_in:
+            self._ingest()
         return tid
 
     def do_claim(self, phase: str, n: int) -> list[str]:
         tag = KEYS.tag(0)
-        order = [m.decode() for m in self.r.zrange(f"{tag}:ready:{phase}", 0, -1)]  # type: ignore[union-attr]
+        ready = self.r.zrange(f"{tag}:ready:{phase}", 0, -1, withscores=True)
+        score = {m.decode(): int(sc) for m, sc in ready}  # type: ignore[union-attr]
         want = (S.PENDING_SUBMIT,) if phase == "submit" else (S.SUBMITTED, S.RUNNING)
-        waiting = {
-            tid for tid, t in self.tasks.items()
-            if t.holder is None and t.status in want and not t.later
-        }  # fmt: skip
+
+        def waiting() -> set[str]:
+            return {
+                tid for tid, t in self.tasks.items()
+                if t.holder is None and t.status in want and not t.later and not t.intake
+            }  # fmt: skip
+
+        assert set(score) == waiting(), f"ready:{phase} {sorted(score)}, the model {waiting()}"
+        # A submit claim takes the requests in first. With nothing ready, up to n new tasks
+        # due now are fresh; if then nothing is ready (more requests than n came, or none
+        # was fresh), the fresh ones are claimed straight, in ready order, else written.
+        requested = {tid for kind, tid in self.intake if kind == "c"}
+        straight: list[str] = []
+        if phase == "submit":
+            fresh = self._take_in(n if not score else 0)
+            for tid in waiting() - set(score):
+                score[tid] = self._ready_score(tid)  # written the long way: joins the set
+            if fresh and n > 0 and not score:
+                straight = sorted(fresh, key=lambda i: (self._ready_score(i), i.encode()))[:n]
+            for tid in fresh:
+                if tid not in straight:
+                    self._written(tid)
+                    self._fresh("settled")
+                    score[tid] = self._ready_score(tid)
+        order = sorted(score, key=lambda i: (score[i], i.encode()))
         due_later = any(t.later and t.status in want for t in self.tasks.values())
-        assert set(order) == waiting, f"ready:{phase} {order} but the model has {waiting}"
-        # In ready order: a late task times out, a canceled pending one ends, the rest are
-        # claimed under a new fence, until n are.
-        claimed: list[tuple[str, int, int]] = []
+        # Then in ready order: a late task times out, a canceled pending one ends, the rest
+        # are claimed under a new fence, until n are.
+        claimed = [(tid, 1, 2) for tid in straight]
         dropped, seen = 0, 0
         outcome: list[tuple[str, Status]] = []
         for tid in order:
@@ -250,6 +351,15 @@ class Lifecycle(RuleBasedStateMachine):
         assert got == claimed, f"claim {phase} {n}: got {got}, the model said {claimed}"
         assert (batch.dropped, batch.ready_left) == (dropped, len(order) - seen), batch
         assert (batch.next_due_ms is not None) == due_later, batch
+        if straight:
+            self._fresh("claims")
+            self._fresh("taken", len(straight))
+        ids = {tid for tid, _, _ in claimed}
+        if ids & requested and ids - requested:
+            self._fresh("mixed")
+        for tid in straight:
+            self.tasks[tid].intake = False
+            self._count(None, S.PENDING_SUBMIT, "C")
         for c in batch.claimed:
             t = self.tasks[c.lease.task_id]
             assert c.task.status is (S.SUBMITTING if phase == "submit" else t.status)
@@ -381,12 +491,15 @@ class Lifecycle(RuleBasedStateMachine):
         return new
 
     def do_deadline(self, tid: str) -> list[str]:
-        """The deadline of `tid` passes, and the sweep runs."""
+        """The deadline of `tid` passes, and the sweep runs (taking the requests in first,
+        the long way)."""
         t = self.tasks[tid]
+        assert not t.intake, "a request's deadline is not moved: it is checked as written"
         self.r.hset(KEYS.task(0, tid), "deadline_ms", 1)
         if t.status.phase is not None:
             self.r.zadd(KEYS.deadlines(0), {tid: 1})
         t.late = True
+        self._take_in(0)
         # every task of a phase that nobody holds and whose deadline passed times out
         due = sorted(
             i for i, x in self.tasks.items()
@@ -398,6 +511,19 @@ class Lifecycle(RuleBasedStateMachine):
             self.tasks[i].version += 1
             self._move(i, S.TRACKING_TIMED_OUT, "R")
         return swept
+
+    def do_sweep(self) -> None:
+        """The deadline sweep with no deadline passed: it takes the requests in."""
+        self._take_in(0)
+        swept = self.store.run(self.store.ops.time_out(0, 100)).timed_out
+        due = sorted(
+            i for i, x in self.tasks.items()
+            if x.late and x.holder is None and x.status.phase is not None
+        )  # fmt: skip
+        assert sorted(swept) == due, f"time_out: got {swept}, the model said {due}"
+        for i in due:
+            self.tasks[i].version += 1
+            self._move(i, S.TRACKING_TIMED_OUT, "R")
 
     def do_cancel(self, tid: str, take_in: bool = True) -> Result:
         """A producer's cancel; with `take_in`, a daemon takes the request in at once."""
@@ -411,9 +537,12 @@ class Lifecycle(RuleBasedStateMachine):
         before = self._snap(tid)
         got = self.store.run(self.store.ops.cancel(tid))
         self._check("cancel", tid, got, want, before)
-        if take_in and got.code is Code.ACCEPTED:
-            self._ingest()
-            self.cancel_taken_in(tid)
+        if t is not None and got.code is Code.ACCEPTED:
+            # a request, unless the flag already waits for a holder
+            if not t.cancel or t.status in (S.PENDING_SUBMIT, S.SUBMIT_UNKNOWN):
+                self.intake.append(("x", tid))
+            if take_in:
+                self._ingest()
         return got
 
     def cancel_taken_in(self, tid: str) -> None:
@@ -571,6 +700,10 @@ class Lifecycle(RuleBasedStateMachine):
                 cands = self.do_claim("query", 1)
         return data.draw(st.sampled_from(cands), label="task") if cands else None
 
+    def written(self) -> list[str]:
+        """The tasks taken in (they have a hash)."""
+        return sorted(tid for tid, t in self.tasks.items() if not t.intake)
+
     def holder_lease(self, tid: str) -> Lease:
         t = self.tasks[tid]
         return t.leases[t.fence]
@@ -578,9 +711,46 @@ class Lifecycle(RuleBasedStateMachine):
     # --- rules: one script call -----------------------------------------------------------
 
     @precondition(lambda self: self.room())
-    @rule(priority=st.integers(-2, 2), dedup=st.sampled_from(["", "", "k1", "k2"]))
-    def create(self, priority: int, dedup: str) -> None:
-        self.do_create(priority, dedup)
+    @rule(
+        priority=st.integers(-2, 2),
+        dedup=st.sampled_from(["", "", "k1", "k2"]),
+        take_in=st.sampled_from([True, True, False]),
+    )
+    def create(self, priority: int, dedup: str, take_in: bool) -> None:
+        """A create, taken in at once or left for whatever takes requests in next."""
+        self.do_create(priority, dedup, take_in=take_in)
+
+    @precondition(lambda self: len(self.tasks) < MAX_TASKS)
+    @rule(
+        data=st.data(),
+        priorities=st.lists(st.integers(-2, 2), min_size=1, max_size=4),
+        then=st.sampled_from(["claim", "claim", "claim", "sweep", "nothing"]),
+        n=st.integers(1, 3),
+        drain=st.booleans(),
+    )
+    def create_requests(
+        self, data: st.DataObject, priorities: list[int], then: str, n: int, drain: bool
+    ) -> None:
+        """Producers create tasks (maybe due later, maybe one with a dedup key, maybe
+        canceled at once) and no daemon takes the requests in yet: then a submit claim, a
+        deadline sweep, or a later rule (a claim, a create, a cancel) meets them. With
+        `drain`, a busy daemon first claimed every task waiting: the claim finds none
+        ready."""
+        if drain:
+            self.do_claim("submit", 1000)
+        for priority in priorities:
+            if len(self.tasks) >= MAX_TASKS:  # not room(): held tasks leave none so often
+                break
+            dedup = data.draw(st.sampled_from(["", "", "", "k1"]), label="dedup")
+            delay = data.draw(st.sampled_from([0, 0, 0, 0, LATER_MS]), label="delay")
+            small = data.draw(st.booleans(), label="small id")
+            tid = self.do_create(priority, dedup, take_in=False, delay_ms=delay, small=small)
+            if tid is not None and data.draw(st.integers(0, 3), label="cancel") == 0:
+                self.do_cancel(tid, take_in=False)
+        if then == "claim":
+            self.do_claim("submit", n)
+        elif then == "sweep":
+            self.do_sweep()
 
     @rule(phase=st.sampled_from(["submit", "query"]), n=st.integers(1, 3))
     def claim(self, phase: str, n: int) -> None:
@@ -662,13 +832,16 @@ class Lifecycle(RuleBasedStateMachine):
     @precondition(lambda self: any(not t.status.is_terminal for t in self.tasks.values()))
     @rule(data=st.data())
     def deadline_passes(self, data: st.DataObject) -> None:
-        live = sorted(i for i, t in self.tasks.items() if not t.status.is_terminal)
+        live = sorted(i for i, t in self.tasks.items() if not t.status.is_terminal and not t.intake)
+        if not live:
+            self.do_sweep()  # only requests: the sweep takes them in
+            return
         self.do_deadline(data.draw(st.sampled_from(live)))
 
-    @precondition(lambda self: bool(self.tasks))
+    @precondition(lambda self: bool(self.written()))
     @rule(data=st.data(), to=st.sampled_from(RESOLVE_TARGETS))
     def resolve(self, data: st.DataObject, to: Status) -> None:
-        self.do_resolve(data.draw(st.sampled_from(sorted(self.tasks))), to)
+        self.do_resolve(data.draw(st.sampled_from(self.written())), to)
 
     def do_unknown(self, op: str) -> None:
         """Every single-task script answers NOT_FOUND for a task that does not exist."""
@@ -720,10 +893,10 @@ class Lifecycle(RuleBasedStateMachine):
     def unknown_task(self, op: str) -> None:
         self.do_unknown(op)
 
-    @precondition(lambda self: bool(self.tasks))
+    @precondition(lambda self: bool(self.written()))
     @rule(data=st.data())
     def create_again(self, data: st.DataObject) -> None:
-        self.do_create_again(data.draw(st.sampled_from(sorted(self.tasks))))
+        self.do_create_again(data.draw(st.sampled_from(self.written())))
 
     @precondition(lambda self: self.room() and not self.lost_once)
     @rule()
@@ -823,7 +996,6 @@ class Lifecycle(RuleBasedStateMachine):
         done = S.FAILED if phase == "submit" else S.SUCCEEDED
         assert self.do_save(self.holder_lease(tid), done).ok
         self._ingest()
-        self.cancel_taken_in(tid)
 
     @rule(data=st.data(), phase=st.sampled_from(["submit", "submit", "query"]), start=st.booleans())
     def merge_a_cancel(self, data: st.DataObject, phase: str, start: bool) -> None:
@@ -1045,7 +1217,6 @@ class Lifecycle(RuleBasedStateMachine):
         self.do_cancel(tid, take_in=False)
         assert self.do_save(self.holder_lease(tid), S.SUCCEEDED).ok
         self._ingest()
-        self.cancel_taken_in(tid)
         # a dedup key names its live task
         key = f"tour-{tid}"
         assert self.do_create(0, key) is not None
@@ -1055,6 +1226,55 @@ class Lifecycle(RuleBasedStateMachine):
         self.do_lost_request()
         for op in ("start", "save", "cancel", "resolve", "renew"):
             self.do_unknown(op)
+        self._tour_fresh()
+
+    def _tour_fresh(self) -> None:
+        """Requests a submit claim meets (lua/_intake.lua, "Fresh tasks"): with nothing
+        ready, the first n due now go straight to SUBMITTING in ready order, a cancel in
+        the same intake settling its task first; more requests than n all go the long way;
+        with a task ready, so do they, and the claim takes from both."""
+        self.do_claim("submit", 1000)  # nothing waits ready
+        low = self.do_create(0, take_in=False)
+        high = self.do_create(1, take_in=False)
+        gone = self.do_create(2, take_in=False)
+        assert low is not None and high is not None and gone is not None
+        self.do_cancel(gone, take_in=False)
+        assert self.do_claim("submit", 3) == [high, low]
+        self.reached(gone, S.CANCELED)
+        first = self.do_create(0, take_in=False)
+        second = self.do_create(1, take_in=False)
+        assert self.do_claim("submit", 1) == [second]  # both written: the first waits ready
+        ready = self.do_create(0)
+        newer = self.do_create(0, take_in=False)
+        assert self.do_claim("submit", 3) == [first, ready, newer]
+        # one priority: in due order, whatever the ids; one due time: ids in byte order
+        self.do_claim("submit", 1000)
+        early = self.do_create(0, take_in=False)
+        time.sleep(0.002)  # due a millisecond later at least
+        late = self.do_create(0, take_in=False, small=True)  # and its id is the smaller
+        assert self.do_claim("submit", 2) == [early, late]
+        made, smaller = self.do_create_together([False, True])
+        assert self.do_claim("submit", 2) == [smaller, made]
+        # a new task due later is not fresh: it waits in due:submit
+        later = self.do_create(0, take_in=False, delay_ms=LATER_MS)
+        assert self.do_claim("submit", 1) == []
+        assert later is not None and self.tasks[later].later
+
+    def do_create_together(self, small: list[bool]) -> list[str]:
+        """Creates of priority 0 in one create_many call (one server time: one ready score),
+        their requests not taken in; `small` as for do_create."""
+        ids = [small_id() if s else new_task_id() for s in small]
+        calls = [
+            self.store.ops.create(tid, "h", encode_json({"p": 0}), timeout_ms=TIMEOUT_MS)
+            for tid in ids
+        ]
+        replies = self.store.run(self.store.ops.create_many(calls))
+        for tid, reply in zip(ids, replies, strict=True):
+            assert reply[:2] == [Code.OK, 1], reply
+            self._code("create", Code.OK)
+            self.tasks[tid] = Task(0, intake=True, due_ms=int(reply[3]))
+            self.intake.append(("c", tid))
+        return ids
 
     # --- after every step -----------------------------------------------------------------
 
@@ -1072,6 +1292,9 @@ class Lifecycle(RuleBasedStateMachine):
         later = {m.decode() for m in replies[1] + replies[2]}
         lookups = {m.decode() for m in replies[3]}
         for (tid, t), h in zip(self.tasks.items(), replies[4:], strict=True):
+            if t.intake:
+                assert not h, f"{tid}: a request not taken in, yet its hash is {h}"
+                continue
 
             def num(name: bytes, h: Any = h) -> int | None:
                 return int(h[name]) if name in h else None
@@ -1109,6 +1332,26 @@ class Lifecycle(RuleBasedStateMachine):
             assert seen == model, f"{tid}: the hash has {seen}, the model {model}"
 
     @invariant()
+    def stats_match_the_model(self) -> None:
+        """What `stats()` reads: the counters (of tasks taken in only) and the requests
+        waiting in the intake."""
+        raw = self.r.hgetall(KEYS.counts(0))
+        requests = self.r.llen(KEYS.intake(0))
+        seen: collections.Counter[str] = collections.Counter()
+        for name, value in raw.items():  # type: ignore[union-attr]
+            if int(value):
+                seen[name.decode()] += int(value)
+        model: collections.Counter[str] = collections.Counter()
+        for t in self.tasks.values():
+            if not t.intake:
+                model[t.status.value] += 1
+                model[f"{t.status.value}@h"] += 1
+        assert (seen, requests) == (model, len(self.intake)), (
+            f"counters {dict(seen)} and {requests} requests, the model {dict(model)} and "
+            f"{self.intake}"
+        )
+
+    @invariant()
     def invariants_hold(self) -> None:
         check_invariants_sync(self.r, KEYS)
 
@@ -1117,6 +1360,13 @@ SYNC_REDIS: Any = None
 
 EVERY_TRANSITION = {(t.source, t.target) for t in LEGAL_TRANSITIONS}
 EVERY_CODE = set(Code)
+FRESH_KINDS = {
+    "claims": "claims that took new tasks straight to SUBMITTING",
+    "taken": "new tasks so taken",
+    "canceled": "fresh tasks settled by a cancel in the same intake",
+    "settled": "fresh tasks written the long way (more requests, or a task ready)",
+    "mixed": "claims of both requests and tasks ready before",
+}
 
 
 def report() -> str:
@@ -1139,6 +1389,9 @@ def report() -> str:
         )
         total = sum(n for (_, c), n in CODES.items() if c is code)
         lines.append(f"  {code.name}: {total} ({scripts}; {ROAMING[code]})")
+    lines.append("requests a submit claim met (count; outside the tour):")
+    for kind, what in FRESH_KINDS.items():
+        lines.append(f"  {what}: {FRESH[kind]} ({FRESH[(kind, 'roaming')]})")
     return "\n".join(lines)
 
 
@@ -1155,6 +1408,7 @@ def test_every_transition_and_reply_code_is_predicted(
     ACTORS.clear()
     CODES.clear()
     ROAMING.clear()
+    FRESH.clear()
     run_state_machine_as_test(
         Lifecycle,
         settings=settings(
@@ -1172,5 +1426,7 @@ def test_every_transition_and_reply_code_is_predicted(
         f"never reached: transitions {sorted(missed_transitions, key=str)}, "
         f"codes {sorted(c.name for c in missed_codes)}\n{report()}"
     )
+    missed_fresh = [what for kind, what in FRESH_KINDS.items() if not FRESH[kind]]
+    assert not missed_fresh, f"never reached: {missed_fresh}\n{report()}"
     unexpected = {k for k in TRANSITIONS if k not in EVERY_TRANSITION}
     assert not unexpected, unexpected
