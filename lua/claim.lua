@@ -16,7 +16,8 @@
 --   lanes is {lane, used, waiting, ...} for every rate lane of this phase that has tasks
 --   waiting in this shard or was granted tokens (used: tokens spent; give back the rest),
 --   intake is {taken, task_id, reason, ...}: how many producer requests the claim took in
---   (submit phase: up to 256, before anything else, lua/_intake.lua) and the creates it
+--   (submit phase: up to 256, or up to n when it may take them straight (n >= 32, nothing
+--   ready), before anything else, lua/_intake.lua) and the creates it
 --   dropped because they were not what the create script writes,
 --   and each task is {task_id, fence, version, {field, value, ...}} (the hash after the claim,
 --   without params in the query phase).
@@ -89,8 +90,16 @@ if phase == 'submit' then
      and redis.call('ZCARD', ready_key) == 0 then
     most = n
   end
+  -- A claim with room for FRESH_ROOM tasks or more takes in only as many requests as it
+  -- can take: all of them go straight, and the next claim finds the ready set empty again,
+  -- so a backlog of requests is claimed the short way too (the long way costs Redis about
+  -- a tenth more per task). Priority then orders the n requests a claim takes in, not the
+  -- 256 it would take in otherwise; a claim with little room (a busy daemon, where
+  -- priority matters most) still takes in 256 first and orders them all.
+  local take = 256
+  if most >= FRESH_ROOM then take = math.min(256, most) end
   local taken, rejected
-  taken, rejected, fresh = ingest(256, false, most)
+  taken, rejected, fresh = ingest(take, false, most)
   reply[5] = {taken, unpack(rejected)}
 end
 

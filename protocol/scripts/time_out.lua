@@ -528,6 +528,9 @@ end
 
 local FRESH = nil  -- id -> the fields of a fresh task (see above), when a claim asked
 local FRESH_MOST = 0  -- how many the claim may take: the ones after it are written at once
+-- A claim with room for this many tasks or more, that may take new tasks straight, takes
+-- in only as many requests as it can take (lua/claim.lua); one with less takes in 256.
+local FRESH_ROOM = 32
 
 -- `flat`: the request's field, value pairs as checked (each field once), when at hand
 local function write_new(id, f, wake_others, flat)

@@ -231,3 +231,42 @@ async def test_a_claim_with_grants_takes_tasks_waiting_in_a_lane_first(
     assert [c.lease.task_id for c in batch.claimed] == [waiting.task_id]
     assert await status_of(redis_client, keys, newer.task_id) is Status.PENDING_SUBMIT
     await check_invariants(redis_client, keys)
+
+
+async def test_a_claim_with_room_takes_in_only_what_it_takes_so_a_backlog_goes_straight(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    """With room for 32 or more, a claim takes in at most n requests: each goes straight to
+    SUBMITTING, nothing is left in the ready set, and the next claim goes straight too.
+    Priority orders the n taken in (the last request, urgent, is claimed first)."""
+    ids = [(await create(store, take_in=False)).task_id for _ in range(49)]
+    ids.append((await create(store, take_in=False, priority=5)).task_id)
+    ready = f"{keys.tag(0)}:ready:submit"
+    first = await store.claim(0, "submit", 40, 10_000, "w")
+    assert first.taken == 40 and len(first.claimed) == 40
+    assert [c.lease.task_id for c in first.claimed] == ids[:40]  # the urgent one is not in
+    assert await redis_client.llen(keys.intake(0)) == 10 and first.ready_left == 10
+    assert await redis_client.zcard(ready) == 0  # nothing went the long way
+    second = await store.claim(0, "submit", 40, 10_000, "w")
+    assert second.taken == 10
+    assert [c.lease.task_id for c in second.claimed] == [ids[-1], *ids[40:49]]  # by priority
+    for c in (*first.claimed, *second.claimed):
+        assert (c.lease.fence, c.lease.version, c.task.status) == (1, 2, Status.SUBMITTING)
+    assert await _events(redis_client, keys, ids[-1]) == [("PENDING_SUBMIT", "1"),
+                                                          ("SUBMITTING", "2")]  # fmt: skip
+    await check_invariants(redis_client, keys)
+
+
+async def test_a_claim_with_little_room_takes_in_256_and_orders_them_all(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    """A busy daemon (room for fewer than 32) takes in up to 256 requests first, so priority
+    orders all of them: the urgent request behind 49 others is claimed first."""
+    ids = [(await create(store, take_in=False)).task_id for _ in range(49)]
+    urgent = (await create(store, take_in=False, priority=5)).task_id
+    batch = await store.claim(0, "submit", 31, 10_000, "w")
+    assert batch.taken == 50 and batch.claimed[0].lease.task_id == urgent
+    assert [c.lease.task_id for c in batch.claimed[1:]] == ids[:30]
+    assert await redis_client.llen(keys.intake(0)) == 0
+    assert await redis_client.zcard(f"{keys.tag(0)}:ready:submit") == 19  # the long way
+    await check_invariants(redis_client, keys)

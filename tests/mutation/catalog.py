@@ -119,6 +119,28 @@ MUTANTS: tuple[Mutant, ...] = (
         t(SCRIPTS, "test_cancel_during_query_lease_is_merged_at_next_save"),
     ),
     Mutant(
+        "backlog-taken-in-whole",
+        "a claim with room for 32 or more takes in only the requests it can take straight",
+        "lua/claim.lua",
+        "  if most >= FRESH_ROOM then take = math.min(256, most) end",
+        "",
+        (
+            "tests/lua/test_fresh_claim.py"
+            "::test_a_claim_with_room_takes_in_only_what_it_takes_so_a_backlog_goes_straight",
+        ),
+    ),
+    Mutant(
+        "busy-claim-orders-only-what-it-takes",
+        "a claim with little room still takes in 256 requests, so priority orders them all",
+        "lua/claim.lua",
+        "  if most >= FRESH_ROOM then take = math.min(256, most) end",
+        "  if most > 0 then take = math.min(256, most) end",
+        (
+            "tests/lua/test_fresh_claim.py"
+            "::test_a_claim_with_little_room_takes_in_256_and_orders_them_all",
+        ),
+    ),
+    Mutant(
         "fresh-tasks-jump-the-queue",
         "a claim takes new requests straight in only when nothing waits in the ready set",
         "lua/_intake.lua",
