@@ -185,8 +185,25 @@ def _ok(description: str, schema: str | None) -> dict[str, Any]:
     }
 
 
+_CANCELED = {
+    "type": "object",
+    "properties": {"id": {"type": "string"}, "cancel": {"const": "requested"}},
+    "required": ["id", "cancel"],
+}
+_LIMIT = {"type": "integer", "minimum": 1, "maximum": 1000, "default": 100}
 _ID = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
-_AUTH = {"401": _err("no valid bearer token"), "403": _err("the token's role may not do this")}
+_AUTH = {
+    "401": _err("no valid bearer token"),
+    "403": _err("the token's role may not do this"),
+    "429": _err("over the token's rate (or, on a submit, the tenant's quota); see Retry-After"),
+    "503": _err("Redis is unreachable"),
+}
+# A route that reads a JSON body.
+_BODY_ERRORS = {
+    "400": _err("malformed JSON"),
+    "413": _err("body over the configured limit"),
+    "415": _err("not application/json"),
+}
 _TASK_ERRORS = {
     **_AUTH,
     "404": _err("no such task (or another tenant's)"),
@@ -209,6 +226,8 @@ def openapi(version: str) -> dict[str, Any]:
             LimitBody,
             GroupBody,
             PurgeBody,
+            BulkBody,
+            BulkResult,
         ],
         ref_template="#/components/schemas/{name}",
     )
@@ -250,27 +269,24 @@ def openapi(version: str) -> dict[str, Any]:
                             '"dedup": "content", this handler and params) exists',
                             "Task",
                         ),
-                        "400": _err("malformed JSON"),
-                        "413": _err("body over the configured limit"),
-                        "415": _err("not application/json"),
+                        **_BODY_ERRORS,
                         "422": _err(
                             'invalid input (an Idempotency-Key and "dedup" '
                             "together too); the message is the Python client's"
                         ),
-                        "429": _err("the tenant's quota is used; see Retry-After"),
                         **_AUTH,
                     },
                 },
                 "get": {
                     "summary": "List tasks, newest first per status (every role)",
                     "parameters": [
-                        {"name": n, "in": "query", "required": False, "schema": {"type": t}}
-                        for n, t in (
-                            ("status", "string"),
-                            ("handler", "string"),
-                            ("cursor", "string"),
-                            ("limit", "integer"),
-                            ("tenant", "string"),
+                        {"name": n, "in": "query", "required": False, "schema": schema}
+                        for n, schema in (
+                            ("status", {"$ref": "#/components/schemas/Status"}),
+                            ("handler", {"type": "string"}),
+                            ("cursor", {"type": "string"}),
+                            ("limit", _LIMIT),
+                            ("tenant", {"type": "string"}),
                         )
                     ],
                     "responses": {
@@ -287,7 +303,7 @@ def openapi(version: str) -> dict[str, Any]:
                     "requestBody": _body_of("BulkBody"),
                     "responses": {
                         "200": _ok("what matched, and what was done", "BulkResult"),
-                        "400": _err("malformed JSON"),
+                        **_BODY_ERRORS,
                         "422": _err("bad action, filter or limit"),
                         **_AUTH,
                     },
@@ -305,7 +321,10 @@ def openapi(version: str) -> dict[str, Any]:
                     "summary": "Cancel a task (producer, operator)",
                     "parameters": [_ID],
                     "responses": {
-                        "202": _ok("canceled, or its worker was asked to", None),
+                        "202": {
+                            "description": "canceled, or its worker was asked to",
+                            "content": {"application/json": {"schema": _CANCELED}},
+                        },
                         "409": _err("the task had already finished"),
                         **_TASK_ERRORS,
                     },
@@ -333,16 +352,10 @@ def openapi(version: str) -> dict[str, Any]:
                 "post": {
                     "summary": "Operators: settle a SUBMIT_UNKNOWN task",
                     "parameters": [_ID],
-                    "requestBody": {
-                        "required": True,
-                        "content": {
-                            "application/json": {
-                                "schema": {"$ref": "#/components/schemas/ResolveBody"}
-                            }
-                        },
-                    },
+                    "requestBody": _body_of("ResolveBody"),
                     "responses": {
                         "200": _ok("the task", "Task"),
+                        **_BODY_ERRORS,
                         "409": _err("the lifecycle forbids it"),
                         **_TASK_ERRORS,
                     },
@@ -378,6 +391,7 @@ def _body_of(schema: str) -> dict[str, Any]:
 
 
 _INVALID = {"422": _err("invalid input; the message is the Python client's"), **_AUTH}
+_INVALID_BODY = {**_BODY_ERRORS, **_INVALID}
 
 
 def _operator_paths() -> dict[str, Any]:
@@ -393,14 +407,14 @@ def _operator_paths() -> dict[str, Any]:
                 "summary": "Operators: hold back new vendor submits of one handler, "
                 "provider, tenant or account (exactly one)",
                 "requestBody": _body_of("PauseBody"),
-                "responses": {"200": _ok("{dimension, newly_paused}", None), **_INVALID},
+                "responses": {"200": _ok("{dimension, newly_paused}", None), **_INVALID_BODY},
             },
         },
         "/resume": {
             "post": {
                 "summary": "Operators: lift a pause; held tasks go back in their order",
                 "requestBody": _body_of("PauseBody"),
-                "responses": {"200": _ok("{dimension, moved}", None), **_INVALID},
+                "responses": {"200": _ok("{dimension, moved}", None), **_INVALID_BODY},
             }
         },
         "/limits": {
@@ -411,7 +425,7 @@ def _operator_paths() -> dict[str, Any]:
             "put": {
                 "summary": "Operators: set one scope's limits at runtime (replaces its entry)",
                 "requestBody": _body_of("LimitBody"),
-                "responses": {"200": _ok("{scope, source, limit}", None), **_INVALID},
+                "responses": {"200": _ok("{scope, source, limit}", None), **_INVALID_BODY},
             },
             "delete": {
                 "summary": "Operators: delete one scope's limits",
@@ -445,7 +459,7 @@ def _operator_paths() -> dict[str, Any]:
                 "summary": "Operators: define or replace a handler group",
                 "parameters": [name],
                 "requestBody": _body_of("GroupBody"),
-                "responses": {"200": _ok("{name, policy, members}", None), **_INVALID},
+                "responses": {"200": _ok("{name, policy, members}", None), **_INVALID_BODY},
             },
             "delete": {
                 "summary": "Operators: delete a handler group",
@@ -462,7 +476,7 @@ def _operator_paths() -> dict[str, Any]:
                 "summary": "Operators: delete up to `limit` tasks finished over "
                 "`older_than` seconds ago",
                 "requestBody": _body_of("PurgeBody"),
-                "responses": {"200": _ok("{purged}", None), **_INVALID},
+                "responses": {"200": _ok("{purged}", None), **_INVALID_BODY},
             }
         },
     }
