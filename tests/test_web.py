@@ -636,6 +636,12 @@ async def test_the_producer_acl_user_plus_the_tokens_hash_serves_the_api(
             r = await http.post(f"{API}/tasks/{task_id}/cancel", headers=auth)
             assert r.status_code == 202
             assert (await http.get("/readyz")).status_code == 200
+            # an operator route needs the operators' Redis user: said as such, nothing written
+            op = await api.token("operator")
+            r = await http.post(f"{API}/pause", headers=op, json={"tenant": "t1"})
+            assert r.status_code == 503 and error_code(r) == "redis_not_permitted", r.text
+            assert "operators' Redis user" in r.json()["error"]["message"]
+            assert await api.client.paused() == {}
     finally:
         await runner.cleanup()
         await conn.aclose()

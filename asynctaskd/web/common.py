@@ -18,6 +18,7 @@ from asynctaskd.errors import (
     AsyncTaskdError,
     IllegalTransition,
     InvalidTask,
+    NotPermitted,
     PayloadTooLarge,
     QuotaExceeded,
     StoreUnavailable,
@@ -89,6 +90,11 @@ def _translate(exc: AsyncTaskdError) -> ApiError:
         return ApiError(409, "illegal_transition", str(exc))
     if isinstance(exc, StoreUnavailable):
         return ApiError(503, "store_unavailable", "Redis is unreachable; try again later")
+    if isinstance(exc, NotPermitted):  # a deployment to fix, not the caller's mistake
+        logger.error("request refused by Redis (ACL): %s", exc)
+        return ApiError(503, "redis_not_permitted", "this web process's Redis user may not "
+                        "do this: operator routes need the operators' Redis user (docs/api.md, "
+                        "Running it)")  # fmt: skip
     logger.error("request failed: %s: %s", type(exc).__name__, exc)
     return ApiError(500, "internal", f"{type(exc).__name__}: the server logged the details")
 
