@@ -13,7 +13,8 @@ import logging
 import random
 import secrets
 import time
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 import anyio
 import httpx
@@ -31,6 +32,8 @@ from .call import CALLING, Call, InFlight
 from .claiming import Claimer
 from .outcomes import MAX_TEXT, Outcomes, Save, canceled
 from .saving import Saver
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__package__)
 
@@ -95,6 +98,12 @@ class Vendor:
             metadata=task.metadata,
         )
 
+    def _traced(self, what: str, task: Task, attempt: int, call: Awaitable[T]) -> Awaitable[T]:
+        """`call` (a handler's coroutine), to be awaited inside a span when tracing is on.
+        A plain function, not a coroutine: no layer is added between a call and the loop."""
+        spans = self.spans
+        return call if spans is None else spans.call(what, task, attempt, call)
+
     def _account(self, save: Save, task: Task, active: Call) -> None:
         """Report the failure a save records (a handler's bug, counted and logged at a
         rate) and log its note, before saving it."""
@@ -152,12 +161,8 @@ class Vendor:
         t0 = time.perf_counter()
         outcome = "ok"
         try:
-            pending = entry.handler.submit(task.params, ctx)
-            spans = self.spans
-            out = await (
-                pending
-                if spans is None
-                else spans.call("submit", task, ctx.submit_attempt, pending)
+            out = await self._traced(
+                "submit", task, ctx.submit_attempt, entry.handler.submit(task.params, ctx)
             )
         except anyio.get_cancelled_exc_class():
             raise
@@ -189,11 +194,7 @@ class Vendor:
         found: Any = None
         failure: BaseException | None = None
         try:
-            pending = find(task.params, ctx)
-            spans = self.spans
-            found = await (
-                pending if spans is None else spans.call("find", task, active.lookups, pending)
-            )
+            found = await self._traced("find", task, active.lookups, find(task.params, ctx))
         except anyio.get_cancelled_exc_class():
             raise
         except BaseException as exc:
@@ -258,12 +259,8 @@ class Vendor:
         active.set_deadline(now + budget, now + self.lease_ms / 1000)  # see set_deadline
         failure: BaseException | None = None
         try:
-            pending = entry.handler.query(query_handle, ctx)
-            spans = self.spans
-            out = await (
-                pending
-                if spans is None
-                else spans.call("query", task, task.poll_count + 1, pending)
+            out = await self._traced(
+                "query", task, task.poll_count + 1, entry.handler.query(query_handle, ctx)
             )
         except anyio.get_cancelled_exc_class():
             if active.cut.expired() and active.state is CALLING:  # not LOST: the deadline
@@ -298,12 +295,8 @@ class Vendor:
         finalize = entry.hook("finalize")
         if finalize is not None:
             try:
-                pending = finalize(result, ctx)
-                spans = self.spans
-                result = await (
-                    pending
-                    if spans is None
-                    else spans.call("finalize", task, task.poll_count + 1, pending)
+                result = await self._traced(
+                    "finalize", task, task.poll_count + 1, finalize(result, ctx)
                 )
             except anyio.get_cancelled_exc_class():
                 raise
@@ -319,13 +312,7 @@ class Vendor:
             return
         with anyio.move_on_after(max(1.0, self.lease_ms / 2000)):
             try:
-                pending = cancel(query_handle, ctx)
-                spans = self.spans
-                await (
-                    pending
-                    if spans is None
-                    else spans.call("cancel", task, task.poll_count + 1, pending)
-                )
+                await self._traced("cancel", task, task.poll_count + 1, cancel(query_handle, ctx))
             except anyio.get_cancelled_exc_class():
                 raise
             except BaseException as exc:
