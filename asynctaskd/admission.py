@@ -189,6 +189,9 @@ def limit_from_stored(scope: str, stored: Stored) -> LimitConfig:
 
 def limit_from_options(**options: Any) -> LimitConfig:
     """Build a LimitConfig from keyword options (client/CLI); InvalidTask if it is wrong."""
+    if options.get("quota_period") is not None and options.get("quota") is None:
+        # stored without a quota it would mean nothing, and read back as the default
+        raise InvalidTask("invalid limit: quota_period applies to a quota: give quota too")
     try:
         limit = msgspec.convert(
             {k: v for k, v in options.items() if v is not None},

@@ -177,6 +177,8 @@ async def test_set_limit_validates(api: Api) -> None:
         await api.set_limit(tenant="t")
     with pytest.raises(InvalidTask, match="quota_period: expected seconds or a duration"):
         await api.set_limit(tenant="t", quota=1, quota_period="yesterday")
+    with pytest.raises(InvalidTask, match="quota_period applies to a quota"):
+        await api.set_limit(tenant="t", max_in_flight=2, quota_period="1h")  # kept nowhere
     with pytest.raises(InvalidTask, match="a limit scope looks like"):
         await api.clear_limit("everyone")
     assert await api.limits() == {}

@@ -713,11 +713,15 @@ async def test_pause_and_resume(api: Api) -> None:
 async def test_limits_set_show_and_clear(api: Api) -> None:
     op = await api.token("operator")
     body = {"provider": "openai", "submit_rate": 5, "quota_period": "1h", "note": "n"}
+    r = await api.http.put(f"{API}/limits", headers=op, json=body)  # a period, no quota
+    assert r.status_code == 422 and "quota_period applies to a quota" in r.text
+    assert await api.client.limits() == {}
+    del body["quota_period"]
     r = await api.http.put(f"{API}/limits", headers=op, json=body)
     assert r.status_code == 200, r.text
     entry = r.json()
     assert entry["scope"] == "provider:openai" and entry["source"] == "runtime"
-    assert entry["limit"]["submit_rate"] == 5 and entry["limit"]["quota_period"] == 3600
+    assert entry["limit"]["submit_rate"] == 5 and entry["limit"]["note"] == "n"
     assert (await api.client.limits())["provider:openai"].limit.submit_rate == 5
     r = await api.http.get(f"{API}/limits", headers=op)
     assert [e["scope"] for e in r.json()["limits"]] == ["provider:openai"]
