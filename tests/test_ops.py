@@ -279,7 +279,7 @@ def test_every_alert_is_documented_and_unit_tested_both_ways() -> None:
         "AsyncTaskdNoClaimsWhileDue",
         "AsyncTaskdRedisUnreachable",
         "AsyncTaskdDurabilityGateOff",
-        "AsyncTaskdFailureRateHigh",  # issue #27: tasks failing, vendors erroring
+        "AsyncTaskdFailureRateHigh",  # tasks failing, vendors erroring
         "AsyncTaskdVendorErrorsHigh",
     } <= set(alerts)
     headings = set(re.findall(r"^### (\w+)$", DEPLOY.read_text(), re.M))

@@ -86,7 +86,7 @@ def test_sigkill_daemons_mid_submit_and_mid_poll(
 def test_sigkill_daemons_mid_submit_with_find_leaves_nothing_parked(
     tmp_path: Path, aof_server: ServerProcess, slow_vendor: FakeVendorProcess
 ) -> None:
-    """The crash run with a handler that can look its vendor job up (issue #28): tasks the
+    """The crash run with a handler that can look its vendor job up: tasks the
     kills park are settled by lookups, every task succeeds, still one vendor job per task.
     The handler's listing lags 0.3 s behind the vendor's creates (within its 2 s
     find_visible_after): a lookup that finds nothing too early asks again, never resubmits."""

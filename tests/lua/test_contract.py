@@ -215,7 +215,7 @@ def test_a_script_source_is_legal_core_includes_body_in_that_order() -> None:
         assert script.source == expected
 
 
-# The doc against the scripts, both ways (issue #30): a reply code, a task field or a status
+# The doc against the scripts, both ways: a reply code, a task field or a status
 # move that exists in one and not the other fails one of the tests below.
 
 _TASK_KEY = re.compile(r"^(tk|KEYS\[2\]|P \.\. 'task:' \.\. \w+|task_key\(\w+\))$")

@@ -1,4 +1,4 @@
-"""lookup.lua and reconcile.lua: parked tasks settled by asking the vendor (issue #28).
+"""lookup.lua and reconcile.lua: parked tasks settled by asking the vendor.
 
 A task is parked here as the daemons park it: claimed, its start marked (with
 `find_visible_ms` for a handler that can look its job up), then released after the

@@ -40,7 +40,7 @@ def t(file: str, *names: str) -> tuple[str, ...]:
 
 
 MUTANTS: tuple[Mutant, ...] = (
-    # --- settling parked tasks by asking the vendor (issue #28) -----------------------------
+    # --- settling parked tasks by asking the vendor ----------------------------------------
     Mutant(
         "lookup-none-too-early-resubmits",
         "a lookup that finds no job before the job would be listed asks again later, never "
