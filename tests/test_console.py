@@ -5,6 +5,7 @@ session cookie as a browser would)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -53,17 +54,28 @@ class Console(msgspec.Struct):
         return dict(r.json())
 
 
-@pytest.fixture
-async def console(redis_client: redis.asyncio.Redis) -> AsyncIterator[Console]:
-    client = AsyncClient(redis_client, "atd")
-    runner = web.AppRunner(make_app(client, WebSettings(token_cache=0.05)), access_log=None)
+@contextlib.asynccontextmanager
+async def served(redis_client: redis.asyncio.Redis, conn: Any = None) -> AsyncIterator[Console]:
+    """The web app on a free port, talking to Redis over `conn` (another ACL user's
+    connection; closed after) or `redis_client`; the test's own reads and tokens go
+    through `redis_client`."""
+    own = AsyncClient(redis_client, "atd")
+    app_client = own if conn is None else AsyncClient(conn, "atd")
+    runner = web.AppRunner(make_app(app_client, WebSettings(token_cache=0.05)), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
     try:
-        yield Console(f"http://127.0.0.1:{runner.addresses[0][1]}", redis_client, client)
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        yield Console(f"http://127.0.0.1:{runner.addresses[0][1]}", redis_client, own)
     finally:
         await runner.cleanup()
+        if conn is not None:
+            await conn.aclose()
+
+
+@pytest.fixture
+async def console(redis_client: redis.asyncio.Redis) -> AsyncIterator[Console]:
+    async with served(redis_client) as c:
+        yield c
 
 
 async def submit(client: AsyncClient, n: int = 1, **kw: Any) -> list[str]:
@@ -397,29 +409,17 @@ async def test_the_console_works_as_the_operators_acl_user(
     with pytest.raises(redis.exceptions.NoPermissionError):
         await operator.execute_command("SORT_RO", Keys().index(0, Status.PENDING_SUBMIT),
                                        "BY", "nosort", "GET", "atd:*")  # fmt: skip
-    app = make_app(AsyncClient(operator, "atd"), WebSettings())
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        console = Console(f"http://127.0.0.1:{runner.addresses[0][1]}", redis_client,
-                          AsyncClient(redis_client, "atd"))  # fmt: skip
-        async with console.browser() as http:
-            me = await console.login(http, "operator")
-            r = await http.get(f"{CON}/find", params={"by": "external_id", "q": "job-acl"})
-            assert r.status_code == 200 and [t["id"] for t in r.json()["tasks"]] == [task_id]
-            r = await http.get(f"{CON}/find", params={"by": "metadata", "q": "x=1"})
-            assert r.status_code == 200 and r.json()["tasks"] == []
-            assert (await http.get(f"{CON}/overview")).status_code == 200
-            r = await http.post(f"{API}/tasks/{task_id}/cancel",
-                                headers={"X-CSRF-Token": me["csrf"]})  # fmt: skip
-            assert r.status_code == 202
-            entries = (await http.get(f"{CON}/audit")).json()["entries"]
-            assert [(e["action"], e["target"]) for e in entries] == [("cancel", task_id)]
-    finally:
-        await runner.cleanup()
-        await operator.aclose()
+    async with served(redis_client, operator) as console, console.browser() as http:
+        me = await console.login(http, "operator")
+        r = await http.get(f"{CON}/find", params={"by": "external_id", "q": "job-acl"})
+        assert r.status_code == 200 and [t["id"] for t in r.json()["tasks"]] == [task_id]
+        r = await http.get(f"{CON}/find", params={"by": "metadata", "q": "x=1"})
+        assert r.status_code == 200 and r.json()["tasks"] == []
+        assert (await http.get(f"{CON}/overview")).status_code == 200
+        r = await http.post(f"{API}/tasks/{task_id}/cancel", headers={"X-CSRF-Token": me["csrf"]})
+        assert r.status_code == 202
+        entries = (await http.get(f"{CON}/audit")).json()["entries"]
+        assert [(e["action"], e["target"]) for e in entries] == [("cancel", task_id)]
 
 
 async def test_a_producers_redis_user_refuses_sessions_clearly(
@@ -429,22 +429,11 @@ async def test_a_producers_redis_user_refuses_sessions_clearly(
     # docs/api.md: the web process's producer user also reads the tokens
     await redis_client.execute_command("ACL", "SETUSER", "asynctaskd-producer", "%R~atd:web:tokens")
     producer = open_redis(user_url(redis_url, "asynctaskd-producer", "pw"))
-    app = make_app(AsyncClient(producer, "atd"), WebSettings())
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        console = Console(f"http://127.0.0.1:{runner.addresses[0][1]}", redis_client,
-                          AsyncClient(redis_client, "atd"))  # fmt: skip
-        async with console.browser() as http:
-            token = await console.token("viewer", "t1")
-            r = await http.post(f"{CON}/login", json={"token": token})
-            assert r.status_code == 503 and code(r) == "no_sessions"
-            assert "operators' asynctaskd web" in r.json()["error"]["message"]
-    finally:
-        await runner.cleanup()
-        await producer.aclose()
+    async with served(redis_client, producer) as console, console.browser() as http:
+        token = await console.token("viewer", "t1")
+        r = await http.post(f"{CON}/login", json={"token": token})
+        assert r.status_code == 503 and code(r) == "no_sessions"
+        assert "operators' asynctaskd web" in r.json()["error"]["message"]
 
 
 async def test_the_hourly_series_counts_what_ended_from_the_events(
