@@ -15,7 +15,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -61,16 +60,14 @@ class Stack(msgspec.Struct):
 def _wait_http(url: str, proc: subprocess.Popen[bytes], what: str) -> None:
     import httpx
 
-    deadline = time.monotonic() + 30
-    while True:
+    def up() -> bool:
         assert proc.poll() is None, f"{what} exited with {proc.returncode}"
         try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
+            return httpx.get(url, timeout=1).status_code == 200
         except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, f"{what} did not start"
-        time.sleep(0.05)
+            return False
+
+    wait_until_sync(up, f"{what} to start", timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Generator
 from typing import Any
 
@@ -298,3 +299,16 @@ class Stepper:
         while self.pending is not None:
             await self.step()
         return self.result
+
+
+def next_server_ms(r: SyncRedis) -> None:
+    """Return once the server's clock (what the scripts read with TIME) is a later
+    millisecond than at the call: what a script runs next sees a later time."""
+
+    def now_ms() -> int:
+        s, us = r.time()
+        return int(s) * 1000 + int(us) // 1000
+
+    start, deadline = now_ms(), time.monotonic() + 1
+    while now_ms() <= start:
+        assert time.monotonic() < deadline, "the server's clock did not move for 1 s"

@@ -20,7 +20,6 @@ not the order of due times, and two creates in one create_many call share a due 
 from __future__ import annotations
 
 import collections
-import time
 from typing import Any
 
 import pytest
@@ -32,7 +31,7 @@ from asynctaskd.codec import encode_json
 from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.model import Status
 from asynctaskd.store import Lease, SyncStore
-from tests.lua.helpers import INDEXES, check_invariants_sync
+from tests.lua.helpers import INDEXES, check_invariants_sync, next_server_ms
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -145,7 +144,7 @@ class Run:
         check_invariants_sync(self.r, self.keys)
         # the next step's server time is a later millisecond: every ready score it makes
         # is above this step's, in both runs, whatever the ids
-        time.sleep(0.0012)
+        next_server_ms(self.r)
 
     def pick(self, i: int) -> str | None:
         return self.created[i % len(self.created)] if self.created else None

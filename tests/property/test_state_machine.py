@@ -40,7 +40,6 @@ tests/property/test_fresh_differential.py holds the two ways to the same end sta
 from __future__ import annotations
 
 import collections
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,7 +61,7 @@ from asynctaskd.codec import encode_json
 from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.model import LEGAL_TRANSITIONS, Actor, Status, is_legal
 from asynctaskd.store import Call, Code, Lease, Result, SyncStore
-from tests.lua.helpers import check_invariants_sync
+from tests.lua.helpers import check_invariants_sync, next_server_ms
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -1250,7 +1249,7 @@ class Lifecycle(RuleBasedStateMachine):
         # one priority: in due order, whatever the ids; one due time: ids in byte order
         self.do_claim("submit", 1000)
         early = self.do_create(0, take_in=False)
-        time.sleep(0.002)  # due a millisecond later at least
+        next_server_ms(self.r)  # due a millisecond later at least
         late = self.do_create(0, take_in=False, small=True)  # and its id is the smaller
         assert self.do_claim("submit", 2) == [early, late]
         made, smaller = self.do_create_together([False, True])
