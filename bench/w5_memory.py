@@ -1,7 +1,9 @@
 """W5: many stored tasks: Redis memory per task, and claim cost with 1,000 vs N stored.
 
 Everything goes through `asynctaskd.store.Store` (the scripts the daemon runs), in
-pipelined batches of 1,000, against one private redis-server (no AOF, no RDB):
+pipelined batches of 1,000, against one private redis-server (no AOF, no RDB). Creates and
+cancels are producers' requests: submit claims of no task take them in, as a daemon does,
+and "create /s" and "cancel /s" include that:
 
 1. Shape: 10,000 small tasks (params `{"i": n}`, handler "demo") created, then driven
    the real way to SUCCEEDED (claim submit -> start -> save SUBMITTED with a handle ->
@@ -18,7 +20,7 @@ pipelined batches of 1,000, against one private redis-server (no AOF, no RDB):
 4. Same backlog: the N/10 pending tasks alone, no terminal ones, and the same claim loop:
    the ratio of (3) to this is what the terminal tasks themselves cost a claim.
 
-Checks: the shape tasks all SUCCEEDED; the counters (`counts` hash) say exactly 90% of N
+Checks: the shape tasks all SUCCEEDED; the counts (`Store.counts`) say exactly 90% of N
 CANCELED and 10% PENDING_SUBMIT; every claim got 100 tasks and every release succeeded.
 
     python bench/w5_memory.py [--tasks 100000] [--claims 300]
@@ -87,9 +89,21 @@ async def create(store: Store, n: int) -> list[str]:
     return ids
 
 
+async def take_in(store: Store) -> int:
+    """What a daemon does first: carry out the producers' requests (creates and cancels are
+    requests a daemon takes in, docs/security.md), here by submit claims of no task."""
+    taken = 0
+    while True:
+        batch = await store.claim(0, "submit", 0, 600_000, "bench", 0)
+        if not batch.taken:
+            return taken
+        taken += batch.taken
+
+
 async def cancel(store: Store, ids: list[str]) -> None:
     results = await pipelined(store, [store.ops.cancel(tid) for tid in ids])
-    assert all(r.code is Code.OK for r in results), "cancel refused"
+    assert all(r.code is Code.ACCEPTED for r in results), "cancel refused"
+    await take_in(store)
 
 
 async def to_succeeded(store: Store, n: int) -> int:
@@ -250,6 +264,7 @@ async def scenario(url: str, n: int, rounds: int) -> dict[str, Any]:
         base = await used_memory(store)
         t0 = time.perf_counter()
         ids = await create(store, total)
+        await take_in(store)
         create_s = time.perf_counter() - t0
         terminal = ids[: total * 9 // 10]
         t0 = time.perf_counter()
@@ -279,6 +294,7 @@ async def scenario(url: str, n: int, rounds: int) -> dict[str, Any]:
     await redis.flushdb()
     await store.prepare()
     await create(store, pending)
+    await take_in(store)
     c = await counts(store)
     out["backlog_only"] = {
         "pending": pending,
