@@ -43,6 +43,7 @@ if __package__ in (None, ""):
 from asynctaskd.client import AsyncClient
 from asynctaskd.devtools.fakevendor import Behaviour, FakeVendorProcess
 from asynctaskd.keys import Keys
+from asynctaskd.model import Status
 from bench import (
     ROOT,
     Daemon,
@@ -151,7 +152,7 @@ async def _submit_and_wait(url: str, n: int, timeout: float) -> tuple[list[str],
     from redis.asyncio import Redis
 
     watcher = Redis.from_url(url)
-    counts_key = Keys().counts(0)
+    succeeded = Keys().index(0, Status.SUCCEEDED)
     async with AsyncClient.from_url(url) as client:
         t0 = time.time()
         tasks = await asyncio.gather(
@@ -161,7 +162,7 @@ async def _submit_and_wait(url: str, n: int, timeout: float) -> tuple[list[str],
         reads = 0
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            done = await watcher.hget(counts_key, "SUCCEEDED")
+            done = await watcher.zcard(succeeded)
             reads += 1
             if done is not None and int(done) >= n:
                 break

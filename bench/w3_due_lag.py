@@ -43,6 +43,7 @@ if __package__ in (None, ""):
 from asynctaskd.codec import encode_json
 from asynctaskd.devtools.fakevendor import Behaviour, FakeVendorProcess
 from asynctaskd.keys import Keys, new_task_id
+from asynctaskd.model import Status
 from asynctaskd.store import Store, open_redis
 from bench import (
     Daemon,
@@ -240,15 +241,15 @@ def run(
             max_inflight=2000,
             metrics_port=port,
         )
-        counts = Keys().counts(0)
+        tracking = [Keys().index(0, s) for s in (Status.SUBMITTED, Status.RUNNING)]
         with Daemon(config, server.url) as daemon:
             t_start = time.monotonic()
             ids = arun(create_tasks(server.url, tasks))
             # Warm-up: every task submitted, then one more poll interval plus a margin.
             deadline = time.monotonic() + warmup_timeout
             while True:
-                c = {k.decode(): int(v) for k, v in sync.hgetall(counts).items()}
-                tracked = c.get("SUBMITTED", 0) + c.get("RUNNING", 0)
+                c = [int(sync.zcard(k)) for k in tracking]
+                tracked = sum(c)
                 if tracked >= tasks:
                     break
                 if time.monotonic() > deadline:

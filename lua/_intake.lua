@@ -243,36 +243,19 @@ end
 -- would have given them (by ready score, ties by id in byte order), and settle the
 -- others; else settle them all, behind what waits. A task taken so ends as the claim
 -- leaves any task it takes: fence 1, version 2, leased by `owner` until `lease_until`,
--- counted and indexed as SUBMITTING, with the events of both versions. Returns the claim replies
--- {id, fence, version, fields} of the tasks taken.
-local function take_fresh(fresh, n, owner, lease_until)
+-- counted and indexed as SUBMITTING, with the events of both versions. `ready_empty`: the
+-- caller knows ready:submit is empty. Returns the claim replies {id, fence, version,
+-- fields} of the tasks taken.
+local function take_fresh(fresh, n, owner, lease_until, ready_empty)
   local out = {}
   if #fresh == 0 then return out end
-  if n > 0 and redis.call('ZCARD', P .. 'ready:submit') == 0 then
-    -- By ready score, ties by id byte by byte, as a sorted set orders them. Lua's `<`
-    -- follows the server's locale: for ids of digits and capital letters (what the
-    -- clients make: a ULID and its shard) every locale orders them as bytes; any other id
-    -- gets a key of digits and a-f (the score, then the id in hex), which every locale
-    -- orders as bytes too, at a cost.
-    local score, plain = {}, true
+  if n > 0 and (ready_empty or redis.call('ZCARD', P .. 'ready:submit') == 0) then
+    local score = {}
     for _, id in ipairs(fresh) do
       local f = FRESH[id]
       score[id] = (100 - tonumber(f.priority)) * PRIO_SPAN + tonumber(f.due_ms)
-      if plain and not string.find(id, '^[0-9A-Z]+%-?[0-9]*$') then plain = false end
     end
-    if plain then
-      table.sort(fresh, function(a, b)
-        if score[a] ~= score[b] then return score[a] < score[b] end
-        return a < b
-      end)
-    else
-      local sort_key = {}
-      for _, id in ipairs(fresh) do
-        sort_key[id] = string.format('%016d', score[id])
-                       .. string.format(string.rep('%02x', #id), string.byte(id, 1, -1))
-      end
-      table.sort(fresh, function(a, b) return sort_key[a] < sort_key[b] end)
-    end
+    ready_order(fresh, score)
   else
     n = 0
   end

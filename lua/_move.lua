@@ -5,8 +5,9 @@
 --- @include _statuses
 --- @include _unschedule
 
-local function release_slots(tk, id)
-  local slots = redis.call('HGET', tk, 'slots')
+-- `slots`: the task's slots field when the caller read it (false: none), nil to read it here
+local function release_slots(tk, id, slots)
+  if slots == nil then slots = redis.call('HGET', tk, 'slots') end
   if not slots then return end
   redis.call('HDEL', tk, 'slots')
   for scope in string.gmatch(slots, '%S+') do
@@ -15,29 +16,30 @@ local function release_slots(tk, id)
   end
 end
 
--- Move a task's status, keeping the per-status index and counters exact. `written`: the
--- caller already wrote the new status in an HSET of its own.
-local function move_status(tk, id, old, new, handler, written)
+-- Move a task's status, keeping the per-status index and the per-handler counters exact. `written`: the
+-- caller already wrote the new status in an HSET of its own; `slots`: as release_slots.
+local function move_status(tk, id, old, new, handler, written, slots)
   if not written then redis.call('HSET', tk, 'status', new) end
   if old == new then return end
-  if old and INFLIGHT[old] and not INFLIGHT[new] then release_slots(tk, id) end
+  if old and INFLIGHT[old] and not INFLIGHT[new] then release_slots(tk, id, slots) end
+  -- one counter per status and handler; a status's total is the size of its index
   local counts = P .. 'counts'
   if old then
-    redis.call('HINCRBY', counts, old, '-1')
     redis.call('HINCRBY', counts, old .. '@' .. handler, '-1')
     redis.call('ZREM', P .. 'idx:' .. old, id)
   end
-  redis.call('HINCRBY', counts, new, '1')
   redis.call('HINCRBY', counts, new .. '@' .. handler, '1')
   redis.call('ZADD', P .. 'idx:' .. new, NOW_S, id)
 end
 
 -- Everything that happens when a task becomes terminal, in one place. `written`: the
 -- caller (a save, in its own HSET and HDEL) already removed the lease, wrote the status
--- and finished_ms, and deleted owner, due_ms and started_fence.
-local function finish(tk, id, old, new, handler, written)
-  move_status(tk, id, old, new, handler, written)
-  unschedule(id)
+-- and finished_ms, and deleted owner, due_ms and started_fence. `known` (optional): what
+-- the caller read of the hash, {slots = <field or false>, dedup = <field or false>,
+-- unscheduled = true when the task is in no due, ready or held set}.
+local function finish(tk, id, old, new, handler, written, known)
+  move_status(tk, id, old, new, handler, written, known and known.slots)
+  if not (known and known.unscheduled) then unschedule(id) end
   if old == 'SUBMIT_UNKNOWN' then redis.call('ZREM', P .. 'due:find', id) end
   if not written then
     -- only a leased task has an owner: a producer's cancel never touches the lease index
@@ -46,7 +48,8 @@ local function finish(tk, id, old, new, handler, written)
     redis.call('HDEL', tk, 'owner', 'due_ms', 'started_fence')
   end
   redis.call('ZREM', P .. 'deadlines', id)
-  local dedup = redis.call('HGET', tk, 'dedup')
+  local dedup = known and known.dedup
+  if dedup == nil then dedup = redis.call('HGET', tk, 'dedup') end
   if dedup then
     local dk = P .. 'dedup:' .. dedup
     if redis.call('GET', dk) == id then redis.call('DEL', dk) end

@@ -4,8 +4,8 @@
 -- (the daemons' retention): it walks the terminal status indexes oldest first, deletes at
 -- most `limit` tasks that finished at least older_than_ms ago, keeps the counters exact,
 -- and returns {count, task_id, ...}. A hash that already expired (its safety-net expiry is
--- retention plus a grace period) still leaves its index and status counter; its
--- per-handler counter cannot be known then and is left as it is.
+-- retention plus a grace period) still leaves its index entry; its per-handler counter
+-- cannot be known then and is left as it is.
 
 local function purge_terminal(older_than_ms, limit)
   local cutoff = NOW - older_than_ms
@@ -20,7 +20,6 @@ local function purge_terminal(older_than_ms, limit)
       local t = redis.call('HMGET', tk, 'status', 'handler')
       if t[1] == nil or t[1] == false or t[1] == status then
         redis.call('ZREM', idx, id)
-        redis.call('HINCRBY', counts, status, -1)
         if t[2] then redis.call('HINCRBY', counts, status .. '@' .. t[2], -1) end
         redis.call('DEL', tk)
         out[1] = out[1] + 1

@@ -39,9 +39,11 @@ local function save_one(k, A, o, n)
     if not WRITABLE[A[i]] then error('asynctaskd: save may not write field ' .. A[i]) end
   end
 
+  -- owner: the task is leased exactly while it has one (no lease index lookup); slots
+  -- and dedup: what finishing it needs, read here rather than one call each there
   local t = redis.call('HMGET', tk, 'status', 'fence', 'version', 'cancel_requested',
                        'cancel_version', 'deadline_ms', 'started_fence', 'handler', 'priority',
-                       'progress', 'stage', 'message')
+                       'progress', 'stage', 'message', 'owner', 'slots', 'dedup')
   local old = t[1]
   if not old then return {-1} end
   -- the late save of the original submitter: its fence is the started mark's, even when a
@@ -50,7 +52,7 @@ local function save_one(k, A, o, n)
                and (want == 'SUBMITTED' or want == 'FAILED' or want == 'PENDING_SUBMIT')
   if t[2] ~= fence and not late then return {-2} end
   if not late then
-    if not redis.call('ZSCORE', P .. 'leases', id) then return {-4} end
+    if not t[13] then return {-4} end
     if not version_holds(t[3], t[5], A[o + 3]) then return {-3} end
   end
   -- a worker parks only its own submit (SUBMIT_UNKNOWN -> SUBMIT_UNKNOWN is reconcile's)
@@ -129,10 +131,14 @@ local function save_one(k, A, o, n)
   redis.call(unpack(dels))
   local handler = t[8]
   redis.call('ZREM', P .. 'leases', id)
+  -- A leased task waits in no due, ready or held set (the claim took it out, and nothing
+  -- schedules a leased task): finishing it need not look there. A late save's task is
+  -- not leased.
+  local known = {slots = t[14], dedup = t[15], unscheduled = not late}
   if terminal then
-    finish(tk, id, old, final, handler, true)
+    finish(tk, id, old, final, handler, true, known)
   else
-    if final ~= old then move_status(tk, id, old, final, handler, true) end
+    if final ~= old then move_status(tk, id, old, final, handler, true, t[14]) end
     if final == 'SUBMIT_UNKNOWN' then
       redis.call('ZREM', P .. 'deadlines', id)
       -- a handler that can look its job up (its start recorded `find` under this fence)

@@ -77,6 +77,10 @@ local ready_key = P .. 'ready:' .. phase
 local leases = P .. 'leases'
 local quarantine = P .. 'quarantine'
 
+-- Whether the ready set is known to be empty: found so, and nothing added to it since
+-- (READIED, lua/_schedule.lua); then the claim need not look at it again.
+local ready_empty = false
+
 -- Producers' requests first, so that a task created just now can be claimed by this call.
 local reply = {0, 0, 0, {}, {0}}
 local fresh = nil
@@ -89,6 +93,7 @@ if phase == 'submit' then
   if n > 0 and #granted == 0 and not admission_on() and not paused_on()
      and redis.call('ZCARD', ready_key) == 0 then
     most = n
+    ready_empty = true
   end
   -- A claim with room for FRESH_ROOM tasks or more takes in only as many requests as it
   -- can take: all of them go straight, and the next claim finds the ready set empty again,
@@ -103,52 +108,160 @@ if phase == 'submit' then
   reply[5] = {taken, unpack(rejected)}
 end
 
--- Promote newly due tasks, bounded, to where they wait (the ready set or a held set).
+-- Promote newly due tasks, bounded, to where they wait (the ready set or a held set): the
+-- first `promote_limit` of the due set by due time, taken out by one ZREM of up to 1000
+-- members (a command in every release's ACL, unlike ZREMRANGEBYRANK).
+-- When nothing can hold a task back (no limits, no pause of submits, no grants) and no new
+-- task of this call waits to go straight (fresh), the claim takes its first n tasks in
+-- ready order from the promoted ones and the head of the ready set together, without
+-- writing the ones it takes to the ready set and popping them back: `direct`, in ready
+-- order. Those it leaves go to the ready set in one ZADD. When the ready set is empty and
+-- the call can take every promoted task, each one's hash is read once, whole, for both
+-- its priority and the claim. Either way the same tasks are claimed, in the same order,
+-- with the same fences, as the long way; a poll costs Redis a third fewer commands.
+local direct = nil  -- the ids to consider first, in ready order
+local direct_hash = {}  -- id -> its HGETALL, when read already
 if promote_limit > 0 then
   local due = redis.call('ZRANGEBYSCORE', due_key, '-inf', NOW_S, 'WITHSCORES', 'LIMIT', '0',
                          int_s(promote_limit))
+  local count = #due / 2
+  local plain = false
+  if count > 0 then
+    local chunk = {}
+    for i = 1, #due, 2 do
+      chunk[#chunk + 1] = due[i]
+      if #chunk == 1000 or i + 1 == #due then
+        redis.call('ZREM', due_key, unpack(chunk))
+        chunk = {}
+      end
+    end
+    plain = #granted == 0 and not admission_on() and not (phase == 'submit' and paused_on())
+            and not (fresh and #fresh > 0)
+  end
+  local whole = plain and count <= n
+                and ((ready_empty and not READIED) or redis.call('ZCARD', ready_key) == 0)
+  local ids, score, promoted = {}, {}, {}
   for i = 1, #due, 2 do
     local id = due[i]
-    local pr = redis.pcall('HGET', task_key(id), 'priority')
+    local pr
+    if whole then
+      local flat = redis.pcall('HGETALL', task_key(id))
+      direct_hash[id] = flat
+      if type(flat) == 'table' and not flat.err then
+        for j = 1, #flat, 2 do
+          if flat[j] == 'priority' then pr = flat[j + 1]; break end
+        end
+      end
+    else
+      pr = redis.pcall('HGET', task_key(id), 'priority')
+    end
     pr = type(pr) == 'string' and tonumber(pr) or 0
     if pr ~= pr or pr < -100 or pr > 100 then pr = 0 end  -- pr ~= pr: NaN
-    redis.call('ZREM', due_key, id)
-    place(id, phase, (100 - pr) * PRIO_SPAN + tonumber(due[i + 1]))
+    if plain then
+      if not promoted[id] then ids[#ids + 1] = id end
+      promoted[id] = true
+      score[id] = (100 - pr) * PRIO_SPAN + tonumber(due[i + 1])
+    else
+      place(id, phase, (100 - pr) * PRIO_SPAN + tonumber(due[i + 1]))
+    end
+  end
+  if plain then
+    -- the head of the ready set joins them: the first n of both are the first n of all
+    local in_ready = {}
+    if not whole and n > 0 then
+      local head = redis.call('ZRANGE', ready_key, '0', int_s(n - 1), 'WITHSCORES')
+      for j = 1, #head, 2 do
+        local id = head[j]
+        in_ready[id] = true
+        if not score[id] then
+          ids[#ids + 1] = id
+          score[id] = tonumber(head[j + 1])
+        end
+      end
+    end
+    ready_order(ids, score)
+    direct = {}
+    local back, out = {}, {}
+    for k, id in ipairs(ids) do
+      if k <= n then
+        direct[#direct + 1] = id
+        if in_ready[id] then out[#out + 1] = id end
+      elseif promoted[id] then
+        back[#back + 1] = int_s(score[id])
+        back[#back + 1] = id
+      end
+    end
+    for i = 1, #back, 1000 do
+      redis.call('ZADD', ready_key, unpack(back, i, math.min(i + 999, #back)))
+    end
+    if #out > 0 then redis.call('ZREM', ready_key, unpack(out)) end
+    if whole then ready_empty, READIED = true, false end
   end
 end
+-- from here on the ready set is known empty only if nothing was put there since it was seen so
+ready_empty = ready_empty and not READIED
 
 local dropped = 0
 local hold_budget = 1000
 local want = (phase == 'submit') and {PENDING_SUBMIT = true} or {SUBMITTED = true, RUNNING = true}
 local got = 0
 
--- The fields a claim decides on. A task's provider, tenant and account matter only to
--- limits, or to a pause of submits: without either, they are left out (each field a task
--- lacks costs HMGET a scan of the whole hash, and most tasks have none of the three).
--- started_fence is read so that a claim deletes it only where a start left one.
-local READ = {'status', 'deadline_ms', 'cancel_requested', 'handler', 'version', 'fence',
-              'held', 'submit_attempts', 'reclaims', 'started_fence'}
-if admission_on() or (phase == 'submit' and paused_on()) then
-  READ[11], READ[12], READ[13] = 'provider', 'tenant', 'account'
+-- A task's provider, tenant and account matter only to limits, or to a pause of submits.
+local gated = admission_on() or (phase == 'submit' and paused_on())
+-- What a claim writes (and deletes) in the hash it takes, beside fence and version.
+local CLAIMED = {updated_ms = NOW_S, owner = owner}
+if phase == 'submit' then CLAIMED.status = 'SUBMITTING' end
+
+-- The hash as the claim leaves it, from `flat` as read before it: the claimed fields
+-- written, `gone` left out (and, in the query phase, params: they are for the submit call
+-- only, and a poll need not carry a prompt's kilobytes).
+local function claimed_hash(flat, set, gone)
+  local out, done = {}, {}
+  for i = 1, #flat, 2 do
+    local name = flat[i]
+    local value = set[name]
+    if value then
+      done[name] = true
+    else
+      value = flat[i + 1]
+    end
+    if not gone[name] and not (name == 'params' and phase == 'query') then
+      out[#out + 1] = name
+      out[#out + 1] = value
+    end
+  end
+  for name, value in pairs(set) do
+    if not done[name] then
+      out[#out + 1] = name
+      out[#out + 1] = value
+    end
+  end
+  return out
 end
 
 -- Look at one popped entry: claim it, set it aside, or drop it. `from` is the held
--- dimension it was popped from (nil: the ready set). Returns false when the hold budget
--- is spent and the entry went back where it came from.
-local function consider(id, score, from)
+-- dimension it was popped from (nil: the ready set); `flat`, the task's HGETALL when read
+-- already. Returns false when the hold budget is spent and the entry went back where it
+-- came from. The whole hash is read at once: the claim decides on a few fields and replies
+-- with all of them.
+local function consider(id, score, from, flat)
   local tk = task_key(id)
   -- pcall: a key of another type (WRONGTYPE) must not abort the whole claim
-  local t = redis.pcall('HMGET', tk, unpack(READ))
-  local corrupt = type(t) ~= 'table' or t.err ~= nil
-  if corrupt then t = {} end
-  local status, deadline_ms, handler = t[1], tonumber(t[2]), t[4]
+  if flat == nil then flat = redis.pcall('HGETALL', tk) end
+  local corrupt = type(flat) ~= 'table' or flat.err ~= nil
+  local h = {}
+  if not corrupt then
+    for i = 1, #flat, 2 do h[flat[i]] = flat[i + 1] end
+  end
+  local status, deadline_ms, handler = h.status, tonumber(h.deadline_ms or ''), h.handler
   -- counters this script, start and reap increment must be integers HINCRBY takes, or
   -- they would fail half-way: such a task is quarantined here, before anyone holds it
-  if not corrupt and status and not (int_field(t[5]) and int_field(t[6])
-                                     and int_field(t[8]) and int_field(t[9])) then
+  if not corrupt and status and not (int_field(h.version) and int_field(h.fence)
+                                     and int_field(h.submit_attempts)
+                                     and int_field(h.reclaims)) then
     corrupt = true
   end
-  if from and not corrupt and t[7] ~= from then
+  if from and not corrupt and h.held ~= from then
     dropped = dropped + 1                       -- stale entry of a held set: ignore it
     return true
   end
@@ -160,27 +273,42 @@ local function consider(id, score, from)
   elseif not KNOWN[status] or not deadline_ms or not handler then
     redis.call('ZADD', quarantine, NOW_S, id)   -- unreadable: park it for an operator
     dropped = dropped + 1
-  elseif not want[status] or redis.call('ZSCORE', leases, id) then
-    dropped = dropped + 1                       -- index disagreed with the hash: the sweep repairs
+  elseif not want[status] or h.owner then
+    -- leased (a task is leased exactly while it has an owner): the index disagreed with
+    -- the hash, and the sweep repairs
+    dropped = dropped + 1
   elseif deadline_ms <= NOW then
     local v = bump(tk)
     finish(tk, id, status, 'TRACKING_TIMED_OUT', handler)
     emit(id, 'TRACKING_TIMED_OUT', v)
     dropped = dropped + 1
-  elseif phase == 'submit' and t[3] == '1' then
+  elseif phase == 'submit' and h.cancel_requested == '1' then
     local v = bump(tk)
     finish(tk, id, status, 'CANCELED', handler)
     emit(id, 'CANCELED', v)
     dropped = dropped + 1
   else
-    if t[7] then redis.call('HDEL', tk, 'held') end
-    local dim, g = blocker(phase, {handler, t[11] or false, t[12] or false, t[13] or false})
+    local gone = {}
+    if h.held then
+      redis.call('HDEL', tk, 'held')
+      gone.held = true
+    end
+    local dim, g = nil, nil
+    if gated then
+      dim, g = blocker(phase, {handler, h.provider or false, h.tenant or false,
+                               h.account or false})
+    end
     local lane = g and g.lane
     if not dim and lane and (grants[lane] or 0) <= 0 then dim = 'rate:' .. lane end
     if dim then
       if hold_budget <= 0 then
         -- budget spent: leave it where it was for the next call
-        if from then hold(id, from, score) else redis.call('ZADD', ready_key, score, id) end
+        if from then
+          hold(id, from, score)
+        else
+          redis.call('ZADD', ready_key, score, id)
+          READIED = true
+        end
         return false
       end
       hold(id, dim, score)
@@ -194,47 +322,46 @@ local function consider(id, score, from)
     end
     -- HINCRBY fence and version (bump()), and a submit's new status, as one write:
     -- int_field vouched for both counters
-    local fence, v = (tonumber(t[6]) or 0) + 1, (tonumber(t[5]) or 0) + 1
+    local fence, v = (tonumber(h.fence) or 0) + 1, (tonumber(h.version) or 0) + 1
+    local set = {fence = int_s(fence), version = int_s(v)}
+    for name, value in pairs(CLAIMED) do set[name] = value end
     if phase == 'submit' then
-      redis.call('HSET', tk, 'fence', int_s(fence), 'version', int_s(v), 'updated_ms', NOW_S,
+      redis.call('HSET', tk, 'fence', set.fence, 'version', set.version, 'updated_ms', NOW_S,
                  'owner', owner, 'status', 'SUBMITTING')
       move_status(tk, id, status, 'SUBMITTING', handler, true)
-      if t[10] then redis.call('HDEL', tk, 'started_fence') end
+      if h.started_fence then
+        redis.call('HDEL', tk, 'started_fence')
+        gone.started_fence = true
+      end
       if g and #g.caps > 0 then
         local slots = {}
         for _, c in ipairs(g.caps) do
           redis.call('SADD', P .. 'inflight:' .. c[1], id)
           slots[#slots + 1] = c[1]
         end
-        redis.call('HSET', tk, 'slots', table.concat(slots, ' '))
+        set.slots = table.concat(slots, ' ')
+        redis.call('HSET', tk, 'slots', set.slots)
       end
       emit(id, 'SUBMITTING', v)
     else
-      redis.call('HSET', tk, 'fence', int_s(fence), 'version', int_s(v), 'updated_ms', NOW_S,
+      redis.call('HSET', tk, 'fence', set.fence, 'version', set.version, 'updated_ms', NOW_S,
                  'owner', owner)
     end
     redis.call('ZADD', leases, int_s(NOW + lease_ms), id)
     got = got + 1
-    local hash = redis.call('HGETALL', tk)
-    if phase == 'query' then
-      -- params are for the submit call only: a poll need not carry (a prompt's) kilobytes
-      for i = 1, #hash, 2 do
-        if hash[i] == 'params' then
-          local n = #hash
-          hash[i], hash[i + 1] = hash[n - 1], hash[n]
-          hash[n], hash[n - 1] = nil, nil
-          break
-        end
-      end
-    end
-    reply[#reply + 1] = {id, fence, v, hash}
+    reply[#reply + 1] = {id, fence, v, claimed_hash(flat, set, gone)}
   end
   return true
 end
 
+-- The first n in ready order of the promoted tasks and the ready set's head (see above).
+if direct then
+  for _, id in ipairs(direct) do consider(id, 0, nil, direct_hash[id]) end
+end
+
 -- Fresh tasks, when nothing waits before them (no limits: no grants or holds either).
 if fresh then
-  for _, c in ipairs(take_fresh(fresh, n, owner, int_s(NOW + lease_ms))) do
+  for _, c in ipairs(take_fresh(fresh, n, owner, int_s(NOW + lease_ms), ready_empty)) do
     reply[#reply + 1] = c
     got = got + 1
   end
@@ -253,7 +380,7 @@ end
 -- this takes them in the same order as one pop at a time). When the hold budget runs out,
 -- consider() puts its entry back, and the rest of the pop goes back too.
 local spent = false
-while got < n and not spent do
+while got < n and not spent and not (ready_empty and not READIED) do
   local popped = redis.call('ZPOPMIN', ready_key, int_s(n - got))
   if #popped == 0 then break end
   for i = 1, #popped, 2 do
@@ -286,7 +413,7 @@ end
 
 local first = redis.call('ZRANGE', due_key, '0', '0', 'WITHSCORES')
 if #first > 0 then reply[1] = tonumber(first[2]) end
-reply[2] = redis.call('ZCARD', ready_key)
+reply[2] = (ready_empty and not READIED) and 0 or redis.call('ZCARD', ready_key)
 if phase == 'submit' then reply[2] = reply[2] + redis.call('LLEN', P .. 'intake') end
 reply[3] = dropped
 return reply

@@ -8,7 +8,8 @@
 -- Returns {1} quarantined, or {-1} NOT_FOUND.
 -- The task leaves the due sets (due:find too), the lease index and the deadline index, keeps its status
 -- (and so its counter), and is listed in <prefix>quarantine for an operator. Nothing else
--- of the hash is touched, so what was corrupt can still be inspected. KEYS[2] must be the
+-- of the hash is touched but its owner (gone with the lease), so what was corrupt can still
+-- be inspected. KEYS[2] must be the
 -- key of task_id (else an error, nothing written).
 
 --- @include _roles
@@ -33,5 +34,7 @@ redis.call('ZREM', P .. 'due:find', id)
 redis.call('ZREM', P .. 'leases', id)
 redis.call('ZREM', P .. 'deadlines', id)
 redis.call('ZADD', P .. 'quarantine', NOW, id)
+-- the lease goes with its owner: start and save read a lease from the owner field
 redis.call('HSET', tk, 'quarantined', ARGV[2])
+redis.call('HDEL', tk, 'owner')
 return {1}

@@ -52,6 +52,7 @@ for _, id in ipairs(expired) do
   local new = nil
   if status and not (int_field(t[10]) and int_field(t[5])) then
     redis.call('ZADD', P .. 'quarantine', NOW, id)  -- unreadable: park it for an operator
+    redis.call('HDEL', tk, 'owner')  -- its lease went above: start and save read the owner
   elseif status == 'SUBMIT_UNKNOWN' then
     -- a lookup's lease (lua/lookup.lua): its due:find entry brings the task back
     redis.call('HDEL', tk, 'owner')

@@ -223,7 +223,7 @@ async def test_a_burst_of_submits_on_a_cold_client_refreshes_its_caches_once(
     assert len({t.id for t in tasks}) == 200
     assert await redis_client.llen(Keys().intake(0)) == 200  # 200 requests for a daemon
     await ingest(Store(redis_client, Keys()))
-    assert await redis_client.hget(Keys().counts(0), "PENDING_SUBMIT") == b"200"
+    assert await redis_client.hget(Keys().counts(0), "PENDING_SUBMIT@ocr:demo") == b"200"
     # One read of the groups and handlers answered all 200, not one read each; and the
     # creates went out together, not one round trip each: once, and once more after the
     # script was loaded.

@@ -146,7 +146,7 @@ def test_sigterm_with_calls_in_flight_lets_a_peer_finish(
 
         def inflight() -> bool:
             # every task is past its submit and inside a (slow) query call
-            counts = {k.decode(): int(v) for k, v in sync_redis.hgetall(Keys().counts(0)).items()}
+            counts = store.counts()
             polling = counts.get("SUBMITTED", 0) + counts.get("RUNNING", 0)
             return polling == 200 and sync_redis.zcard(Keys().leases(0)) == 200
 

@@ -28,32 +28,37 @@ from .validation import _seconds, _shard, _status
 def _stats(ctx: _Context) -> Plan[Stats]:
     shards = range(ctx.keys.shards)
     n = len(shards)
+    statuses = len(Status)
     *counts, daemons = yield Reads(
         *(_read("hgetall", ctx.keys.counts(s)) for s in shards),
         *(_read("llen", ctx.keys.intake(s)) for s in shards),
         *(_read("zcard", ctx.keys.lookups(s)) for s in shards),
+        # a status's total is the size of its index (the scripts count per handler only)
+        *(_read("zcard", ctx.keys.index(s, status)) for s in shards for status in Status),
         _read("hgetall", ctx.keys.daemons()),
     )
     requests = sum(int(x) for x in counts[n : 2 * n])
     # parked tasks a vendor lookup will settle, shard by shard (at most the shard's parked)
-    lookups = [int(x) for x in counts[2 * n :]]
+    lookups = [int(x) for x in counts[2 * n : 3 * n]]
+    sizes = [int(x) for x in counts[3 * n :]]
     counts = counts[:n]
-    parked_for_lookup = sum(
-        min(looked, int(raw.get(b"SUBMIT_UNKNOWN", 0) or 0))
-        for looked, raw in zip(lookups, counts, strict=True)
-    )
     by_status = dict.fromkeys(Status, 0)
+    parked = []
+    for shard in shards:
+        row = sizes[shard * statuses : (shard + 1) * statuses]
+        for status, size in zip(Status, row, strict=True):
+            by_status[status] += size
+        parked.append(row[list(Status).index(Status.SUBMIT_UNKNOWN)])
+    parked_for_lookup = sum(min(a, b) for a, b in zip(lookups, parked, strict=True))
     by_handler: dict[str, dict[Status, int]] = {}
     for raw in counts:
         for field, value in raw.items():
             name, _, handler = field.decode().partition("@")
-            if name not in Status.__members__ or not int(value):
+            # a field without a handler: a total an older release kept (the index says it)
+            if not handler or name not in Status.__members__ or not int(value):
                 continue
-            if handler:
-                row = by_handler.setdefault(handler, {})
-                row[Status(name)] = row.get(Status(name), 0) + int(value)
-            else:
-                by_status[Status(name)] += int(value)
+            row = by_handler.setdefault(handler, {})
+            row[Status(name)] = row.get(Status(name), 0) + int(value)
     alive = []
     for daemon_id, record in sorted(daemons.items()):
         try:

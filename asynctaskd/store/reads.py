@@ -10,6 +10,7 @@ import anyio
 import msgspec
 import redis.exceptions as rex
 
+from asynctaskd.keys import Keys
 from asynctaskd.model import Status, Task, shard_of
 
 from .failures import _mapped, _reading_task
@@ -35,14 +36,8 @@ class _Reads(_Runner):
 
     async def counts(self) -> dict[str, int]:
         """Exact per-status (and `STATUS@handler`) counts summed over every shard."""
-        out: dict[str, int] = {}
         with _mapped("counts"):
-            for shard in range(self.keys.shards):
-                raw = await self.redis.hgetall(self.keys.counts(shard))
-                for k, v in raw.items():
-                    name = _s(k)
-                    out[name] = out.get(name, 0) + int(v)
-        return out
+            return counted(self.keys.shards, await read_many(self, count_reads(self.keys)))
 
     async def server_time(self) -> float:
         with _mapped("time"):
@@ -55,7 +50,7 @@ class _Reads(_Runner):
         operator ("operator")."""
         reads: list[Read] = []
         for shard in range(self.keys.shards):
-            reads.append(("hget", (self.keys.counts(shard), Status.SUBMIT_UNKNOWN.value), {}))
+            reads.append(("zcard", (self.keys.index(shard, Status.SUBMIT_UNKNOWN),), {}))
             reads.append(("zcard", (self.keys.lookups(shard),), {}))
         replies = await read_many(self, reads)
         parked = sum(int(r or 0) for r in replies[0::2])
@@ -169,6 +164,34 @@ class Persistence(msgspec.Struct, frozen=True, kw_only=True):
 # method name with its arguments, so both clients share one description of the work.
 
 Read = tuple[str, tuple[Any, ...], dict[str, Any]]
+
+
+def count_reads(keys: Keys) -> list[Read]:
+    """The reads `counted` folds: per shard, its counts hash, then the size of each status's
+    index (a status's total: the scripts count by status and handler only)."""
+    reads: list[Read] = []
+    for shard in range(keys.shards):
+        reads.append(("hgetall", (keys.counts(shard),), {}))
+        reads.extend(("zcard", (keys.index(shard, status),), {}) for status in Status)
+    return reads
+
+
+def counted(shards: int, replies: Sequence[Any]) -> dict[str, int]:
+    """Counts by status (`STATUS`) and by status and handler (`STATUS@handler`), summed over
+    the shards, from the replies to `count_reads`. A counts field without a handler is a
+    total an older release kept: the index sizes say it now."""
+    out: dict[str, int] = {}
+    step = 1 + len(Status)
+    for shard in range(shards):
+        raw, *sizes = replies[shard * step : (shard + 1) * step]
+        for k, v in raw.items():
+            name = _s(k)
+            if "@" in name:
+                out[name] = out.get(name, 0) + int(v)
+        for status, size in zip(Status, sizes, strict=True):
+            if size:
+                out[status.value] = out.get(status.value, 0) + int(size)
+    return out
 
 
 # Commands without a key cannot be pipelined on Redis Cluster (no slot to route them by).

@@ -24,7 +24,7 @@ from asynctaskd.wire import closed_under_io, exchange, pack, refresh_slots
 
 from .failures import _mapped, _reading_task
 from .ops import Ops
-from .replies import Call, _s, _task_reply, task_or_request
+from .replies import Call, _task_reply, task_or_request
 
 _AsyncRedis = redis.asyncio.Redis  # a name no parameter called `redis` shadows
 
@@ -324,14 +324,10 @@ class SyncStore(_Base):
         return _task_reply(task_or_request(raw, request, task_id), task_id)
 
     def counts(self) -> dict[str, int]:
-        out: dict[str, int] = {}
+        from .reads import count_reads, counted, read_many_sync  # reads imports this module
+
         with _mapped("counts"):
-            for shard in range(self.keys.shards):
-                raw: dict[bytes, bytes] = self.redis.hgetall(self.keys.counts(shard))  # type: ignore[assignment]  # sync client returns a dict
-                for k, v in raw.items():
-                    name = _s(k)
-                    out[name] = out.get(name, 0) + int(v)
-        return out
+            return counted(self.keys.shards, read_many_sync(self, count_reads(self.keys)))
 
 
 def redis_credentials() -> dict[str, str]:

@@ -130,6 +130,31 @@ end
 
 local PRIO_SPAN = 4398046511104 -- 2^42 ms: ready score = (100 - priority) * 2^42 + due_ms
 
+-- Sort ids in place as the ready set would order them: by score[id], ties by id byte by
+-- byte. Lua's `<` follows the server's locale: for ids of digits and capital letters (what
+-- the clients make: a ULID and its shard) every locale orders them as bytes; any other id
+-- gets a key of digits and a-f (the score, then the id in hex), which every locale orders
+-- as bytes too, at a cost.
+local function ready_order(ids, score)
+  local plain = true
+  for _, id in ipairs(ids) do
+    if not string.find(id, '^[0-9A-Z]+%-?[0-9]*$') then plain = false; break end
+  end
+  if plain then
+    table.sort(ids, function(a, b)
+      if score[a] ~= score[b] then return score[a] < score[b] end
+      return a < b
+    end)
+  else
+    local sort_key = {}
+    for _, id in ipairs(ids) do
+      sort_key[id] = string.format('%016d', score[id])
+                     .. string.format(string.rep('%02x', #id), string.byte(id, 1, -1))
+    end
+    table.sort(ids, function(a, b) return sort_key[a] < sort_key[b] end)
+  end
+end
+
 -- Admission (docs/architecture.md, Admission). A due task waits in the ready set of its
 -- phase, or, when something holds it back, in the held set of that one thing: held:<dim>
 -- (a ZSET with the ready score, so it keeps its place), with its `held` field naming <dim>:
@@ -258,6 +283,10 @@ local function admission_helpers()
   end
 end
 
+-- Whether this call put a task in a ready set (a claim that found its ready set empty
+-- knows it still is, and need not look again).
+local READIED = false
+
 -- Put a due task where it waits: its held set if something holds it back (a rate lane
 -- always: tokens are handed out by claim), else the ready set.
 local function place(id, phase, score)
@@ -275,6 +304,7 @@ local function place(id, phase, score)
     end
   end
   redis.call('ZADD', P .. 'ready:' .. phase, int_s(score), id)
+  READIED = true
   return nil
 end
 
@@ -329,8 +359,9 @@ end
 --- @include _statuses
 --- @include _unschedule
 
-local function release_slots(tk, id)
-  local slots = redis.call('HGET', tk, 'slots')
+-- `slots`: the task's slots field when the caller read it (false: none), nil to read it here
+local function release_slots(tk, id, slots)
+  if slots == nil then slots = redis.call('HGET', tk, 'slots') end
   if not slots then return end
   redis.call('HDEL', tk, 'slots')
   for scope in string.gmatch(slots, '%S+') do
@@ -339,29 +370,30 @@ local function release_slots(tk, id)
   end
 end
 
--- Move a task's status, keeping the per-status index and counters exact. `written`: the
--- caller already wrote the new status in an HSET of its own.
-local function move_status(tk, id, old, new, handler, written)
+-- Move a task's status, keeping the per-status index and the per-handler counters exact. `written`: the
+-- caller already wrote the new status in an HSET of its own; `slots`: as release_slots.
+local function move_status(tk, id, old, new, handler, written, slots)
   if not written then redis.call('HSET', tk, 'status', new) end
   if old == new then return end
-  if old and INFLIGHT[old] and not INFLIGHT[new] then release_slots(tk, id) end
+  if old and INFLIGHT[old] and not INFLIGHT[new] then release_slots(tk, id, slots) end
+  -- one counter per status and handler; a status's total is the size of its index
   local counts = P .. 'counts'
   if old then
-    redis.call('HINCRBY', counts, old, '-1')
     redis.call('HINCRBY', counts, old .. '@' .. handler, '-1')
     redis.call('ZREM', P .. 'idx:' .. old, id)
   end
-  redis.call('HINCRBY', counts, new, '1')
   redis.call('HINCRBY', counts, new .. '@' .. handler, '1')
   redis.call('ZADD', P .. 'idx:' .. new, NOW_S, id)
 end
 
 -- Everything that happens when a task becomes terminal, in one place. `written`: the
 -- caller (a save, in its own HSET and HDEL) already removed the lease, wrote the status
--- and finished_ms, and deleted owner, due_ms and started_fence.
-local function finish(tk, id, old, new, handler, written)
-  move_status(tk, id, old, new, handler, written)
-  unschedule(id)
+-- and finished_ms, and deleted owner, due_ms and started_fence. `known` (optional): what
+-- the caller read of the hash, {slots = <field or false>, dedup = <field or false>,
+-- unscheduled = true when the task is in no due, ready or held set}.
+local function finish(tk, id, old, new, handler, written, known)
+  move_status(tk, id, old, new, handler, written, known and known.slots)
+  if not (known and known.unscheduled) then unschedule(id) end
   if old == 'SUBMIT_UNKNOWN' then redis.call('ZREM', P .. 'due:find', id) end
   if not written then
     -- only a leased task has an owner: a producer's cancel never touches the lease index
@@ -370,7 +402,8 @@ local function finish(tk, id, old, new, handler, written)
     redis.call('HDEL', tk, 'owner', 'due_ms', 'started_fence')
   end
   redis.call('ZREM', P .. 'deadlines', id)
-  local dedup = redis.call('HGET', tk, 'dedup')
+  local dedup = known and known.dedup
+  if dedup == nil then dedup = redis.call('HGET', tk, 'dedup') end
   if dedup then
     local dk = P .. 'dedup:' .. dedup
     if redis.call('GET', dk) == id then redis.call('DEL', dk) end

@@ -94,6 +94,31 @@ end
 
 local PRIO_SPAN = 4398046511104 -- 2^42 ms: ready score = (100 - priority) * 2^42 + due_ms
 
+-- Sort ids in place as the ready set would order them: by score[id], ties by id byte by
+-- byte. Lua's `<` follows the server's locale: for ids of digits and capital letters (what
+-- the clients make: a ULID and its shard) every locale orders them as bytes; any other id
+-- gets a key of digits and a-f (the score, then the id in hex), which every locale orders
+-- as bytes too, at a cost.
+local function ready_order(ids, score)
+  local plain = true
+  for _, id in ipairs(ids) do
+    if not string.find(id, '^[0-9A-Z]+%-?[0-9]*$') then plain = false; break end
+  end
+  if plain then
+    table.sort(ids, function(a, b)
+      if score[a] ~= score[b] then return score[a] < score[b] end
+      return a < b
+    end)
+  else
+    local sort_key = {}
+    for _, id in ipairs(ids) do
+      sort_key[id] = string.format('%016d', score[id])
+                     .. string.format(string.rep('%02x', #id), string.byte(id, 1, -1))
+    end
+    table.sort(ids, function(a, b) return sort_key[a] < sort_key[b] end)
+  end
+end
+
 -- Admission (docs/architecture.md, Admission). A due task waits in the ready set of its
 -- phase, or, when something holds it back, in the held set of that one thing: held:<dim>
 -- (a ZSET with the ready score, so it keeps its place), with its `held` field naming <dim>:
@@ -222,6 +247,10 @@ local function admission_helpers()
   end
 end
 
+-- Whether this call put a task in a ready set (a claim that found its ready set empty
+-- knows it still is, and need not look again).
+local READIED = false
+
 -- Put a due task where it waits: its held set if something holds it back (a rate lane
 -- always: tokens are handed out by claim), else the ready set.
 local function place(id, phase, score)
@@ -239,6 +268,7 @@ local function place(id, phase, score)
     end
   end
   redis.call('ZADD', P .. 'ready:' .. phase, int_s(score), id)
+  READIED = true
   return nil
 end
 

@@ -152,11 +152,14 @@ local function start_one(k, A, o, n)
     error("asynctaskd: ARGV idempotent must be '0' or '1', got " .. tostring(A[o + 4]))
   end
   local visible = n == 6 and int_arg(A[o + 6], 'find_visible_ms', 0, 316224000000)
+  -- owner: a task is leased exactly while its hash has an owner (every script that adds or
+  -- removes a lease entry writes or deletes the field with it), so no lease index lookup
   local t = redis.call('HMGET', tk, 'status', 'fence', 'version', 'deadline_ms',
-                       'cancel_requested', 'cancel_version', 'started_fence', 'submit_attempts')
+                       'cancel_requested', 'cancel_version', 'started_fence', 'submit_attempts',
+                       'owner')
   if not t[1] then return {-1} end
   if t[2] ~= fence then return {-2} end
-  if not redis.call('ZSCORE', P .. 'leases', id) then return {-4} end
+  if not t[9] then return {-4} end
   if not version_holds(t[3], t[6], A[o + 3]) then return {-3} end
   if t[1] ~= 'SUBMITTING' or (tonumber(t[4]) or 0) <= NOW then return {-7} end
   if t[7] == fence then return {-8} end

@@ -49,7 +49,7 @@ async def test_create_writes_the_whole_task(
     assert snap["ready:submit"] is not None and snap["due:submit"] is None
     assert snap["deadlines"] == task.deadline_at * 1000
     assert snap["idx:PENDING_SUBMIT"] is not None
-    assert snap["counts"] == {b"PENDING_SUBMIT": b"1", b"PENDING_SUBMIT@h": b"1"}
+    assert snap["counts"] == {b"PENDING_SUBMIT@h": b"1"}
     assert await redis_client.llen(keys.wake(0)) == 1
     events = await redis_client.xrange(keys.events(0))
     assert events[-1][1][b"status"] == b"PENDING_SUBMIT"
@@ -320,6 +320,12 @@ async def test_corrupt_task_is_quarantined_and_does_not_block_others(
     assert [c.task_id for c in batch.corrupt] == [bad.task_id]
     assert await redis_client.zscore(keys.quarantine(0), bad.task_id) is not None
     assert await redis_client.zscore(keys.leases(0), bad.task_id) is None
+    # claimed, then quarantined: its lease went with its owner, so no write of the claim
+    # lands on it
+    raw = await redis_client.hgetall(keys.task(0, bad.task_id))
+    assert b"owner" not in raw and raw[b"quarantined"]
+    lost = Lease(bad.task_id, int(raw[b"fence"]), int(raw[b"version"]))
+    assert (await store.start(lost, False)).code is Code.NO_LEASE
     # garbage status: the script itself sets the entry aside
     worse = await create(store)
     await redis_client.hset(keys.task(0, worse.task_id), "status", "BANANA")

@@ -39,7 +39,54 @@ def t(file: str, *names: str) -> tuple[str, ...]:
     return tuple(f"{file}::{n}" for n in names) if names else (file,)
 
 
+STRAIGHT = "tests/lua/test_straight_claim.py"
+
 MUTANTS: tuple[Mutant, ...] = (
+    # --- fewer commands per task: leases read from the owner, claims straight from due ----
+    Mutant(
+        "start-without-a-lease",
+        "a start after the lease is gone is refused (NO_LEASE): the owner field is the lease",
+        "lua/_start.lua",
+        "  if not t[9] then return {-4} end",
+        "  if false then return {-4} end",
+        (
+            f"{SCRIPTS}::test_corrupt_task_is_quarantined_and_does_not_block_others",
+            f"{STATE_MACHINE}::test_every_transition_and_reply_code_is_predicted",
+        ),
+    ),
+    Mutant(
+        "quarantine-keeps-the-owner",
+        "a quarantined task loses its lease and its owner together (the owner is the lease)",
+        "lua/quarantine.lua",
+        "redis.call('HDEL', tk, 'owner')",
+        "redis.call('HDEL', tk, 'quarantined-owner')",
+        t(SCRIPTS, "test_corrupt_task_is_quarantined_and_does_not_block_others"),
+    ),
+    Mutant(
+        "straight-claims-out-of-order",
+        "tasks claimed straight from the due set come in ready order (priority, due, id)",
+        "lua/claim.lua",
+        "    ready_order(ids, score)",
+        "    -- (left in due order)",
+        t(STRAIGHT, "test_due_tasks_claimed_straight_come_in_ready_order"),
+    ),
+    Mutant(
+        "straight-claims-ignore-the-ready-set",
+        "due tasks claimed straight still come after ready tasks of a higher priority",
+        "lua/claim.lua",
+        "    if not whole and n > 0 then",
+        "    if false then",
+        t(STRAIGHT, "test_tasks_already_ready_go_first_by_priority"),
+    ),
+    Mutant(
+        "finishing-save-searches-every-set",
+        "a save that finishes a leased task does not look for it in the due, ready and held "
+        "sets (a leased task is in none): the lifecycle's command count says so",
+        "lua/_save.lua",
+        "unscheduled = not late}",
+        "unscheduled = false}",
+        t(STRAIGHT, "test_each_step_of_a_lifecycle_costs_the_commands_it_needs_and_no_more"),
+    ),
     # --- settling parked tasks by asking the vendor ----------------------------------------
     Mutant(
         "lookup-none-too-early-resubmits",
@@ -95,7 +142,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "save-without-a-lease",
         "a save after the lease is gone is refused (NO_LEASE)",
         "lua/_save.lua",
-        "    if not redis.call('ZSCORE', P .. 'leases', id) then return {-4} end",
+        "    if not t[13] then return {-4} end",
         "    if false then return {-4} end",
         t(SCRIPTS, "test_no_lease_after_reap_in_query_phase"),
     ),
@@ -144,7 +191,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "fresh-tasks-jump-the-queue",
         "a claim takes new requests straight in only when nothing waits in the ready set",
         "lua/_intake.lua",
-        "  if n > 0 and redis.call('ZCARD', P .. 'ready:submit') == 0 then",
+        "  if n > 0 and (ready_empty or redis.call('ZCARD', P .. 'ready:submit') == 0) then",
         "  if n > 0 then",
         (
             "tests/lua/test_fresh_claim.py"
@@ -172,9 +219,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "fresh-ties-reversed",
         "new tasks of one ready score are claimed in id byte order, as the ready set gives",
-        "lua/_intake.lua",
-        "        return a < b",
-        "        return a > b",
+        "lua/_schedule.lua",
+        "      return a < b",
+        "      return a > b",
         (
             "tests/lua/test_fresh_claim.py::test_ties_go_by_id_in_byte_order_as_in_the_ready_set",
             *FRESH_PROPERTIES,
@@ -236,8 +283,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "claim-keeps-the-fence",
         "every claim takes a new fence, so older holders become stale",
         "lua/claim.lua",
-        "    local fence, v = (tonumber(t[6]) or 0) + 1, (tonumber(t[5]) or 0) + 1",
-        "    local fence, v = (tonumber(t[6]) or 0), (tonumber(t[5]) or 0) + 1",
+        "    local fence, v = (tonumber(h.fence) or 0) + 1, (tonumber(h.version) or 0) + 1",
+        "    local fence, v = (tonumber(h.fence) or 0), (tonumber(h.version) or 0) + 1",
         t(
             SCRIPTS,
             "test_claim_leases_with_a_new_fence",

@@ -1343,7 +1343,6 @@ class Lifecycle(RuleBasedStateMachine):
         model: collections.Counter[str] = collections.Counter()
         for t in self.tasks.values():
             if not t.intake:
-                model[t.status.value] += 1
                 model[f"{t.status.value}@h"] += 1
         assert (seen, requests) == (model, len(self.intake)), (
             f"counters {dict(seen)} and {requests} requests, the model {dict(model)} and "
