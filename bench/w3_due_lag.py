@@ -276,7 +276,7 @@ def run(
             load = machine()["loadavg"]
             jobs1 = vendor.jobs()
             log = vendor.submit_log()
-            final = {k.decode(): int(v) for k, v in sync.hgetall(counts).items()}
+            final = {s.value: int(sync.zcard(Keys().index(0, s))) for s in Status}
         sync.close()
     buckets = {le: h1["buckets"].get(le, 0) - h0["buckets"].get(le, 0) for le in h1["buckets"]}
     claims = h1["count"] - h0["count"]
