@@ -43,7 +43,7 @@ def _stats(ctx: _Context) -> Plan[Stats]:
     sizes = [int(x) for x in counts[3 * n :]]
     counts = counts[:n]
     by_status = dict.fromkeys(Status, 0)
-    parked = []
+    parked: list[int] = []
     for shard in shards:
         row = sizes[shard * statuses : (shard + 1) * statuses]
         for status, size in zip(Status, row, strict=True):
@@ -57,8 +57,8 @@ def _stats(ctx: _Context) -> Plan[Stats]:
             # a field without a handler: a total an older release kept (the index says it)
             if not handler or name not in Status.__members__ or not int(value):
                 continue
-            row = by_handler.setdefault(handler, {})
-            row[Status(name)] = row.get(Status(name), 0) + int(value)
+            mine = by_handler.setdefault(handler, {})
+            mine[Status(name)] = mine.get(Status(name), 0) + int(value)
     alive = []
     for daemon_id, record in sorted(daemons.items()):
         try:
