@@ -438,14 +438,12 @@ def _verify(src: redis.Redis, dst: redis.Redis, namespace: str, shards: int, cou
 
 
 def _statuses(client: redis.Redis, namespace: str, shards: int) -> dict[str, int]:
+    """Tasks per status: the sizes of the status indexes (a status's exact total)."""
     keys = Keys(namespace)
-    replies = _pipelined(client, [("hgetall", keys.counts(s)) for s in range(shards)])
+    reads = [("zcard", keys.index(shard, s)) for shard in range(shards) for s in Status]
     out = dict.fromkeys((s.value for s in Status), 0)
-    for reply in replies:
+    for (_, key), reply in zip(reads, _pipelined(client, reads), strict=True):
         if isinstance(reply, Exception):
-            raise MigrationFailed(f"reading the counts on the source: {reply}")
-        for name, value in reply.items():
-            status = name.decode()
-            if status in out:
-                out[status] += int(value)
+            raise MigrationFailed(f"reading the status indexes on the source: {reply}")
+        out[key.rsplit(":", 1)[1]] += int(reply)
     return {k: v for k, v in out.items() if v}

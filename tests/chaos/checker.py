@@ -210,14 +210,20 @@ def read_history(
                     tasks[tid] = {"<type>": _s(kind)}
                 else:
                     tasks[tid] = {_s(k): _s(v) for k, v in raw.items()}
+        # the counters are per status and handler; a status's total is its index's size
         own: dict[str, int] = {}
         for k, v in r.hgetall(tag + "counts").items():
-            counts[_s(k)] += int(v)
-            own[_s(k)] = int(v)
+            if "@" in _s(k):
+                counts[_s(k)] += int(v)
+                own[_s(k)] = int(v)
         shard_counts[shard] = own
         for name in (*(f"idx:{s}" for s in STATUSES), *LEFTOVER_INDEXES, LOOKUPS):
-            for member, score in r.zrange(tag + name, 0, -1, withscores=True):
+            members = r.zrange(tag + name, 0, -1, withscores=True)
+            for member, score in members:
                 indexes[name][_s(member)] = float(score)
+            if name.startswith("idx:") and members:
+                counts[name[4:]] += len(members)
+                own[name[4:]] = len(members)
         for key in r.scan_iter(match=tag + "held:*", count=scan_count, **where):
             name = _s(key)[len(tag) :]
             for member, score in r.zrange(key, 0, -1, withscores=True):

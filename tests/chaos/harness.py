@@ -168,10 +168,11 @@ def snapshot(url: str, ids: list[str]) -> dict[str, Any]:
 
 
 def counts(url: str) -> dict[str, int]:
-    """Shard 0's status counters."""
+    """Shard 0's tasks per status (its status indexes) and per status and handler (its
+    counters)."""
     client = Redis.from_url(url)
     try:
-        return {k.decode(): int(v) for k, v in client.hgetall(Keys().counts(0)).items()}
+        return SyncStore(client, Keys()).counts()
     finally:
         client.close()
 
@@ -187,12 +188,8 @@ def ever_parked(url: str) -> set[str]:
 
 
 def settled(url: str, ids: list[str]) -> bool:
-    client = Redis.from_url(url)
-    try:
-        counts = {k.decode(): int(v) for k, v in client.hgetall(Keys().counts(0)).items()}
-    finally:
-        client.close()
-    done = sum(counts.get(s.value, 0) for s in Status if s.is_settled)
+    now = counts(url)
+    done = sum(now.get(s.value, 0) for s in Status if s.is_settled)
     return done >= len(ids)
 
 
@@ -221,11 +218,14 @@ def check_history(
     client = Redis.from_url(url)
     try:
         assert client.zcard(Keys().leases(0)) == 0, "leases left behind"
-        counts = {k.decode(): int(v) for k, v in client.hgetall(Keys().counts(0)).items()}
+        per_handler = {k.decode(): int(v) for k, v in client.hgetall(Keys().counts(0)).items()}
     finally:
         client.close()
+    totals = counts(url)
     for status in Status:
-        assert counts.get(status.value, 0) == statuses[status], f"counter {status} drifted"
+        assert totals.get(status.value, 0) == statuses[status], f"index {status} drifted"
+        counted = sum(v for k, v in per_handler.items() if k.startswith(f"{status.value}@"))
+        assert counted == statuses[status], f"counter {status} drifted"
     return statuses
 
 

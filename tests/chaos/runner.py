@@ -695,16 +695,16 @@ def _log_tail(daemons: Daemons, i: int, chars: int = 3000) -> str:
 
 
 def _unsettled(target: _Target) -> int:
-    """Live tasks, summed over every shard's counters."""
+    """Live tasks, summed over every shard's status indexes."""
     client: Any = target.client(socket_timeout=5)
-    counts: Counter[str] = Counter()
     try:
-        for shard in range(target.shards):
-            raw = client.hgetall(f"{NAMESPACE}:{{s{shard}}}:counts")
-            counts.update({k.decode(): int(v) for k, v in raw.items()})
+        return sum(
+            int(client.zcard(f"{NAMESPACE}:{{s{shard}}}:idx:{s}"))
+            for shard in range(target.shards)
+            for s in LIVE
+        )
     finally:
         client.close()
-    return sum(counts.get(s, 0) for s in LIVE)
 
 
 def _log_stats(daemons: Daemons) -> Counter[str]:

@@ -287,7 +287,7 @@ async def test_reads_a_real_history_and_catches_tampering(
             "SUBMITTED",
             "SUCCEEDED",
         ]
-        await redis_client.hincrby(keys.counts(0), "SUCCEEDED", 1)
+        await redis_client.hincrby(keys.counts(0), "SUCCEEDED@demo", 1)
         await redis_client.xadd(keys.events(0), {"task": ids[0], "status": "RUNNING", "version": 2})
         await redis_client.zadd(keys.leases(0), {ids[1]: 1})
         found = set(check(read_history(sync), check_results=False).kinds())
@@ -450,8 +450,8 @@ def test_reads_every_shard_of_a_cluster_and_catches_tampering(tmp_path: Path) ->
             assert history.task_shards == {tid: s for s, tid in enumerate(ids)}
             assert report.checked["shard counters"] > 0
             # A count moved from one shard to another: the sums agree, the shards do not.
-            r.hincrby(keys.counts(5), "SUCCEEDED", 1)
-            r.hincrby(keys.counts(2), "SUCCEEDED", -1)
+            r.hincrby(keys.counts(5), "SUCCEEDED@demo", 1)
+            r.hincrby(keys.counts(2), "SUCCEEDED@demo", -1)
             r.zadd(keys.leases(7), {ids[7]: 1})
             moved = r.hgetall(keys.task(6, ids[6]))  # a hash on a shard its id does not name
             r.delete(keys.task(6, ids[6]))
