@@ -122,7 +122,9 @@ end
 local direct = nil  -- the ids to consider first, in ready order
 local direct_hash = {}  -- id -> its HGETALL, when read already
 if promote_limit > 0 then
-  local due = redis.call('ZRANGEBYSCORE', due_key, '-inf', NOW_S, 'WITHSCORES', 'LIMIT', '0',
+  -- due now: a due time up to NOW, whatever the priority in the score's fraction
+  local due_now = '(' .. int_s(NOW + 1)
+  local due = redis.call('ZRANGEBYSCORE', due_key, '-inf', due_now, 'WITHSCORES', 'LIMIT', '0',
                          int_s(promote_limit))
   local count = #due / 2
   local plain = false
@@ -143,8 +145,10 @@ if promote_limit > 0 then
   local ids, score, promoted = {}, {}, {}
   for i = 1, #due, 2 do
     local id = due[i]
-    local pr
-    if whole then
+    local due_ms, pr = due_fraction(tonumber(due[i + 1]))
+    if pr then
+      if whole then direct_hash[id] = redis.pcall('HGETALL', task_key(id)) end
+    elseif whole then
       local flat = redis.pcall('HGETALL', task_key(id))
       direct_hash[id] = flat
       if type(flat) == 'table' and not flat.err then
@@ -155,14 +159,14 @@ if promote_limit > 0 then
     else
       pr = redis.pcall('HGET', task_key(id), 'priority')
     end
-    pr = type(pr) == 'string' and tonumber(pr) or 0
+    pr = tonumber(pr) or 0
     if pr ~= pr or pr < -100 or pr > 100 then pr = 0 end  -- pr ~= pr: NaN
     if plain then
       if not promoted[id] then ids[#ids + 1] = id end
       promoted[id] = true
-      score[id] = (100 - pr) * PRIO_SPAN + tonumber(due[i + 1])
+      score[id] = (100 - pr) * PRIO_SPAN + due_ms
     else
-      place(id, phase, (100 - pr) * PRIO_SPAN + tonumber(due[i + 1]))
+      place(id, phase, (100 - pr) * PRIO_SPAN + due_ms)
     end
   end
   if plain then
@@ -412,7 +416,7 @@ for lane in pairs(lanes) do
 end
 
 local first = redis.call('ZRANGE', due_key, '0', '0', 'WITHSCORES')
-if #first > 0 then reply[1] = tonumber(first[2]) end
+if #first > 0 then reply[1] = math.floor(tonumber(first[2])) end
 reply[2] = (ready_empty and not READIED) and 0 or redis.call('ZCARD', ready_key)
 if phase == 'submit' then reply[2] = reply[2] + redis.call('LLEN', P .. 'intake') end
 reply[3] = dropped

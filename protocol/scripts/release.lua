@@ -308,12 +308,28 @@ local function place(id, phase, score)
   return nil
 end
 
+-- A task due later waits in due:<phase>, scored by its due time plus its priority in the
+-- fraction, (101 - priority) / 256 (exact in a double up to due times of year 3000), so
+-- that the claim that promotes it need not read its priority back: due_fraction() reads
+-- it, or says there is none (a score of an earlier release, a whole number).
+local function due_score(due_ms, priority)
+  return int_s(due_ms) .. string.sub(string.format('%.8f', (101 - priority) / 256), 2)
+end
+
+local function due_fraction(score)
+  local due = math.floor(score)
+  local k = math.floor((score - due) * 256 + 0.5)
+  if k >= 1 and k <= 201 then return due, 101 - k end
+  return due, nil
+end
+
 local function schedule(id, phase, due_ms, priority)
   if not (priority >= -100 and priority <= 100) then priority = 0 end  -- also NaN
+  priority = math.floor(priority)
   if due_ms <= NOW then
     place(id, phase, (100 - priority) * PRIO_SPAN + due_ms)
   else
-    redis.call('ZADD', P .. 'due:' .. phase, int_s(due_ms), id)
+    redis.call('ZADD', P .. 'due:' .. phase, due_score(due_ms, priority), id)
   end
   return due_ms
 end

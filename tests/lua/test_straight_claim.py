@@ -262,3 +262,42 @@ async def test_each_step_of_a_lifecycle_costs_the_commands_it_needs_and_no_more(
         },
     }  # fmt: skip
     assert costs == expected, costs
+
+
+async def test_a_due_tasks_priority_rides_in_its_score_so_promoting_it_reads_nothing(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    low = await _due_later(store, priority=-100)
+    high = await _due_later(store, priority=100)
+    mid = await _due_later(store, priority=7)
+    due = dict(await redis_client.zrange(keys.scheduled(0, "query"), 0, -1, withscores=True))
+    # the due time, then (101 - priority) / 256 in the fraction
+    task = await store.get(high.task_id)
+    assert task is not None and task.due_at is not None
+    assert due[high.task_id.encode()] == round(task.due_at * 1000) + 1 / 256
+    assert due[low.task_id.encode()] % 1 == 201 / 256 and due[mid.task_id.encode()] % 1 == 94 / 256
+    await _all_due(store, redis_client, keys)
+    before = await _commands(redis_client)
+    batch = await store.claim(0, "query", 2, 10_000, "w")  # the long way: 3 due, room for 2
+    after = await _commands(redis_client)
+    assert [c.lease.task_id for c in batch.claimed] == [high.task_id, mid.task_id]
+    assert after.get("hget", 0) == before.get("hget", 0)  # no priority read back
+    assert await redis_client.zscore(keys.ready(0, "query"), low.task_id) is not None
+    await check_invariants(redis_client, keys)
+
+
+async def test_a_due_entry_of_an_earlier_release_is_promoted_by_the_tasks_priority(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    """Before the priority rode in the score, a due entry's score was its due time alone:
+    such an entry (left from before an upgrade) is promoted by the task's own priority."""
+    plain = await _due_later(store)
+    old = await _due_later(store, priority=50)
+    due_key = keys.scheduled(0, "query")
+    score = await redis_client.zscore(due_key, old.task_id)
+    await redis_client.zadd(due_key, {old.task_id: int(score)})  # as an earlier release wrote
+    await _all_due(store, redis_client, keys)
+    batch = await store.claim(0, "query", 1, 10_000, "w")
+    assert [c.lease.task_id for c in batch.claimed] == [old.task_id]
+    assert await redis_client.zscore(keys.ready(0, "query"), plain.task_id) is not None
+    await check_invariants(redis_client, keys)

@@ -79,6 +79,14 @@ MUTANTS: tuple[Mutant, ...] = (
         t(STRAIGHT, "test_tasks_already_ready_go_first_by_priority"),
     ),
     Mutant(
+        "due-priority-read-back",
+        "a due task's priority rides in its due score: promoting it reads nothing of the task",
+        "lua/_schedule.lua",
+        "  if k >= 1 and k <= 201 then return due, 101 - k end",
+        "  if false then return due, 101 - k end",
+        t(STRAIGHT, "test_a_due_tasks_priority_rides_in_its_score_so_promoting_it_reads_nothing"),
+    ),
+    Mutant(
         "finishing-save-searches-every-set",
         "a save that finishes a leased task does not look for it in the due, ready and held "
         "sets (a leased task is in none): the lifecycle's command count says so",
