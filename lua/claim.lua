@@ -215,32 +215,37 @@ local gated = admission_on() or (phase == 'submit' and paused_on())
 -- What a claim writes (and deletes) in the hash it takes, beside fence and version.
 local CLAIMED = {updated_ms = NOW_S, owner = owner}
 if phase == 'submit' then CLAIMED.status = 'SUBMITTING' end
+-- The fields a claim decides on (the rest of the hash only goes back in the reply).
+local DECIDES = {status = true, deadline_ms = true, cancel_requested = true, handler = true,
+                 version = true, fence = true, held = true, submit_attempts = true,
+                 reclaims = true, started_fence = true, owner = true, provider = true,
+                 tenant = true, account = true}
 
--- The hash as the claim leaves it, from `flat` as read before it: the claimed fields
--- written, `gone` left out (and, in the query phase, params: they are for the submit call
--- only, and a poll need not carry a prompt's kilobytes).
+-- The hash as the claim leaves it, made of `flat` as read before it (changed in place):
+-- the claimed fields `set` written, `gone` left out (and, in the query phase, params:
+-- they are for the submit call only, and a poll need not carry a prompt's kilobytes).
 local function claimed_hash(flat, set, gone)
-  local out, done = {}, {}
-  for i = 1, #flat, 2 do
+  local n, i = #flat, 1
+  while i < n do
     local name = flat[i]
-    local value = set[name]
-    if value then
-      done[name] = true
+    if gone[name] or (name == 'params' and phase == 'query') then
+      flat[i], flat[i + 1] = flat[n - 1], flat[n]  -- the last pair takes its place
+      flat[n - 1], flat[n] = nil, nil
+      n = n - 2
     else
-      value = flat[i + 1]
-    end
-    if not gone[name] and not (name == 'params' and phase == 'query') then
-      out[#out + 1] = name
-      out[#out + 1] = value
+      local value = set[name]
+      if value then
+        flat[i + 1] = value
+        set[name] = nil
+      end
+      i = i + 2
     end
   end
   for name, value in pairs(set) do
-    if not done[name] then
-      out[#out + 1] = name
-      out[#out + 1] = value
-    end
+    flat[n + 1], flat[n + 2] = name, value
+    n = n + 2
   end
-  return out
+  return flat
 end
 
 -- Look at one popped entry: claim it, set it aside, or drop it. `from` is the held
@@ -253,9 +258,15 @@ local function consider(id, score, from, flat)
   -- pcall: a key of another type (WRONGTYPE) must not abort the whole claim
   if flat == nil then flat = redis.pcall('HGETALL', tk) end
   local corrupt = type(flat) ~= 'table' or flat.err ~= nil
-  local h = {}
+  -- only the fields it decides on, in a table made at its final size
+  local h = {status = false, deadline_ms = false, cancel_requested = false, handler = false,
+             version = false, fence = false, held = false, submit_attempts = false,
+             reclaims = false, started_fence = false, owner = false}
   if not corrupt then
-    for i = 1, #flat, 2 do h[flat[i]] = flat[i + 1] end
+    for i = 1, #flat, 2 do
+      local name = flat[i]
+      if DECIDES[name] then h[name] = flat[i + 1] end
+    end
   end
   local status, deadline_ms, handler = h.status, tonumber(h.deadline_ms or ''), h.handler
   -- counters this script, start and reap increment must be integers HINCRBY takes, or
