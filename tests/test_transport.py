@@ -962,3 +962,27 @@ async def test_fetch_sends_the_client_headers_then_the_call_headers(
     # A URL httpx would rewrite does not take the direct path: httpx sends it, its way.
     reply = await fetch("GET", f"{echo_url}/echo/a b/./c?q=é")
     assert reply.json()["path"] == "/echo/a%20b/c?q=%C3%A9"
+
+
+async def test_a_plain_get_sends_the_client_headers_as_they_are_now(
+    client: httpx.AsyncClient, echo_url: str
+) -> None:
+    """A plain GET's header block is built once per origin and client headers: a change
+    to the client's headers, or another origin, is sent as it is, not the block before."""
+    fetch = fetcher_for(client)
+
+    async def sent(url: str) -> dict[str, str]:
+        echoed = (await fetch("GET", url)).json()
+        return {name.lower(): value for name, value in echoed["headers"]}
+
+    first = await sent(f"{echo_url}/echo/a")
+    assert first["x-client"] == "asynctaskd" and "x-added" not in first
+    assert (await sent(f"{echo_url}/echo/b")) == first  # the same block again
+    client.headers["X-Client"] = "changed"
+    client.headers["X-Added"] = "1"
+    changed = await sent(f"{echo_url}/echo/c")
+    assert changed["x-client"] == "changed" and changed["x-added"] == "1"
+    other = echo_url.replace("127.0.0.1", "localhost")  # the same server, another Host
+    assert (await sent(f"{other}/echo/d"))["host"] == other.removeprefix("http://")
+    del client.headers["X-Added"]
+    assert "x-added" not in await sent(f"{echo_url}/echo/e")

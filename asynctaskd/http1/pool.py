@@ -99,14 +99,20 @@ class Http1Pool:
         timeouts: Mapping[str, float | None],
         limit: int | None,
         request: httpx.Request | None = None,
+        *,
+        block: bytes | None = None,
     ) -> Answer:
         """Send `method target` with `headers` (Host included) and `body` to `origin`
         (scheme, host, port) and read the answer: whole, or its head and a body stream.
 
         `limit` bounds the body (None: no bound); `request`, when there is one, is named
-        by the exceptions raised."""
+        by the exceptions raised. `block`, if given, is `headers` as a header block
+        (`name: value` lines and the blank line), built once by a caller that sends the
+        same headers often; it is checked as any other."""
         line = b"%s %s HTTP/1.1\r\n" % (method.encode("ascii", "replace"), target)
-        block = b"".join([name + b": " + value + b"\r\n" for name, value in headers]) + b"\r\n"
+        if block is None:
+            block = b"".join([name + b": " + value + b"\r\n" for name, value in headers])
+            block += b"\r\n"
         close = self._checked.get(block)
         if close is None or _REQUEST_LINE.fullmatch(line) is None:
             close = self._check(request, line, block, headers)

@@ -66,6 +66,11 @@ _ACCEPT_ENCODING: Final = (b"Accept-Encoding", b"gzip, deflate")
 _DROPPED: Final = frozenset((b"host", b"accept-encoding", b"content-length", b"transfer-encoding"))
 
 
+def _block(headers: list[tuple[bytes, bytes]]) -> bytes:
+    """The header block of `headers` as HTTP/1.1 writes it, the blank line included."""
+    return b"".join([name + b": " + value + b"\r\n" for name, value in headers]) + b"\r\n"
+
+
 def _inflate(body: bytes, coding: bytes, limit: int | None) -> bytes:
     """`body` decoded from gzip or deflate, no larger than `limit`."""
     attempts = (47,) if coding == b"gzip" else (15, -15)  # deflate: zlib-wrapped or raw
@@ -104,6 +109,9 @@ class Fetcher:
         self._transport = transport
         self._origins: dict[str, tuple[tuple[str, str, int], bytes] | None] = {}
         self._timeout: tuple[httpx.Timeout, dict[str, float | None]] | None = None
+        # (Host, the client's raw headers...) -> the headers and header block of a plain
+        # GET: built once, not per request. Bounded; cleared when full.
+        self._blocks: dict[tuple[Any, ...], tuple[list[tuple[bytes, bytes]], bytes]] = {}
 
     async def __call__(
         self,
@@ -121,18 +129,32 @@ class Fetcher:
         if origin is None or (content is not None and json is not None):
             return await self._slow(method, url, headers, content, json, timeout)
         method = method.upper()
-        raw = self._headers(origin[1], headers)
-        if raw is None:
-            return await self._slow(method, url, headers, content, json, timeout)
         body = b""
-        if json is not None:
-            body = _ENCODE_JSON.encode(json)
-            if not any(name.lower() == b"content-type" for name, _ in raw):
-                raw.append((b"Content-Type", b"application/json"))
-        elif content is not None:
-            body = content.encode("utf-8") if isinstance(content, str) else content
-        if body or method in _BODY_METHODS:
-            raw.append((b"Content-Length", b"%d" % len(body)))
+        block = None
+        if headers is None and json is None and content is None and method not in _BODY_METHODS:
+            # A plain GET (every poll, most often): its header block is the same for every
+            # request to the origin while the client's headers stay as they are.
+            key = (origin[1], *self._client.headers.raw)
+            cached = self._blocks.get(key)
+            if cached is None:
+                raw = self._headers(origin[1], None)
+                assert raw is not None  # no headers of the call's: nothing to refuse
+                if len(self._blocks) >= _ORIGINS_MAX:
+                    self._blocks.clear()
+                cached = self._blocks[key] = (raw, _block(raw))
+            raw, block = cached
+        else:
+            raw = self._headers(origin[1], headers)
+            if raw is None:
+                return await self._slow(method, url, headers, content, json, timeout)
+            if json is not None:
+                body = _ENCODE_JSON.encode(json)
+                if not any(name.lower() == b"content-type" for name, _ in raw):
+                    raw.append((b"Content-Type", b"application/json"))
+            elif content is not None:
+                body = content.encode("utf-8") if isinstance(content, str) else content
+            if body or method in _BODY_METHODS:
+                raw.append((b"Content-Length", b"%d" % len(body)))
         assert transport is not None and match is not None
         target = url[match.end() :] or "/"
         if target[0] == "?":
@@ -146,6 +168,7 @@ class Fetcher:
             body,
             self._timeouts(timeout),
             limit,
+            block=block,
         )
         data = answer.body
         if answer.stream is not None:
