@@ -178,14 +178,15 @@ class Http1Pool:
         while idle:
             connection = idle.pop()
             transport = connection.transport
+            idle_for = self.loop.time() - connection.idle_since
             if (
                 connection.closed
                 or transport is None
                 or transport.is_closing()
-                or (self._idle_for(connection) > _PROBE_AFTER_S and _stirred(transport))
+                or (idle_for > _PROBE_AFTER_S and _stirred(transport))
             ):
                 connection.close()  # the server closed it while it was idle
-            elif self._expired(connection):
+            elif self._expiry is not None and idle_for > self._expiry:  # expired
                 for stale in [connection, *idle]:  # the ones below went idle earlier
                     stale.close()
             else:
@@ -218,12 +219,6 @@ class Http1Pool:
                 raise RuntimeError(
                     "the HTTP client was closed while the request waited for a connection"
                 )
-
-    def _idle_for(self, connection: _Connection) -> float:
-        return self.loop.time() - connection.idle_since
-
-    def _expired(self, connection: _Connection) -> bool:
-        return self._expiry is not None and self._idle_for(connection) > self._expiry
 
     def _evict(self) -> bool:
         """Close the longest-idle connection of any origin to make room; False if none."""
@@ -308,7 +303,8 @@ class Http1Pool:
         self._idle.setdefault(connection.key, []).append(connection)
         if self._sweep is None:
             self._sweep = self.loop.call_later(self._expiry or _SWEEP_S, self._sweep_idle)
-        self._wake_one()  # it can take this connection, or close it for another origin
+        if self._waiters:
+            self._wake_one()  # it can take this connection, or close it for another origin
 
     def forget(self, connection: _Connection) -> None:
         """A connection closed: drop it everywhere and hand its slot on."""

@@ -306,8 +306,12 @@ class Claimer:
     def scheduled(self, delay: float) -> None:
         """A save made something due sooner than the claim loop's wake-up: wake it."""
         at = time.time() + delay
-        self.due_hint = min(self.due_hint, at)
-        if at < self.sleep_until:
+        if at < self.due_hint:
+            self.due_hint = at
+        # Only an idle wait needs the nudge (one that begins makes a new one): not set on
+        # every save while the loop claims.
+        sleep_until = self.sleep_until
+        if at < sleep_until and sleep_until != math.inf:
             self._nudge.set()
 
     def look_now(self) -> None:
