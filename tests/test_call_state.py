@@ -1,6 +1,6 @@
 """A call's state (asynctaskd.worker.call): the legal moves, and what each state owes its
-lease. A Call needs only a running event loop (its asyncio timeout); the renewal test at
-the end renews real leases."""
+lease, and its cut (asyncio.timeout's rules). A call is entered in a task; the renewal
+test at the end renews real leases."""
 
 from __future__ import annotations
 
