@@ -29,7 +29,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from asynctaskd.config import parse_config
 from asynctaskd.daemon import shared_http_client
-from asynctaskd.transport import PoolTransport, Reply, fetcher_for, make_http_client
+from asynctaskd.transport import Fetcher, PoolTransport, Reply, fetcher_for, make_http_client
 from asynctaskd.transport.streamed import _mapped_errors, _Phase, _Progress
 
 pytestmark = pytest.mark.anyio
@@ -986,3 +986,18 @@ async def test_a_plain_get_sends_the_client_headers_as_they_are_now(
     assert (await sent(f"{other}/echo/d"))["host"] == other.removeprefix("http://")
     del client.headers["X-Added"]
     assert "x-added" not in await sent(f"{echo_url}/echo/e")
+
+
+@pytest.mark.parametrize(
+    "tail",
+    ["", "/", "/v1/jobs/job-1", "/a/b.c~d_e-f:g@h!$&'()*+,;=", "?q=1", "/p?q=1&r=%20",
+     "/p%2Fq", "/p%zz", "/a b", "/é", "/a|b", "/a^b", "/a#f", "#f", "/a/./b", "/a/../b",
+     "/.hidden", "x", "/a\\b", "/a\tb", "/[x]", "/{x}"],
+)  # fmt: skip
+def test_the_direct_path_takes_exactly_the_urls_its_pattern_allows(tail: str) -> None:
+    """A plain path is recognised without the regex: the same URLs as the regex, no more."""
+    from asynctaskd.transport.fetcher import _PLAIN_TAIL
+
+    fetcher = Fetcher(httpx.AsyncClient(), None)
+    expected = _PLAIN_TAIL.fullmatch(tail) is not None and "/." not in tail
+    assert (fetcher._origin("http://vendor.test", tail) is not None) is expected

@@ -34,6 +34,10 @@ _REQUEST_LINE: Final = re.compile(rb"%s [\x21-\x7e\x80-\xff]+ HTTP/1\.1\r\n" % _
 _HEADER_BLOCK: Final = re.compile(rb"(?:%s:[ \t]*[^\r\n\x00]*\r\n)*\r\n" % _TOKEN)
 _HEADER_NAMES: Final = re.compile(rb"(?:%s(?: %s)*)?" % (_TOKEN, _TOKEN))
 _CLOSE: Final = re.compile(rb"\nconnection:[^\r]*\bclose\b")  # in a lowercased head
+# What a request target may not hold (`_REQUEST_LINE`): space, controls, DEL. A target
+# `bytes.translate` deletes none of, after a method known good, makes a good line.
+_NOT_IN_TARGET: Final = bytes(range(0x21)) + b"\x7f"
+_METHODS_MAX: Final = 64
 _CHECKED_MAX: Final = 256
 # Idle this long, a connection may have met the server's idle timeout (2-5 s is common):
 # its socket is polled before it is reused. Busier connections are not.
@@ -88,6 +92,9 @@ class Http1Pool:
         # Header blocks checked before (a handler's requests mostly repeat theirs): block
         # -> whether it asks the server to close. Bounded; cleared when full.
         self._checked: dict[bytes, bool] = {}
+        # Methods of request lines that passed the check: a line is then checked by its
+        # target alone (the same rule, without the regex). Bounded; cleared when full.
+        self._methods: set[str] = set()
 
     async def send(
         self,
@@ -114,8 +121,16 @@ class Http1Pool:
             block = b"".join([name + b": " + value + b"\r\n" for name, value in headers])
             block += b"\r\n"
         close = self._checked.get(block)
-        if close is None or _REQUEST_LINE.fullmatch(line) is None:
+        if (
+            close is None
+            or method not in self._methods  # a method whose request line passed before
+            or not target
+            or len(target.translate(None, _NOT_IN_TARGET)) != len(target)
+        ):
             close = self._check(request, line, block, headers)
+            if len(self._methods) >= _METHODS_MAX:
+                self._methods.clear()
+            self._methods.add(method)
         # An idle connection at hand (most requests) is taken without a coroutine of its own.
         connection = None if self._closed else self._reuse(origin)
         if connection is None:

@@ -162,6 +162,8 @@ class _Connection(asyncio.Protocol):
         self._waiter: asyncio.Future[Answer] | None = None
         self._request: httpx.Request | None = None
         self._llhttp: httptools.HttpResponseParser | None = None
+        self._spare: httptools.HttpResponseParser | None = None  # kept for the next exchange
+        self._parsed = False  # llhttp completed the answer itself (on_message_complete)
         self._limit: int | None = None
         self._head_only = False
         # The answer being parsed.
@@ -317,6 +319,7 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         if self._head_done:
             self._complete = True
+            self._parsed = True  # llhttp saw the answer end: it is ready for the next one
 
     # -- one exchange -------------------------------------------------------------------
 
@@ -336,8 +339,9 @@ class _Connection(asyncio.Protocol):
         self._request = request
         self._head_only = method == "HEAD"
         self._limit = limit
-        self._llhttp = httptools.HttpResponseParser(self)
-        self._head_done = self._complete = self._until_close = False
+        parser, self._spare = self._spare, None
+        self._llhttp = parser or httptools.HttpResponseParser(self)
+        self._head_done = self._complete = self._until_close = self._parsed = False
         self._chunks = []
         self._received = self._fed = self._chunk_count = 0
         self._stream = None
@@ -356,6 +360,11 @@ class _Connection(asyncio.Protocol):
 
     def exchanged(self) -> None:
         """The exchange is over (answered, failed or abandoned): stop watching for it."""
+        if self._parsed and self.reusable and self._problem is None and not self._head_only:
+            # The answer ended where llhttp ended it, nothing after it, and the connection
+            # stays open: its parser reads the next answer (llhttp starts a new message
+            # after a complete one), not a new one per exchange.
+            self._spare = self._llhttp
         self._busy = False
         self._waiter = self._request = self._llhttp = self._stream = None
         self._timeout = None

@@ -60,6 +60,14 @@ _PLAIN_TAIL: Final = re.compile(
     r"(?:/(?:[A-Za-z0-9\-._~!$&'()*+,;=:@/]|%[0-9A-Fa-f]{2})*)?"
     r"(?:\?(?:[A-Za-z0-9\-._~!$&'()*+,;=:@/?]|%[0-9A-Fa-f]{2})*)?"
 )
+# A path's characters: a tail of only these (no "?", no "%") that starts with "/" is one
+# `_PLAIN_TAIL` matches, found by `bytes.translate` (deleting them all) without the regex.
+_PATH_CHARS: Final = (
+    b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~!$&'()*+,;=:@/"
+)
+# `_ORIGIN` as most URLs spell it (a lowercase scheme): the same match, without the
+# case-folding of every character that IGNORECASE costs.
+_ORIGIN_LOWER: Final = re.compile(r"https?://[^/?#]*")
 _ORIGINS_MAX: Final = 256
 _BODY_METHODS: Final = frozenset(("POST", "PUT", "PATCH"))
 _ACCEPT_ENCODING: Final = (b"Accept-Encoding", b"gzip, deflate")
@@ -124,7 +132,7 @@ class Fetcher:
         timeout: httpx.Timeout | float | None = None,
     ) -> Reply:
         transport = self._transport
-        match = None if transport is None else _ORIGIN.match(url)
+        match = None if transport is None else (_ORIGIN_LOWER.match(url) or _ORIGIN.match(url))
         origin = None if match is None else self._origin(match[0], url[match.end() :])
         if origin is None or (content is not None and json is not None):
             return await self._slow(method, url, headers, content, json, timeout)
@@ -160,15 +168,17 @@ class Fetcher:
         if target[0] == "?":
             target = "/" + target
         limit = transport.max_response_bytes
+        cached_timeouts = self._timeout
+        if timeout is None and cached_timeouts is not None:
+            timeouts = (
+                cached_timeouts[1]
+                if cached_timeouts[0] is self._client.timeout
+                else self._timeouts(None)
+            )
+        else:
+            timeouts = self._timeouts(timeout)
         answer = await transport.pool().send(
-            method,
-            origin[0],
-            target.encode("ascii"),
-            raw,
-            body,
-            self._timeouts(timeout),
-            limit,
-            block=block,
+            method, origin[0], target.encode("ascii"), raw, body, timeouts, limit, block=block
         )
         data = answer.body
         if answer.stream is not None:
@@ -187,7 +197,12 @@ class Fetcher:
     def _origin(self, text: str, tail: str) -> tuple[tuple[str, str, int], bytes] | None:
         """(scheme, host, port) and the Host header for a URL the fast path can send: its
         origin `text`, and a path and query `tail` that need no rewriting."""
-        if _PLAIN_TAIL.fullmatch(tail) is None or "/." in tail:
+        plain = (
+            (tail[:1] == "/" or not tail)
+            and tail.isascii()
+            and not tail.encode().translate(None, _PATH_CHARS)
+        )
+        if "/." in tail or (not plain and _PLAIN_TAIL.fullmatch(tail) is None):
             return None
         try:
             return self._origins[text]
