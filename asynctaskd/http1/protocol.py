@@ -268,6 +268,9 @@ class _Connection(asyncio.Protocol):
         length: int | None = None
         chunked = False
         for name, value in self._headers:
+            size = len(name)
+            if size != 14 and size != 17:
+                continue  # neither name below: no lowercase copy of every header's name
             lowered = name.lower()
             if lowered == b"content-length":
                 length = int(value)  # llhttp let only digits and one value through

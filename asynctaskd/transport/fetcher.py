@@ -187,7 +187,7 @@ class Fetcher:
             finally:
                 await answer.stream.aclose()
         for name, value in answer.headers:
-            if name.lower() == b"content-encoding":
+            if len(name) == 16 and name.lower() == b"content-encoding":
                 coding = value.strip().lower()
                 if coding in (b"gzip", b"deflate", b"x-gzip"):
                     data = _inflate(data, b"deflate" if coding == b"deflate" else b"gzip", limit)

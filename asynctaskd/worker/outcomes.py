@@ -12,6 +12,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from asynctaskd.codec import check_json_like, encode_json
 from asynctaskd.config import RetryConfig
 from asynctaskd.crashes import describe
@@ -30,9 +32,11 @@ from asynctaskd.retry import (
 MAX_TEXT = 1000  # stage/message stored at most this long
 
 
-@dataclass(slots=True)  # not frozen: a frozen one sets each field through object.__setattr__
-class Save:
-    """One save: the task's next status, the fields it sets, and when it comes due."""
+class Save(msgspec.Struct):
+    """One save: the task's next status, the fields it sets, and when it comes due.
+
+    A msgspec Struct (not frozen, not validated): one is built per poll, and its C
+    constructor costs a quarter of a dataclass's Python `__init__`."""
 
     status: Status
     fields: dict[str, Any] | None = None
