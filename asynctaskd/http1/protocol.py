@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Final, cast
 
 import httptools
 import httpx
+import msgspec
 
 if TYPE_CHECKING:
     from .pool import Http1Pool
@@ -36,27 +37,17 @@ class ResponseTooLarge(httpx.RemoteProtocolError):
     failed after the request was sent (ambiguous, like any other protocol error)."""
 
 
-class Answer:
+class Answer(msgspec.Struct, eq=False):
     """A parsed answer: status, version (b"HTTP/1.1"), reason phrase, raw headers, and
-    either the whole body (`stream` None) or the stream its body arrives on."""
+    either the whole body (`stream` None) or the stream its body arrives on. A msgspec
+    Struct, not a class with an `__init__` of its own: one is built per request."""
 
-    __slots__ = ("body", "headers", "reason", "status", "stream", "version")
-
-    def __init__(
-        self,
-        status: int,
-        version: bytes,
-        reason: bytes,
-        headers: list[tuple[bytes, bytes]],
-        body: bytes,
-        stream: ResponseBody | None,
-    ) -> None:
-        self.status = status
-        self.version = version
-        self.reason = reason
-        self.headers = headers
-        self.body = body
-        self.stream = stream
+    status: int
+    version: bytes
+    reason: bytes
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    stream: ResponseBody | None
 
 
 class ResponseBody:
