@@ -429,11 +429,14 @@ async def test_a_keepalive_connection_reads_each_answer_with_one_parser(
             assert len(made) == 1  # one parser for both answers
             third = await http.head(f"{url}/3")
             fourth = await http.get(f"{url}/4")
+            (connection,) = pool_of(http)._all
+            assert connection._spare is not None  # kept for a fifth
 
     assert (first.content, second.content) == (b"hello world\r\n!!!", b"two")
     assert (third.content, fourth.content) == (b"", b"four")
     assert seen.accepted == 1
     assert len(made) == 2  # a new one after the HEAD
+    assert connection._spare is None  # closed with the client: nothing kept
 
 
 NO_BODY = {

@@ -227,6 +227,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._spare = None  # the kept parser holds this protocol's methods: no cycle left
         self._disarm()
         self._ended(exc)
         self.pool.forget(self)
@@ -455,6 +456,7 @@ class _Connection(asyncio.Protocol):
         if not self.closed:
             self.closed = True
             self.reusable = False
+            self._spare = None  # no parser kept for an exchange that will not come
             self._disarm()
             if not self._complete:
                 self._fail(  # an exchange in flight, when the pool closes
