@@ -175,13 +175,13 @@ def _decode_task(hash_: Mapping[bytes, bytes], task_id: str | None) -> Task:
     # parse raises here, and decode_task's _diagnosis names its field.
     get = hash_.get
     v = get(b"id")
-    tid = _utf8(v) if v else task_id or "?"
+    tid = v.decode("utf-8", "replace") if v else task_id or "?"
     if task_id is not None and tid != task_id:
         raise CorruptTask(task_id, f"field id is {tid!r}")
     v = get(b"handler")
     if not v:
         raise CorruptTask(tid, "field handler is missing")
-    handler = _utf8(v)
+    handler = v.decode("utf-8", "replace")
     v = get(b"status")
     status = None if v is None else _STATUSES.get(v)
     if status is None:
@@ -213,24 +213,30 @@ def _decode_task(hash_: Mapping[bytes, bytes], task_id: str | None) -> Task:
     n = int(v) if v else -1
     finished_at = n / 1000.0 if n >= 0 else None
     v = get(b"error_code")
-    error = None if v is None else TaskError(_utf8(v), _text(get(b"error_message")) or "")
+    error = None
+    if v is not None:
+        code = v.decode("utf-8", "replace")
+        v = get(b"error_message")
+        error = TaskError(code, v.decode("utf-8", "replace") if v else "")
+    v = get(b"dedup")
+    dedup = None if v is None else _dedup_key(v.decode("utf-8", "replace"))
     return Task(
         id=tid,
         handler=handler,
         status=status,
         params=_DECODE(v) if (v := get(b"params")) else None,
         metadata=_DECODE(v) if (v := get(b"metadata")) else None,
-        tenant=_utf8(v) if (v := get(b"tenant")) else "",
-        account=_utf8(v) if (v := get(b"account")) else "",
-        provider=_utf8(v) if (v := get(b"provider")) else handler,
+        tenant=v.decode("utf-8", "replace") if (v := get(b"tenant")) else "",
+        account=v.decode("utf-8", "replace") if (v := get(b"account")) else "",
+        provider=v.decode("utf-8", "replace") if (v := get(b"provider")) else handler,
         priority=int(v) if (v := get(b"priority")) else 0,
-        external_id=_text(get(b"external_id")),
+        external_id=None if (v := get(b"external_id")) is None else v.decode("utf-8", "replace"),
         handle=handle,
         result=_DECODE(v) if (v := get(b"result")) else None,
         error=error,
         progress=progress,
-        stage=_text(get(b"stage")),
-        message=_text(get(b"message")),
+        stage=None if (v := get(b"stage")) is None else v.decode("utf-8", "replace"),
+        message=None if (v := get(b"message")) is None else v.decode("utf-8", "replace"),
         created_at=created_at,
         updated_at=updated_at,
         deadline_at=deadline / 1000.0,
@@ -243,20 +249,18 @@ def _decode_task(hash_: Mapping[bytes, bytes], task_id: str | None) -> Task:
         throttles=int(v) if (v := get(b"throttles")) else 0,
         lookups=int(v) if (v := get(b"lookups")) else 0,
         cancel_requested=get(b"cancel_requested") == b"1",
-        dedup_key=_dedup_key(_text(get(b"dedup"))),
-        trace=_text(get(b"trace")),
+        dedup_key=dedup,
+        trace=None if (v := get(b"trace")) is None else v.decode("utf-8", "replace"),
         fence=int(v) if (v := get(b"fence")) else 0,
-        owner=_text(get(b"owner")),
+        owner=None if (v := get(b"owner")) is None else v.decode("utf-8", "replace"),
         started_fence=int(v) if (v := get(b"started_fence")) else 0,
         reclaims=int(v) if (v := get(b"reclaims")) else 0,
         idempotent=get(b"idempotent") == b"1",
     )
 
 
-def _dedup_key(stored: str | None) -> str | None:
+def _dedup_key(stored: str) -> str:
     # stored as "<len(tenant)>:<tenant>:<dedup_key>"
-    if stored is None:
-        return None
     n, _, rest = stored.partition(":")
     if not n.isdigit() or len(n) > 6:
         return stored

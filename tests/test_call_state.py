@@ -1,9 +1,10 @@
 """A call's state (asynctaskd.worker.call): the legal moves, and what each state owes its
-lease. A Call needs only a running event loop (its asyncio timeout); the renewal test at
-the end renews real leases."""
+lease, and its cut (asyncio.timeout's rules). A call is entered in a task; the renewal
+test at the end renews real leases."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -17,6 +18,7 @@ from asynctaskd.worker.call import (
     MOVES,
     Call,
     CallState,
+    Cut,
     IllegalMove,
     InFlight,
 )
@@ -169,3 +171,70 @@ async def test_renewal_asks_only_for_leases_a_renewal_can_keep(store: Store) -> 
 
 async def _async(value: bool) -> bool:
     return value
+
+
+# --- the cut: asyncio.timeout's rules (a Cut is a slimmed copy of it) -----------------
+
+
+async def _cut_at(cut: Cut, when: float, wait: float) -> None:
+    """Enter `cut`, set it to fire at loop time `when`, then wait `wait` seconds."""
+    async with cut:
+        cut.reschedule(when)
+        await asyncio.sleep(wait)
+
+
+async def test_a_cut_that_fires_leaves_its_block_as_timeout_error() -> None:
+    cut = Cut()
+    assert cut.when() is None and not cut.expired()
+    with pytest.raises(TimeoutError):
+        await _cut_at(cut, asyncio.get_running_loop().time() + 0.01, 10)
+    assert cut.expired()
+    task = asyncio.current_task()
+    assert task is not None and task.cancelling() == 0  # its cancellation was taken back
+
+
+async def test_a_cut_rescheduled_to_none_does_not_fire() -> None:
+    cut = Cut()
+    async with cut:
+        cut.reschedule(asyncio.get_running_loop().time() + 0.01)
+        cut.reschedule(None)
+        assert cut.when() is None
+        await asyncio.sleep(0.05)
+    assert not cut.expired()
+
+
+async def test_a_cut_in_the_past_fires_on_the_next_pass() -> None:
+    with pytest.raises(TimeoutError):
+        await _cut_at(Cut(), 0.0, 0)  # one pass of the loop: the cut fired in it
+
+
+async def test_a_cut_leaves_a_cancellation_from_elsewhere_as_it_is() -> None:
+    """Cut and cancelled by someone else at once: the cancellation is not the cut's to
+    turn into a timeout (asyncio.timeout's rule), so the task stays cancelled."""
+
+    async def body(cut: Cut) -> None:
+        async with cut:
+            cut.reschedule(0.0)
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()  # another cancellation besides the cut's
+            await asyncio.sleep(10)
+
+    cut = Cut()
+    task = asyncio.ensure_future(body(cut))
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert cut.expired()
+
+
+async def test_a_cut_is_entered_once_and_rescheduled_only_while_entered() -> None:
+    cut = Cut()
+    with pytest.raises(RuntimeError):
+        cut.reschedule(None)
+    async with cut:
+        pass
+    with pytest.raises(RuntimeError):
+        cut.reschedule(None)
+    with pytest.raises(RuntimeError):
+        async with cut:
+            pass

@@ -306,12 +306,13 @@ async def test_calls_left_queued_by_an_event_loop_that_stopped_do_not_block_the_
     # A loop stopped between a call's queueing and its sending (its callers are gone):
     # the next loop that uses the client must still send its own calls.
     stopped = asyncio.new_event_loop()
-    orphan = _Pending.__new__(_Pending)  # as a call queued on that loop left it
-    orphan.done, orphan.gated, orphan.durable = stopped.create_future(), False, True
+    orphan_done = stopped.create_future()  # as a call queued on that loop left it
     stopped.close()
     async with AsyncClient.from_url(redis_url) as client:
         ops = client._store.ops
-        orphan.call = ops.create(new_task_id(), "h", b"{}", timeout_ms=60_000)
+        orphan = _Pending(
+            ops.create(new_task_id(), "h", b"{}", timeout_ms=60_000), False, orphan_done
+        )
         client._calls._loop = stopped
         client._calls._queue.append(orphan)
         task_id = new_task_id()

@@ -25,6 +25,7 @@ import pytest
 
 from asynctaskd.http1 import Http1Pool
 from asynctaskd.http1 import pool as http1_pool
+from asynctaskd.http1 import protocol as http1_protocol
 from asynctaskd.http1.protocol import _Connection
 from asynctaskd.transport import Fetcher, PoolTransport, fetcher_for, make_http_client
 from asynctaskd.transport import fetcher as transport_fetcher
@@ -374,6 +375,68 @@ async def test_a_bad_request_line_is_refused_with_headers_checked_before() -> No
                 await http.request("G T", f"{url}/ok")
 
     assert seen.paths == [b"/ok"]
+
+
+@pytest.mark.parametrize("target", [b"/ok x", b"/ok\x7f", b"/ok\x00", b"/ok\r\nX-Evil: 1", b""])
+async def test_a_bad_target_is_refused_after_good_requests_of_the_same_shape(
+    target: bytes,
+) -> None:
+    """A request line is checked by its target alone once its method passed: a target
+    with a space, a control or DEL is still refused, unsent, whatever went before."""
+    seen = Seen()
+    async with serving(replying(seen, [ok_response()])) as url, make_http_client() as http:
+        with anyio.fail_after(5):
+            fetch = fetcher_for(http)
+            assert (await fetch("GET", f"{url}/ok")).text == "ok"
+            assert (await fetch("GET", f"{url}/ok")).text == "ok"
+            pool = pool_of(http)
+            host = url.removeprefix("http://")
+            hostname, port = host.rsplit(":", 1)
+            with pytest.raises(httpx.LocalProtocolError):
+                await pool.send(
+                    "GET",
+                    ("http", hostname, int(port)),
+                    target,
+                    [(b"Host", host.encode())],
+                    b"",
+                    {"read": 5.0, "connect": 5.0, "pool": 5.0},
+                    None,
+                )
+
+    assert seen.paths == [b"/ok", b"/ok"]
+
+
+async def test_a_keepalive_connection_reads_each_answer_with_one_parser(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """llhttp starts a new message after a complete one: a connection kept alive reuses its
+    parser, and takes a new one after an answer llhttp did not end itself (a HEAD's)."""
+    made: list[object] = []
+    real = http1_protocol.httptools.HttpResponseParser
+
+    def counted(protocol: object) -> object:
+        made.append(protocol)
+        return real(protocol)
+
+    monkeypatch.setattr(http1_protocol.httptools, "HttpResponseParser", counted)
+    seen = Seen()
+    chunked = FRAMED["chunked-with-extension-and-trailers"][0]
+    replies = [chunked, ok_response(b"two"), NO_BODY["head"][1], ok_response(b"four")]
+    async with serving(replying(seen, replies)) as url, make_http_client() as http:
+        with anyio.fail_after(5):
+            first = await http.get(f"{url}/1")
+            second = await http.get(f"{url}/2")
+            assert len(made) == 1  # one parser for both answers
+            third = await http.head(f"{url}/3")
+            fourth = await http.get(f"{url}/4")
+            (connection,) = pool_of(http)._all
+            assert connection._spare is not None  # kept for a fifth
+
+    assert (first.content, second.content) == (b"hello world\r\n!!!", b"two")
+    assert (third.content, fourth.content) == (b"", b"four")
+    assert seen.accepted == 1
+    assert len(made) == 2  # a new one after the HEAD
+    assert connection._spare is None  # closed with the client: nothing kept
 
 
 NO_BODY = {

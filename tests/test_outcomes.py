@@ -313,6 +313,31 @@ def test_find_results(
     assert answer == Reconcile(**{**_fields(expect), "failure": raised})
 
 
+@pytest.mark.parametrize(
+    "progress", [0.5, 1.0, 1e-300, 0.0, -0.0, -0.5, 1.5, 1, 0, True, math.inf, math.nan, "0.5"]
+)
+def test_running_progress_is_stored_as_valid_progress_says(progress: Any) -> None:
+    """The common case (a float in (0, 1]) is stored as it is without a helper call; every
+    other value exactly as `valid_progress` has it (-0.0 as 0.0, 1.5 as 1.0, NaN dropped)."""
+    from asynctaskd.handlers import valid_progress
+
+    save = rules().queried(Running(progress=progress), task(), poll=POLL, now=NOW)
+    assert isinstance(save, Save) and save.fields is not None
+    valid = valid_progress(progress)
+    assert save.fields.get("progress") == (None if valid is None else repr(valid))
+
+
+def test_poll_jitter_draws_as_rng_uniform_did() -> None:
+    """The jitter inlines `rng.uniform(-j, j)`: the same delays from the same seed."""
+    rng = random.Random(7)
+    jittery = rules("", seed=7)
+    jittery.poll_jitter = 0.05
+    for _ in range(20):
+        save = jittery.queried(Running(), task(), poll=POLL, now=NOW)
+        assert isinstance(save, Save)
+        assert save.delay == POLL * (1.0 + rng.uniform(-0.05, 0.05))
+
+
 @pytest.mark.parametrize("found", [Submitted(""), "junk", Running(), Submitted(7)])  # type: ignore[arg-type]
 def test_a_find_that_returns_no_handle_is_an_error(found: Any) -> None:
     answer = rules().found(found, None, lookups=1, max_lookups=5)

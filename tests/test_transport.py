@@ -29,7 +29,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from asynctaskd.config import parse_config
 from asynctaskd.daemon import shared_http_client
-from asynctaskd.transport import PoolTransport, Reply, fetcher_for, make_http_client
+from asynctaskd.transport import Fetcher, PoolTransport, Reply, fetcher_for, make_http_client
 from asynctaskd.transport.streamed import _mapped_errors, _Phase, _Progress
 
 pytestmark = pytest.mark.anyio
@@ -962,3 +962,42 @@ async def test_fetch_sends_the_client_headers_then_the_call_headers(
     # A URL httpx would rewrite does not take the direct path: httpx sends it, its way.
     reply = await fetch("GET", f"{echo_url}/echo/a b/./c?q=é")
     assert reply.json()["path"] == "/echo/a%20b/c?q=%C3%A9"
+
+
+async def test_a_plain_get_sends_the_client_headers_as_they_are_now(
+    client: httpx.AsyncClient, echo_url: str
+) -> None:
+    """A plain GET's header block is built once per origin and client headers: a change
+    to the client's headers, or another origin, is sent as it is, not the block before."""
+    fetch = fetcher_for(client)
+
+    async def sent(url: str) -> dict[str, str]:
+        echoed = (await fetch("GET", url)).json()
+        return {name.lower(): value for name, value in echoed["headers"]}
+
+    first = await sent(f"{echo_url}/echo/a")
+    assert first["x-client"] == "asynctaskd" and "x-added" not in first
+    assert (await sent(f"{echo_url}/echo/b")) == first  # the same block again
+    client.headers["X-Client"] = "changed"
+    client.headers["X-Added"] = "1"
+    changed = await sent(f"{echo_url}/echo/c")
+    assert changed["x-client"] == "changed" and changed["x-added"] == "1"
+    other = echo_url.replace("127.0.0.1", "localhost")  # the same server, another Host
+    assert (await sent(f"{other}/echo/d"))["host"] == other.removeprefix("http://")
+    del client.headers["X-Added"]
+    assert "x-added" not in await sent(f"{echo_url}/echo/e")
+
+
+@pytest.mark.parametrize(
+    "tail",
+    ["", "/", "/v1/jobs/job-1", "/a/b.c~d_e-f:g@h!$&'()*+,;=", "?q=1", "/p?q=1&r=%20",
+     "/p%2Fq", "/p%zz", "/a b", "/é", "/a|b", "/a^b", "/a#f", "#f", "/a/./b", "/a/../b",
+     "/.hidden", "x", "/a\\b", "/a\tb", "/[x]", "/{x}"],
+)  # fmt: skip
+def test_the_direct_path_takes_exactly_the_urls_its_pattern_allows(tail: str) -> None:
+    """A plain path is recognised without the regex: the same URLs as the regex, no more."""
+    from asynctaskd.transport.fetcher import _PLAIN_TAIL
+
+    fetcher = Fetcher(httpx.AsyncClient(), None)
+    expected = _PLAIN_TAIL.fullmatch(tail) is not None and "/." not in tail
+    assert (fetcher._origin("http://vendor.test", tail) is not None) is expected

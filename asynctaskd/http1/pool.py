@@ -34,6 +34,10 @@ _REQUEST_LINE: Final = re.compile(rb"%s [\x21-\x7e\x80-\xff]+ HTTP/1\.1\r\n" % _
 _HEADER_BLOCK: Final = re.compile(rb"(?:%s:[ \t]*[^\r\n\x00]*\r\n)*\r\n" % _TOKEN)
 _HEADER_NAMES: Final = re.compile(rb"(?:%s(?: %s)*)?" % (_TOKEN, _TOKEN))
 _CLOSE: Final = re.compile(rb"\nconnection:[^\r]*\bclose\b")  # in a lowercased head
+# What a request target may not hold (`_REQUEST_LINE`): space, controls, DEL. A target
+# `bytes.translate` deletes none of, after a method known good, makes a good line.
+_NOT_IN_TARGET: Final = bytes(range(0x21)) + b"\x7f"
+_METHODS_MAX: Final = 64
 _CHECKED_MAX: Final = 256
 # Idle this long, a connection may have met the server's idle timeout (2-5 s is common):
 # its socket is polled before it is reused. Busier connections are not.
@@ -88,6 +92,9 @@ class Http1Pool:
         # Header blocks checked before (a handler's requests mostly repeat theirs): block
         # -> whether it asks the server to close. Bounded; cleared when full.
         self._checked: dict[bytes, bool] = {}
+        # Methods of request lines that passed the check: a line is then checked by its
+        # target alone (the same rule, without the regex). Bounded; cleared when full.
+        self._methods: set[str] = set()
 
     async def send(
         self,
@@ -99,17 +106,31 @@ class Http1Pool:
         timeouts: Mapping[str, float | None],
         limit: int | None,
         request: httpx.Request | None = None,
+        *,
+        block: bytes | None = None,
     ) -> Answer:
         """Send `method target` with `headers` (Host included) and `body` to `origin`
         (scheme, host, port) and read the answer: whole, or its head and a body stream.
 
         `limit` bounds the body (None: no bound); `request`, when there is one, is named
-        by the exceptions raised."""
+        by the exceptions raised. `block`, if given, is `headers` as a header block
+        (`name: value` lines and the blank line), built once by a caller that sends the
+        same headers often; it is checked as any other."""
         line = b"%s %s HTTP/1.1\r\n" % (method.encode("ascii", "replace"), target)
-        block = b"".join([name + b": " + value + b"\r\n" for name, value in headers]) + b"\r\n"
+        if block is None:
+            block = b"".join([name + b": " + value + b"\r\n" for name, value in headers])
+            block += b"\r\n"
         close = self._checked.get(block)
-        if close is None or _REQUEST_LINE.fullmatch(line) is None:
+        if (
+            close is None
+            or method not in self._methods  # a method whose request line passed before
+            or not target
+            or len(target.translate(None, _NOT_IN_TARGET)) != len(target)
+        ):
             close = self._check(request, line, block, headers)
+            if len(self._methods) >= _METHODS_MAX:
+                self._methods.clear()
+            self._methods.add(method)
         # An idle connection at hand (most requests) is taken without a coroutine of its own.
         connection = None if self._closed else self._reuse(origin)
         if connection is None:
@@ -172,14 +193,15 @@ class Http1Pool:
         while idle:
             connection = idle.pop()
             transport = connection.transport
+            idle_for = self.loop.time() - connection.idle_since
             if (
                 connection.closed
                 or transport is None
                 or transport.is_closing()
-                or (self._idle_for(connection) > _PROBE_AFTER_S and _stirred(transport))
+                or (idle_for > _PROBE_AFTER_S and _stirred(transport))
             ):
                 connection.close()  # the server closed it while it was idle
-            elif self._expired(connection):
+            elif self._expiry is not None and idle_for > self._expiry:  # expired
                 for stale in [connection, *idle]:  # the ones below went idle earlier
                     stale.close()
             else:
@@ -212,12 +234,6 @@ class Http1Pool:
                 raise RuntimeError(
                     "the HTTP client was closed while the request waited for a connection"
                 )
-
-    def _idle_for(self, connection: _Connection) -> float:
-        return self.loop.time() - connection.idle_since
-
-    def _expired(self, connection: _Connection) -> bool:
-        return self._expiry is not None and self._idle_for(connection) > self._expiry
 
     def _evict(self) -> bool:
         """Close the longest-idle connection of any origin to make room; False if none."""
@@ -302,7 +318,8 @@ class Http1Pool:
         self._idle.setdefault(connection.key, []).append(connection)
         if self._sweep is None:
             self._sweep = self.loop.call_later(self._expiry or _SWEEP_S, self._sweep_idle)
-        self._wake_one()  # it can take this connection, or close it for another origin
+        if self._waiters:
+            self._wake_one()  # it can take this connection, or close it for another origin
 
     def forget(self, connection: _Connection) -> None:
         """A connection closed: drop it everywhere and hand its slot on."""

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Final, cast
 
 import httptools
 import httpx
+import msgspec
 
 if TYPE_CHECKING:
     from .pool import Http1Pool
@@ -36,27 +37,17 @@ class ResponseTooLarge(httpx.RemoteProtocolError):
     failed after the request was sent (ambiguous, like any other protocol error)."""
 
 
-class Answer:
+class Answer(msgspec.Struct, eq=False):
     """A parsed answer: status, version (b"HTTP/1.1"), reason phrase, raw headers, and
-    either the whole body (`stream` None) or the stream its body arrives on."""
+    either the whole body (`stream` None) or the stream its body arrives on. A msgspec
+    Struct, not a class with an `__init__` of its own: one is built per request."""
 
-    __slots__ = ("body", "headers", "reason", "status", "stream", "version")
-
-    def __init__(
-        self,
-        status: int,
-        version: bytes,
-        reason: bytes,
-        headers: list[tuple[bytes, bytes]],
-        body: bytes,
-        stream: ResponseBody | None,
-    ) -> None:
-        self.status = status
-        self.version = version
-        self.reason = reason
-        self.headers = headers
-        self.body = body
-        self.stream = stream
+    status: int
+    version: bytes
+    reason: bytes
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    stream: ResponseBody | None
 
 
 class ResponseBody:
@@ -162,6 +153,8 @@ class _Connection(asyncio.Protocol):
         self._waiter: asyncio.Future[Answer] | None = None
         self._request: httpx.Request | None = None
         self._llhttp: httptools.HttpResponseParser | None = None
+        self._spare: httptools.HttpResponseParser | None = None  # kept for the next exchange
+        self._parsed = False  # llhttp completed the answer itself (on_message_complete)
         self._limit: int | None = None
         self._head_only = False
         # The answer being parsed.
@@ -234,6 +227,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._spare = None  # the kept parser holds this protocol's methods: no cycle left
         self._disarm()
         self._ended(exc)
         self.pool.forget(self)
@@ -266,6 +260,9 @@ class _Connection(asyncio.Protocol):
         length: int | None = None
         chunked = False
         for name, value in self._headers:
+            size = len(name)
+            if size != 14 and size != 17:
+                continue  # neither name below: no lowercase copy of every header's name
             lowered = name.lower()
             if lowered == b"content-length":
                 length = int(value)  # llhttp let only digits and one value through
@@ -317,6 +314,7 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         if self._head_done:
             self._complete = True
+            self._parsed = True  # llhttp saw the answer end: it is ready for the next one
 
     # -- one exchange -------------------------------------------------------------------
 
@@ -336,8 +334,9 @@ class _Connection(asyncio.Protocol):
         self._request = request
         self._head_only = method == "HEAD"
         self._limit = limit
-        self._llhttp = httptools.HttpResponseParser(self)
-        self._head_done = self._complete = self._until_close = False
+        parser, self._spare = self._spare, None
+        self._llhttp = parser or httptools.HttpResponseParser(self)
+        self._head_done = self._complete = self._until_close = self._parsed = False
         self._chunks = []
         self._received = self._fed = self._chunk_count = 0
         self._stream = None
@@ -356,6 +355,11 @@ class _Connection(asyncio.Protocol):
 
     def exchanged(self) -> None:
         """The exchange is over (answered, failed or abandoned): stop watching for it."""
+        if self._parsed and self.reusable and self._problem is None and not self._head_only:
+            # The answer ended where llhttp ended it, nothing after it, and the connection
+            # stays open: its parser reads the next answer (llhttp starts a new message
+            # after a complete one), not a new one per exchange.
+            self._spare = self._llhttp
         self._busy = False
         self._waiter = self._request = self._llhttp = self._stream = None
         self._timeout = None
@@ -452,6 +456,7 @@ class _Connection(asyncio.Protocol):
         if not self.closed:
             self.closed = True
             self.reusable = False
+            self._spare = None  # no parser kept for an exchange that will not come
             self._disarm()
             if not self._complete:
                 self._fail(  # an exchange in flight, when the pool closes

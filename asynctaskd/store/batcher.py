@@ -148,16 +148,15 @@ class _Pipelines(_Runner):
             return [exc] * len(calls)
 
 
-class _Pending:
-    __slots__ = ("call", "done", "durable", "gated")
+class _Pending(msgspec.Struct, eq=False):
+    """A call waiting for its pipeline: `done` resolves to the decoded reply or the
+    exception to raise (a future, not an anyio Event: one per saved outcome, and an Event
+    costs several times as much). A msgspec Struct for its C constructor."""
 
-    def __init__(self, call: Call[Any], gated: bool) -> None:
-        self.call = call
-        self.gated = gated
-        # Resolves to the decoded reply or the exception to raise. A future, not an
-        # anyio Event: one per saved outcome, and an Event costs several times as much.
-        self.done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self.durable = True
+    call: Call[Any]
+    gated: bool
+    done: asyncio.Future[Any]
+    durable: bool = True
 
     def resolve(self, result: Any) -> None:
         if not self.done.done():  # cancelled when the caller stopped waiting
@@ -206,7 +205,9 @@ class Batcher:
         With gated=True and a gate configured, durable says whether the gate confirmed
         the write (False also when the server had to be sent the call again).
         """
-        pending = _Pending(call, gated and self.gate is not None)
+        pending = _Pending(
+            call, gated and self.gate is not None, asyncio.get_running_loop().create_future()
+        )
         if self.standalone:
             self._enqueue_here(pending)
         else:

@@ -118,18 +118,16 @@ class Reconciled(msgspec.Struct, frozen=True):
         return self.code is Code.OK
 
 
-class Call(Generic[T]):
-    """One script invocation: everything needed to run it and read its reply."""
+class Call(msgspec.Struct, Generic[T], eq=False):
+    """One script invocation: everything needed to run it and read its reply.
 
-    __slots__ = ("args", "decode", "keys", "script")
+    Compared and hashed by identity, as a plain object. A msgspec Struct for its C
+    constructor: every save and claim builds one."""
 
-    def __init__(
-        self, script: str, keys: list[str], args: list[Any], decode: Callable[[Any], T]
-    ) -> None:
-        self.script = script
-        self.keys = keys
-        self.args = args
-        self.decode = decode
+    script: str
+    keys: list[str]
+    args: list[Any]
+    decode: Callable[[Any], T]
 
 
 def _s(v: Any) -> str:

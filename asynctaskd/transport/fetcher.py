@@ -60,10 +60,23 @@ _PLAIN_TAIL: Final = re.compile(
     r"(?:/(?:[A-Za-z0-9\-._~!$&'()*+,;=:@/]|%[0-9A-Fa-f]{2})*)?"
     r"(?:\?(?:[A-Za-z0-9\-._~!$&'()*+,;=:@/?]|%[0-9A-Fa-f]{2})*)?"
 )
+# A path's characters: a tail of only these (no "?", no "%") that starts with "/" is one
+# `_PLAIN_TAIL` matches, found by `bytes.translate` (deleting them all) without the regex.
+_PATH_CHARS: Final = (
+    b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~!$&'()*+,;=:@/"
+)
+# `_ORIGIN` as most URLs spell it (a lowercase scheme): the same match, without the
+# case-folding of every character that IGNORECASE costs.
+_ORIGIN_LOWER: Final = re.compile(r"https?://[^/?#]*")
 _ORIGINS_MAX: Final = 256
 _BODY_METHODS: Final = frozenset(("POST", "PUT", "PATCH"))
 _ACCEPT_ENCODING: Final = (b"Accept-Encoding", b"gzip, deflate")
 _DROPPED: Final = frozenset((b"host", b"accept-encoding", b"content-length", b"transfer-encoding"))
+
+
+def _block(headers: list[tuple[bytes, bytes]]) -> bytes:
+    """The header block of `headers` as HTTP/1.1 writes it, the blank line included."""
+    return b"".join([name + b": " + value + b"\r\n" for name, value in headers]) + b"\r\n"
 
 
 def _inflate(body: bytes, coding: bytes, limit: int | None) -> bytes:
@@ -104,6 +117,9 @@ class Fetcher:
         self._transport = transport
         self._origins: dict[str, tuple[tuple[str, str, int], bytes] | None] = {}
         self._timeout: tuple[httpx.Timeout, dict[str, float | None]] | None = None
+        # (Host, the client's raw headers...) -> the headers and header block of a plain
+        # GET: built once, not per request. Bounded; cleared when full.
+        self._blocks: dict[tuple[Any, ...], tuple[list[tuple[bytes, bytes]], bytes]] = {}
 
     async def __call__(
         self,
@@ -116,36 +132,53 @@ class Fetcher:
         timeout: httpx.Timeout | float | None = None,
     ) -> Reply:
         transport = self._transport
-        match = None if transport is None else _ORIGIN.match(url)
+        match = None if transport is None else (_ORIGIN_LOWER.match(url) or _ORIGIN.match(url))
         origin = None if match is None else self._origin(match[0], url[match.end() :])
         if origin is None or (content is not None and json is not None):
             return await self._slow(method, url, headers, content, json, timeout)
         method = method.upper()
-        raw = self._headers(origin[1], headers)
-        if raw is None:
-            return await self._slow(method, url, headers, content, json, timeout)
         body = b""
-        if json is not None:
-            body = _ENCODE_JSON.encode(json)
-            if not any(name.lower() == b"content-type" for name, _ in raw):
-                raw.append((b"Content-Type", b"application/json"))
-        elif content is not None:
-            body = content.encode("utf-8") if isinstance(content, str) else content
-        if body or method in _BODY_METHODS:
-            raw.append((b"Content-Length", b"%d" % len(body)))
+        block = None
+        if headers is None and json is None and content is None and method not in _BODY_METHODS:
+            # A plain GET (every poll, most often): its header block is the same for every
+            # request to the origin while the client's headers stay as they are.
+            key = (origin[1], *self._client.headers.raw)
+            cached = self._blocks.get(key)
+            if cached is None:
+                raw = self._headers(origin[1], None)
+                assert raw is not None  # no headers of the call's: nothing to refuse
+                if len(self._blocks) >= _ORIGINS_MAX:
+                    self._blocks.clear()
+                cached = self._blocks[key] = (raw, _block(raw))
+            raw, block = cached
+        else:
+            raw = self._headers(origin[1], headers)
+            if raw is None:
+                return await self._slow(method, url, headers, content, json, timeout)
+            if json is not None:
+                body = _ENCODE_JSON.encode(json)
+                if not any(name.lower() == b"content-type" for name, _ in raw):
+                    raw.append((b"Content-Type", b"application/json"))
+            elif content is not None:
+                body = content.encode("utf-8") if isinstance(content, str) else content
+            if body or method in _BODY_METHODS:
+                raw.append((b"Content-Length", b"%d" % len(body)))
         assert transport is not None and match is not None
         target = url[match.end() :] or "/"
         if target[0] == "?":
             target = "/" + target
         limit = transport.max_response_bytes
+        cached_timeouts = self._timeout
+        if timeout is None and cached_timeouts is not None:
+            timeouts = (
+                cached_timeouts[1]
+                if cached_timeouts[0] is self._client.timeout
+                else self._timeouts(None)
+            )
+        else:
+            timeouts = self._timeouts(timeout)
         answer = await transport.pool().send(
-            method,
-            origin[0],
-            target.encode("ascii"),
-            raw,
-            body,
-            self._timeouts(timeout),
-            limit,
+            method, origin[0], target.encode("ascii"), raw, body, timeouts, limit, block=block
         )
         data = answer.body
         if answer.stream is not None:
@@ -154,7 +187,7 @@ class Fetcher:
             finally:
                 await answer.stream.aclose()
         for name, value in answer.headers:
-            if name.lower() == b"content-encoding":
+            if len(name) == 16 and name.lower() == b"content-encoding":
                 coding = value.strip().lower()
                 if coding in (b"gzip", b"deflate", b"x-gzip"):
                     data = _inflate(data, b"deflate" if coding == b"deflate" else b"gzip", limit)
@@ -164,7 +197,12 @@ class Fetcher:
     def _origin(self, text: str, tail: str) -> tuple[tuple[str, str, int], bytes] | None:
         """(scheme, host, port) and the Host header for a URL the fast path can send: its
         origin `text`, and a path and query `tail` that need no rewriting."""
-        if _PLAIN_TAIL.fullmatch(tail) is None or "/." in tail:
+        plain = (
+            (tail[:1] == "/" or not tail)
+            and tail.isascii()
+            and not tail.encode().translate(None, _PATH_CHARS)
+        )
+        if "/." in tail or (not plain and _PLAIN_TAIL.fullmatch(tail) is None):
             return None
         try:
             return self._origins[text]

@@ -40,7 +40,8 @@ from __future__ import annotations
 import asyncio
 import enum
 import math
-from typing import Literal
+from types import TracebackType
+from typing import Any, Literal
 
 import anyio
 
@@ -98,14 +99,102 @@ class IllegalMove(RuntimeError):
     """A call state moved in a way the state diagram does not allow: a bug."""
 
 
+# The states of a `Cut`, as asyncio.Timeout's: ints, compared without Enum lookups.
+_CREATED, _ENTERED, _EXPIRING, _EXPIRED, _EXITED = range(5)
+
+
+class Cut:
+    """`asyncio.timeout(None)` as a call needs it, with the same rules: entered once, in a
+    task; `reschedule(when)` (loop time, None: never) while entered; when it fires, the
+    task is cancelled and the cancellation leaves the block as TimeoutError, unless the
+    task was also cancelled by someone else (then it stays a cancellation).
+
+    One per call, entered and left on every poll: asyncio's own class builds its timer
+    state through an Enum and a helper per step, several times the work of this one
+    (bench/daemon_cost.py). tests/test_call_state.py holds it to asyncio's semantics.
+    """
+
+    __slots__ = ("_cancelling", "_handle", "_state", "_task", "_when")
+
+    def __init__(self) -> None:
+        self._state = _CREATED
+        self._when: float | None = None
+        self._handle: asyncio.Handle | None = None
+        self._task: asyncio.Task[Any] | None = None
+        self._cancelling = 0
+
+    def when(self) -> float | None:
+        """The loop time it fires at (None: never)."""
+        return self._when
+
+    def expired(self) -> bool:
+        """Whether it fired (the block is being, or was, cut)."""
+        return self._state == _EXPIRING or self._state == _EXPIRED
+
+    def reschedule(self, when: float | None) -> None:
+        """Fire at loop time `when` (at once if it has passed; None: never)."""
+        if self._state != _ENTERED:
+            raise RuntimeError("the cut is not entered (or is over): it cannot be rescheduled")
+        self._when = when
+        handle = self._handle
+        if handle is not None:
+            handle.cancel()
+        if when is None:
+            self._handle = None
+        else:
+            loop = asyncio.get_running_loop()
+            if when <= loop.time():
+                self._handle = loop.call_soon(self._fire)
+            else:
+                self._handle = loop.call_at(when, self._fire)
+
+    async def __aenter__(self) -> Cut:
+        if self._state != _CREATED:
+            raise RuntimeError("a cut is entered once")
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("a cut is entered inside a task")
+        self._state = _ENTERED
+        self._task = task
+        self._cancelling = task.cancelling()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        handle = self._handle
+        if handle is not None:
+            handle.cancel()
+            self._handle = None
+        state = self._state
+        if state == _EXPIRING:
+            self._state = _EXPIRED
+            task = self._task
+            assert task is not None
+            if task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
+                raise TimeoutError from exc  # ours, and no one else's: the cut
+        elif state == _ENTERED:
+            self._state = _EXITED
+
+    def _fire(self) -> None:
+        task = self._task
+        assert task is not None
+        task.cancel()
+        self._state = _EXPIRING
+        self._handle = None
+
+
 class Call:
     """A call in flight: the lease it holds, its state, and the timeout that cuts it short.
 
-    The call runs inside `cut`, an asyncio timeout that has no deadline except while a
-    query runs (the task's deadline). The renewal loop makes it expire at once when the
-    lease is gone. One asyncio timeout per call instead of an anyio cancel scope (plus
-    `fail_after` per query): this runs thousands of times a second, and the anyio scope
-    cost several times the asyncio timeout when measured.
+    The call runs inside `cut` (a `Cut`: asyncio's timeout, slimmed), which has no
+    deadline except while a query runs (the task's deadline). The renewal loop makes it
+    expire at once when the lease is gone. One such timeout per call instead of an anyio
+    cancel scope (plus `fail_after` per query): this runs thousands of times a second,
+    and the anyio scope cost several times the asyncio timeout when measured.
     """
 
     __slots__ = (
@@ -126,7 +215,7 @@ class Call:
         self.handler = handler  # metric label: a registered key, or "other"
         self.state = CLAIMED
         self._resume = CLAIMED  # where a save that gives up returns to
-        self.cut = asyncio.timeout(None)
+        self.cut = Cut()
         self.deadline: float | None = None  # loop time the running query is cut at
         self.token = ""  # this call's start token (withdraw takes back only its own mark)
         self.lookups = 0  # a lookup: the parked task's lookups so far, this one included

@@ -129,7 +129,12 @@ class Claimer:
         more = False
         next_due = math.inf
         got = 0
-        grants = [await self._take_tokens(shard, phase, n) for phase, n in wanted]
+        # Rate lanes wait in few shards and phases: no call at all where none does.
+        waiting = self._waiting
+        grants = [
+            await self._take_tokens(shard, phase, n) if waiting.get((shard, phase)) else {}
+            for phase, n in wanted
+        ]
         claims = [
             self.store.ops.claim(shard, phase, n, self.lease_ms, self.id, PROMOTE_LIMIT, granted)
             for (phase, n), granted in zip(wanted, grants, strict=True)
@@ -148,7 +153,9 @@ class Claimer:
                 logger.warning("claim failed, retrying: %s", result)
                 failed = more = True
                 continue
-            lanes_next = await self._after_claim(shard, phase, granted, result.lanes)
+            lanes_next = math.inf
+            if granted or result.lanes or waiting.get((shard, phase)):
+                lanes_next = await self._after_claim(shard, phase, granted, result.lanes)
             more = more or lanes_next <= now or bool(result.ready_left)
             next_due = min(next_due, lanes_next)
             if result.next_due_ms:
@@ -306,8 +313,12 @@ class Claimer:
     def scheduled(self, delay: float) -> None:
         """A save made something due sooner than the claim loop's wake-up: wake it."""
         at = time.time() + delay
-        self.due_hint = min(self.due_hint, at)
-        if at < self.sleep_until:
+        if at < self.due_hint:
+            self.due_hint = at
+        # Only an idle wait needs the nudge (one that begins makes a new one): not set on
+        # every save while the loop claims.
+        sleep_until = self.sleep_until
+        if at < sleep_until and sleep_until != math.inf:
             self._nudge.set()
 
     def look_now(self) -> None:

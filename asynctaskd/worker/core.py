@@ -261,10 +261,10 @@ class Worker:
                 extra={"task_id": task.id, "handler": task.handler},
             )
         finally:
-            self.calls.forget(active)
+            self.calls.forget(active)  # frees its slot, if a save did not (and says so)
             self.completed += 1
             # DONE, the common case (an outcome landed), owes nothing: not even a call.
             withdraw = None if active.state is DONE else active.end()
             if withdraw is not None:  # the call owes its lease: give it back
                 await self.leases.release(active, withdraw=withdraw)
-            self.calls.slot_freed.set()
+                self.calls.slot_freed.set()

@@ -184,8 +184,9 @@ class Saver:
             if result.ok:  # the call moves to DONE when this returns
                 self.inflight.forget(active)
                 final = result.status or status
-                self.metrics.transitions.labels(active.handler, final.value).inc()
-                if not final.is_settled:
+                # `_value_`, not `.value` (a descriptor in Python code): once per poll.
+                self.metrics.transitions.labels(active.handler, final._value_).inc()
+                if final is Status.RUNNING or final is Status.SUBMITTED or not final.is_settled:
                     self.claimer.scheduled(delay if final is status else 0.0)
                 elif final is Status.SUBMIT_UNKNOWN and active.handler in self.claimer.finders:
                     self.claimer.look_now()  # parked due for a lookup: look at once

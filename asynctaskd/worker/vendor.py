@@ -38,6 +38,17 @@ T = TypeVar("T")
 logger = logging.getLogger(__package__)
 
 
+class _Handler:
+    """What the calls of one handler share: looked up once, not on every poll."""
+
+    __slots__ = ("http", "logger", "query_ok")
+
+    def __init__(self, logger: logging.Logger, http: httpx.AsyncClient) -> None:
+        self.logger = logger
+        self.http = http
+        self.query_ok: Any = None  # the calls histogram's (handler, query, ok) child, once used
+
+
 class Vendor:
     """Runs one handler call of a claimed task and saves what came of it."""
 
@@ -66,37 +77,48 @@ class Vendor:
         self.claimer = claimer
         self.saver = saver
         self.outcomes = Outcomes(config.retry, rng)
+        self.poll_interval = float(config.retry.poll_interval)
         self.id = worker_id
         self.lease_ms = lease_ms
         self.http = http
         self.handler_http = handler_http  # handlers with a proxy or size limit of their own
-        self._loggers: dict[str, logging.Logger] = {}
+        # Per handler (by task.handler): its logger, client and metric children.
+        self._handlers: dict[str, _Handler] = {}
         self.spans = vendor_spans(config.telemetry.otel)
         # Start tokens: unique to each start of this worker, and across workers and restarts.
         self._token_prefix = f"{secrets.token_hex(6)}-"
         self._token_serial = itertools.count(1)
 
     def ctx(self, entry: HandlerEntry, task: Task, lease: Lease) -> HandlerContext:
-        extra = {"task_id": task.id, "handler": task.handler, "fence": lease.fence}
-        handler_logger = self._loggers.get(task.handler)
-        if handler_logger is None:
-            handler_logger = logging.getLogger(f"asynctaskd.handler.{task.handler}")
-            self._loggers[task.handler] = handler_logger
+        handler = task.handler
+        mine = self._handlers.get(handler)
+        if mine is None:
+            mine = self._handler(handler)
         return HandlerContext(
             task_id=task.id,
             idempotency_key=task.id,
-            handler=task.handler,
+            handler=handler,
             tenant=task.tenant,
             account=task.account,
-            provider=entry.provider if task.provider == task.handler else task.provider,
+            provider=entry.provider if task.provider == handler else task.provider,
             submit_attempt=task.submit_attempts,
             poll_count=task.poll_count,
             deadline_at=task.deadline_at,
             cancel_requested=task.cancel_requested,
-            http=self.handler_http.get(task.handler, self.http),
-            logger=logging.LoggerAdapter(handler_logger, extra),
+            http=mine.http,
+            logger=logging.LoggerAdapter(
+                mine.logger, {"task_id": task.id, "handler": handler, "fence": lease.fence}
+            ),
             metadata=task.metadata,
         )
+
+    def _handler(self, handler: str) -> _Handler:
+        """What every call of `handler` shares, looked up once."""
+        mine = self._handlers[handler] = _Handler(
+            logging.getLogger(f"asynctaskd.handler.{handler}"),
+            self.handler_http.get(handler, self.http),
+        )
+        return mine
 
     def _traced(self, what: str, task: Task, attempt: int, call: Awaitable[T]) -> Awaitable[T]:
         """`call` (a handler's coroutine), to be awaited inside a span when tracing is on.
@@ -170,7 +192,7 @@ class Vendor:
             outcome = "error"
             save = self.outcomes.submit_failed(exc, task, idempotent=idem, now=time.time())
         else:
-            poll = entry.poll_interval or float(self.config.retry.poll_interval)
+            poll = entry.poll_interval or self.poll_interval
             save = self.outcomes.submitted(out, task, poll=poll, idempotent=idem, now=time.time())
         finally:
             self.metrics.calls.labels(task.handler, "submit", outcome).observe(
@@ -244,6 +266,11 @@ class Vendor:
     # --- query phase ------------------------------------------------------------------------
 
     async def query(self, entry: HandlerEntry, task: Task, active: Call) -> None:
+        # Every poll runs this: what it needs of its handler is looked up once (`_Handler`).
+        handler = task.handler
+        mine = self._handlers.get(handler)
+        if mine is None:
+            mine = self._handler(handler)
         ctx = self.ctx(entry, task, active.lease)
         query_handle = _query_handle(task)
         if task.cancel_requested:
@@ -258,10 +285,12 @@ class Vendor:
         now = asyncio.get_running_loop().time()
         active.set_deadline(now + budget, now + self.lease_ms / 1000)  # see set_deadline
         failure: BaseException | None = None
+        spans = self.spans
         try:
-            out = await self._traced(
-                "query", task, task.poll_count + 1, entry.handler.query(query_handle, ctx)
-            )
+            call = entry.handler.query(query_handle, ctx)
+            if spans is not None:
+                call = spans.call("query", task, task.poll_count + 1, call)
+            out = await call
         except anyio.get_cancelled_exc_class():
             if active.cut.expired() and active.state is CALLING:  # not LOST: the deadline
                 outcome = "deadline"
@@ -271,14 +300,19 @@ class Vendor:
             failure = exc
         finally:
             active.set_deadline(None)
-            self.metrics.calls.labels(task.handler, "query", outcome).observe(
-                time.perf_counter() - t0
-            )
+            took = time.perf_counter() - t0
+            if outcome == "ok":
+                ok = mine.query_ok
+                if ok is None:  # the series appears with its first observation, as before
+                    ok = mine.query_ok = self.metrics.calls.labels(handler, "query", "ok")
+                ok.observe(took)
+            else:
+                self.metrics.calls.labels(handler, "query", outcome).observe(took)
         outcomes = self.outcomes
         if failure is not None:
             save = outcomes.query_failed(failure, task, now=time.time())
         else:
-            poll = entry.poll_interval or float(self.config.retry.poll_interval)
+            poll = entry.poll_interval or self.poll_interval
             mapped = outcomes.queried(out, task, poll=poll, now=time.time())
             if isinstance(mapped, Succeeded):
                 save = await self._finalized(entry, task, ctx, mapped.result)
