@@ -10,6 +10,8 @@ order, `--rounds` times:
 * `saq` / `saq-32`: `await queue.enqueue(...)` (SAQ 0.26), `arq` / `arq-32`:
   `await pool.enqueue_job(...)` (arq 0.28), from the bench-only venv
   (bench/peers/setup.sh, or BENCH_VENV), bench/peers/{saq,arq}_w2.py `enqueue-seq`;
+* `ping`: one coroutine awaiting redis-py's `PING` after the other (hiredis, RESP2): the
+  floor of any call that waits for one round trip on this host;
 * `--compare TREE` adds `asynctaskd@base`, the sequential submit of another source tree
   (PYTHONPATH=TREE), interleaved with this one on the same server.
 
@@ -43,9 +45,28 @@ def _child_main(argv: list[str]) -> int:
     parser.add_argument("--tasks", type=int, required=True)
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--ping", action="store_true", help="redis-py PINGs, not submits")
     args = parser.parse_args(argv)
 
+    async def pings() -> dict[str, float]:
+        import redis.asyncio
+
+        async with redis.asyncio.Redis.from_url(args.redis, protocol=2) as r:
+            for _ in range(args.warmup):
+                await r.ping()
+            c0, t0 = time.process_time(), time.perf_counter()
+            for _ in range(args.tasks):
+                await r.ping()
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        return {
+            "wall_s": wall,
+            "per_s": args.tasks / wall,
+            "cpu_ms_per_job": cpu * 1000 / args.tasks,
+        }
+
     async def main() -> dict[str, float]:
+        if args.ping:
+            return await pings()
         from asynctaskd.client import AsyncClient
 
         async with AsyncClient.from_url(args.redis) as client:
@@ -121,6 +142,7 @@ SUBJECTS: dict[str, tuple[str, int]] = {
     "arq": ("arq_w2.py", 1),
     "saq-32": ("saq_w2.py", CONCURRENT),
     "arq-32": ("arq_w2.py", CONCURRENT),
+    "ping": ("ping", 1),
 }
 BASE = "asynctaskd@base"
 
@@ -145,11 +167,12 @@ def run_subject(
     sync.flushdb()
     env = dict(os.environ)
     counts = ["--tasks", str(n), "--warmup", str(warmup), "--concurrency", str(concurrency)]
-    if runner in ("asynctaskd", "base"):
+    if runner in ("asynctaskd", "base", "ping"):
         prepare_asynctaskd(sync)
-        tree = ROOT if runner == "asynctaskd" else base
+        tree = base if runner == "base" else ROOT
         env["PYTHONPATH"] = str(tree)
         argv = [sys.executable, str(Path(__file__).resolve()), "child", "--redis", url, *counts]
+        argv += ["--ping"] if runner == "ping" else []
     else:
         assert peers is not None
         path = ROOT / "bench" / "peers" / runner
@@ -185,8 +208,8 @@ def run(
     peers = peer_python()
     skipped = []
     if peers is None:
-        skipped = [s for s in wanted if not s.startswith("asynctaskd")]
-        wanted = [s for s in wanted if s.startswith("asynctaskd")]
+        skipped = [s for s in wanted if SUBJECTS[s][0].endswith(".py")]
+        wanted = [s for s in wanted if s not in skipped]
         say("  (no .bench-venv: run bench/peers/setup.sh for arq and SAQ; peers skipped)")
     if compare is not None:
         wanted.insert(1, BASE)
@@ -213,7 +236,7 @@ def run(
         for name, rs in results.items()
     }
     ratios: dict[str, Any] = {}
-    for peer in ("saq", "arq", "saq-32", "arq-32", BASE):
+    for peer in ("saq", "arq", "saq-32", "arq-32", BASE, "ping"):
         mine = "asynctaskd-32" if peer.endswith("-32") else "asynctaskd"
         if results.get(peer) and results.get(mine):
             per_round = [
