@@ -18,7 +18,8 @@ order, `--rounds` times:
 Reported per subject: calls/s, the child's process CPU per call, Redis commands per call
 (INFO commandstats delta over the child's whole run, warm-up included; commands run
 inside Lua scripts count, and EVALSHA apart), Redis CPU per call; for asynctaskd its
-round trips per submit (the client's own count). Then the ratios of asynctaskd's
+round trips per submit (the client's own count). Check: each asynctaskd run left one
+request per submit in the shard's intake list. Then the ratios of asynctaskd's
 sequential rate to SAQ's and arq's, per round and their median (target >= 2x SAQ).
 
     python bench/producer.py [--tasks 3000] [--rounds 3] [--subjects ...] [--compare TREE]
@@ -191,6 +192,10 @@ def run_subject(
     out["evalsha_per_job"] = (delta.get("evalsha", 0) + delta.get("eval", 0)) / calls
     out["redis_commands"] = {k: round(v / calls, 3) for k, v in delta.items()}
     out["redis_cpu_ms_per_job"] = (cpu1 - cpu0) * 1000 / calls
+    if runner in ("asynctaskd", "base"):  # the check: every submit left its request
+        from asynctaskd.keys import Keys
+
+        out["ok"] = sync.llen(Keys("atd", 1).intake(0)) == calls
     out["loadavg_1m"] = loadavg()[0]
     return out
 
@@ -259,7 +264,7 @@ def run(
         "summary": summary,
         "ratios": ratios,
         "results": results,
-        "ok": True,
+        "ok": all(x.get("ok", True) for rs in results.values() for x in rs),
     }
 
 
@@ -295,6 +300,7 @@ def report(out: dict[str, Any]) -> None:
             f"  {key}: {r['median']:.2f}x the rate (rounds: {rounds}), "
             f"{r['cpu_ratio']:.2f}x less CPU per call{note}"
         )
+    say(f"  every asynctaskd submit left its request in Redis: {out['ok']}")
     say(f"  machine: {machine_line(out['machine'])}")
 
 
