@@ -12,6 +12,9 @@ order, `--rounds` times:
   (bench/peers/setup.sh, or BENCH_VENV), bench/peers/{saq,arq}_w2.py `enqueue-seq`;
 * `ping`: one coroutine awaiting redis-py's `PING` after the other (hiredis, RESP2): the
   floor of any call that waits for one round trip on this host;
+* `create-floor`: the create's EVALSHA of a submit, built by `Ops.create` as a submit
+  builds it, written on a bare asyncio protocol with hiredis parsing the reply, one after
+  the other: what one awaited create costs with no client and no redis-py connection;
 * `--compare TREE` adds `asynctaskd@base`, the sequential submit of another source tree
   (PYTHONPATH=TREE), interleaved with this one on the same server.
 
@@ -47,7 +50,62 @@ def _child_main(argv: list[str]) -> int:
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--ping", action="store_true", help="redis-py PINGs, not submits")
+    parser.add_argument("--floor", action="store_true", help="bare creates, not submits")
     args = parser.parse_args(argv)
+
+    async def floor() -> dict[str, float]:
+        """The create's EVALSHA, built as a submit builds it, written on a bare asyncio
+        protocol and its reply parsed by hiredis: no client, no redis-py connection."""
+        from urllib.parse import urlparse
+
+        import hiredis
+
+        from asynctaskd.keys import Keys, new_task_id
+        from asynctaskd.scripts import load_scripts
+        from asynctaskd.store import Ops
+        from asynctaskd.wire import pack
+
+        class Lane(asyncio.Protocol):
+            def __init__(self) -> None:
+                self.reader = hiredis.Reader()
+                self.waiter: asyncio.Future[Any] | None = None
+
+            def connection_made(self, transport: Any) -> None:
+                self.transport = transport
+
+            def data_received(self, data: bytes) -> None:
+                self.reader.feed(data)
+                reply = self.reader.gets()
+                if reply is not False and self.waiter is not None:
+                    self.waiter.set_result(reply)
+
+            async def call(self, payload: bytes) -> Any:
+                self.waiter = asyncio.get_running_loop().create_future()
+                self.transport.write(payload)
+                return await self.waiter
+
+        url = urlparse(args.redis)
+        loop = asyncio.get_running_loop()
+        transport, lane = await loop.create_connection(Lane, url.hostname, url.port)
+        ops, sha = Ops(Keys("atd", 1)), load_scripts()["create"].sha
+
+        async def create(i: int) -> None:
+            call = ops.create(new_task_id(0), "demo", b'{"i":%d}' % i, timeout_ms=600_000)
+            reply = await lane.call(pack(("EVALSHA", sha, len(call.keys), *call.keys, *call.args)))
+            call.decode(reply)
+
+        for i in range(args.warmup):
+            await create(i)
+        c0, t0 = time.process_time(), time.perf_counter()
+        for i in range(args.tasks):
+            await create(i)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        transport.close()
+        return {
+            "wall_s": wall,
+            "per_s": args.tasks / wall,
+            "cpu_ms_per_job": cpu * 1000 / args.tasks,
+        }
 
     async def pings() -> dict[str, float]:
         import redis.asyncio
@@ -68,6 +126,8 @@ def _child_main(argv: list[str]) -> int:
     async def main() -> dict[str, float]:
         if args.ping:
             return await pings()
+        if args.floor:
+            return await floor()
         from asynctaskd.client import AsyncClient
 
         async with AsyncClient.from_url(args.redis) as client:
@@ -144,6 +204,7 @@ SUBJECTS: dict[str, tuple[str, int]] = {
     "saq-32": ("saq_w2.py", CONCURRENT),
     "arq-32": ("arq_w2.py", CONCURRENT),
     "ping": ("ping", 1),
+    "create-floor": ("floor", 1),
 }
 BASE = "asynctaskd@base"
 
@@ -168,12 +229,12 @@ def run_subject(
     sync.flushdb()
     env = dict(os.environ)
     counts = ["--tasks", str(n), "--warmup", str(warmup), "--concurrency", str(concurrency)]
-    if runner in ("asynctaskd", "base", "ping"):
+    if runner in ("asynctaskd", "base", "ping", "floor"):
         prepare_asynctaskd(sync)
         tree = base if runner == "base" else ROOT
         env["PYTHONPATH"] = str(tree)
         argv = [sys.executable, str(Path(__file__).resolve()), "child", "--redis", url, *counts]
-        argv += ["--ping"] if runner == "ping" else []
+        argv += [f"--{runner}"] if runner in ("ping", "floor") else []
     else:
         assert peers is not None
         path = ROOT / "bench" / "peers" / runner
@@ -192,7 +253,7 @@ def run_subject(
     out["evalsha_per_job"] = (delta.get("evalsha", 0) + delta.get("eval", 0)) / calls
     out["redis_commands"] = {k: round(v / calls, 3) for k, v in delta.items()}
     out["redis_cpu_ms_per_job"] = (cpu1 - cpu0) * 1000 / calls
-    if runner in ("asynctaskd", "base"):  # the check: every submit left its request
+    if runner in ("asynctaskd", "base", "floor"):  # the check: every create left its request
         from asynctaskd.keys import Keys
 
         out["ok"] = sync.llen(Keys("atd", 1).intake(0)) == calls
@@ -241,7 +302,7 @@ def run(
         for name, rs in results.items()
     }
     ratios: dict[str, Any] = {}
-    for peer in ("saq", "arq", "saq-32", "arq-32", BASE, "ping"):
+    for peer in ("saq", "arq", "saq-32", "arq-32", BASE, "ping", "create-floor"):
         mine = "asynctaskd-32" if peer.endswith("-32") else "asynctaskd"
         if results.get(peer) and results.get(mine):
             per_round = [
