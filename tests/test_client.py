@@ -1141,3 +1141,35 @@ def test_a_create_whose_reply_was_lost_and_resent_by_redis_py_makes_one_task(
     finally:
         conn.close()
         proxy.close()
+
+
+async def test_aclose_gives_back_the_connection_lone_calls_keep(redis_url: str) -> None:
+    """A client passed in stays open, but the connection its lone calls kept out of the
+    pool goes back: the whole pool can be taken after; one the client opened itself
+    leaves no transport open (no ResourceWarning once collected)."""
+    import gc
+    import warnings
+
+    pool = redis.asyncio.BlockingConnectionPool.from_url(
+        redis_url, max_connections=4, protocol=2, socket_timeout=2
+    )
+    passed_in = AsyncClient(redis.asyncio.Redis(connection_pool=pool))
+    for _ in range(3):
+        assert (await passed_in.submit("h", {}, tracking_timeout=60, strict=False)).id
+    await passed_in.aclose()
+    taken = [await asyncio.wait_for(pool.get_connection(), 2) for _ in range(4)]
+    for connection in taken:
+        await pool.release(connection)
+    await pool.disconnect()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        owned = AsyncClient.from_url(redis_url)
+        for _ in range(3):
+            assert (await owned.submit("h", {}, tracking_timeout=60, strict=False)).id
+        await owned.aclose()
+        del owned
+        gc.collect()
+        await asyncio.sleep(0)  # transports close on the loop's next pass
+        gc.collect()
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)]

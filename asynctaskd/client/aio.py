@@ -99,7 +99,9 @@ class AsyncClient:
         return client
 
     async def aclose(self) -> None:
-        """Close the connections this client opened (not a client passed in)."""
+        """Close the connections this client opened (not a client passed in), and give
+        back the one its lone calls keep out of the client's pool."""
+        await self._store.close()
         if self._owned:
             await self.redis.aclose()
             await self.redis.connection_pool.disconnect()

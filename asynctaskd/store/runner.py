@@ -20,7 +20,7 @@ from asynctaskd.errors import StoreUnavailable
 from asynctaskd.keys import Keys, settings_problem
 from asynctaskd.model import Task, shard_of
 from asynctaskd.scripts import Script, load_scripts
-from asynctaskd.wire import closed_under_io, exchange, pack, refresh_slots
+from asynctaskd.wire import Held, closed_under_io, exchange, pack, refresh_slots
 
 from .failures import _mapped, _reading_task
 from .ops import Ops
@@ -76,6 +76,8 @@ class _Runner(_Base):
         # gate (WAITAOF/WAIT) follows that node's writes on the same connection.
         self.cluster = isinstance(redis, redis_cluster.RedisCluster)
         self._nodes: dict[str, _AsyncRedis] = {}
+        # Lone script calls (`run`) go out on one connection kept out of the pool.
+        self._held: Held | None = None if self.cluster else Held(redis.connection_pool)
 
     async def prepare(self) -> None:
         """Load every script into Redis and write the per-shard settings."""
@@ -115,7 +117,10 @@ class _Runner(_Base):
         if self.cluster:  # redis-py routes it to the node of its slot
             script = self.scripts[call.script]
             return await self.redis.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
-        reply = (await self._send_packed((call,), None, 0.0))[0]
+        assert self._held is not None
+        sha = self.scripts[call.script].sha
+        payload = pack(("EVALSHA", sha, len(call.keys), *call.keys, *call.args))
+        reply = (await self._held.exchange(payload, 1))[0]
         if isinstance(reply, Exception):
             raise reply
         return reply
@@ -189,7 +194,10 @@ class _Runner(_Base):
             await refresh_slots(cluster)
 
     async def close(self) -> None:
-        """Close the per-node clients of cluster mode (the main client is the caller's)."""
+        """Give back the connection lone calls use, close the per-node clients of cluster
+        mode (the main client is the caller's)."""
+        if self._held is not None:
+            await self._held.close()
         for client in self._nodes.values():
             with contextlib.suppress(Exception):
                 await client.aclose()
