@@ -1143,15 +1143,17 @@ def test_a_create_whose_reply_was_lost_and_resent_by_redis_py_makes_one_task(
         proxy.close()
 
 
-async def test_aclose_gives_back_the_connection_lone_calls_keep(redis_url: str) -> None:
+async def test_aclose_gives_back_the_connection_lone_calls_keep(
+    redis_url: str, sync_redis: SyncRedis
+) -> None:
     """A client passed in stays open, but the connection its lone calls kept out of the
     pool goes back: the whole pool can be taken after; one the client opened itself
-    leaves no transport open (no ResourceWarning once collected)."""
-    import gc
-    import warnings
-
+    leaves no connection open, its lone calls' lane included."""
     pool = redis.asyncio.BlockingConnectionPool.from_url(
-        redis_url, max_connections=4, protocol=2, socket_timeout=2
+        redis_url,
+        max_connections=4,
+        protocol=3,
+        socket_timeout=2,  # RESP3: no lane
     )
     passed_in = AsyncClient(redis.asyncio.Redis(connection_pool=pool))
     for _ in range(3):
@@ -1162,14 +1164,17 @@ async def test_aclose_gives_back_the_connection_lone_calls_keep(redis_url: str) 
         await pool.release(connection)
     await pool.disconnect()
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        owned = AsyncClient.from_url(redis_url)
-        for _ in range(3):
-            assert (await owned.submit("h", {}, tracking_timeout=60, strict=False)).id
-        await owned.aclose()
-        del owned
-        gc.collect()
-        await asyncio.sleep(0)  # transports close on the loop's next pass
-        gc.collect()
-    assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
+    def ours() -> int:
+        listed = sync_redis.execute_command("CLIENT", "LIST")
+        return listed.count(b"name=aclose-test ")
+
+    owned = AsyncClient.from_url(redis_url + "?client_name=aclose-test")
+    for _ in range(3):
+        assert (await owned.submit("h", {}, tracking_timeout=60, strict=False)).id
+    assert ours() >= 1
+    await owned.aclose()
+
+    async def none_left() -> bool:
+        return ours() == 0
+
+    await wait_until(none_left, "the client's connections to close")

@@ -329,16 +329,15 @@ def _counting_gets(pool: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 async def test_lone_calls_take_one_connection_from_the_pool_and_keep_it(
-    held_pool: Any, keys: Keys, monkeypatch: pytest.MonkeyPatch
+    held_pool: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    store = Store(redis.asyncio.Redis(connection_pool=held_pool), keys)
-    await store.prepare()
+    held = wire.Held(held_pool)
     gets = _counting_gets(held_pool, monkeypatch)
-    created = [await create(store) for _ in range(10)]
-    assert len({c.task_id for c in created}) == 10
+    for i in range(10):
+        assert await held.exchange(wire.pack(("ECHO", i)), 1) == [b"%d" % i]
     assert len(gets) == 1
     # Given back on close: every connection of the pool can be taken again.
-    await store.close()
+    await held.close()
     taken = [await asyncio.wait_for(held_pool.get_connection(), 2) for _ in range(4)]
     for connection in taken:
         await held_pool.release(connection)

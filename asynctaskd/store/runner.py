@@ -16,6 +16,7 @@ import redis.asyncio.cluster as redis_cluster
 import redis.exceptions as rex
 from redis import Redis as SyncRedis
 
+from asynctaskd.connection.lane import Lane, lane_settings
 from asynctaskd.errors import StoreUnavailable
 from asynctaskd.keys import Keys, settings_problem
 from asynctaskd.model import Task, shard_of
@@ -76,8 +77,15 @@ class _Runner(_Base):
         # gate (WAITAOF/WAIT) follows that node's writes on the same connection.
         self.cluster = isinstance(redis, redis_cluster.RedisCluster)
         self._nodes: dict[str, _AsyncRedis] = {}
-        # Lone script calls (`run`) go out on one connection kept out of the pool.
-        self._held: Held | None = None if self.cluster else Held(redis.connection_pool)
+        # Lone script calls (`run`) go out on the lane (asynctaskd.connection.lane) where
+        # it can stand in for the pool's connections, else (and while it is busy) on one
+        # connection kept out of the pool.
+        self._held: Held | None = None
+        self._lane: Lane | None = None
+        if not self.cluster:
+            self._held = Held(redis.connection_pool)
+            lane = lane_settings(redis.connection_pool)
+            self._lane = None if lane is None else Lane(lane)
 
     async def prepare(self) -> None:
         """Load every script into Redis and write the per-shard settings."""
@@ -117,10 +125,14 @@ class _Runner(_Base):
         if self.cluster:  # redis-py routes it to the node of its slot
             script = self.scripts[call.script]
             return await self.redis.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
-        assert self._held is not None
         sha = self.scripts[call.script].sha
         payload = pack(("EVALSHA", sha, len(call.keys), *call.keys, *call.args))
-        reply = (await self._held.exchange(payload, 1))[0]
+        lane = self._lane
+        if lane is not None and not lane.busy:
+            reply = await lane.call(payload)
+        else:
+            assert self._held is not None
+            reply = (await self._held.exchange(payload, 1))[0]
         if isinstance(reply, Exception):
             raise reply
         return reply
@@ -196,6 +208,8 @@ class _Runner(_Base):
     async def close(self) -> None:
         """Give back the connection lone calls use, close the per-node clients of cluster
         mode (the main client is the caller's)."""
+        if self._lane is not None:
+            self._lane.close()
         if self._held is not None:
             await self._held.close()
         for client in self._nodes.values():
