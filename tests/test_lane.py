@@ -313,3 +313,21 @@ def test_the_lane_on_uvloop(redis_url: str, sync_redis: Any) -> None:
             await pool.disconnect()
 
     uvloop.run(scenario())
+
+
+def test_the_lane_follows_its_caller_to_another_event_loop(redis_url: str) -> None:
+    """A client used from one `asyncio.run` after another: the lane of a closed loop is
+    left behind (its socket closes when collected), a new one opened."""
+    lane = Lane(lane_settings(_pool(redis_url)))  # type: ignore[arg-type]  # not None here
+
+    async def call(text: str) -> Any:
+        return await lane.call(wire.pack(("ECHO", text)))
+
+    async def close_after(text: str) -> Any:
+        try:
+            return await call(text)
+        finally:
+            lane.close()
+
+    assert asyncio.run(call("one")) == b"one"
+    assert asyncio.run(close_after("two")) == b"two"
