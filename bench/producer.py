@@ -15,6 +15,9 @@ order, `--rounds` times:
 * `create-floor`: the create's EVALSHA of a submit, built by `Ops.create` as a submit
   builds it, written on a bare asyncio protocol with hiredis parsing the reply, one after
   the other: what one awaited create costs with no client and no redis-py connection;
+* `store-create`: the same creates run by `Store.run` (the store's lone-call path: its
+  lane, asynctaskd.connection.lane): create-floor to store-create is the store's cost,
+  store-create to asynctaskd the client's (its plan, checks and caches);
 * `--compare TREE` adds `asynctaskd@base`, the sequential submit of another source tree
   (PYTHONPATH=TREE), interleaved with this one on the same server.
 
@@ -51,6 +54,7 @@ def _child_main(argv: list[str]) -> int:
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--ping", action="store_true", help="redis-py PINGs, not submits")
     parser.add_argument("--floor", action="store_true", help="bare creates, not submits")
+    parser.add_argument("--store", action="store_true", help="with --floor: through Store.run")
     args = parser.parse_args(argv)
 
     async def floor() -> dict[str, float]:
@@ -88,9 +92,17 @@ def _child_main(argv: list[str]) -> int:
         loop = asyncio.get_running_loop()
         transport, lane = await loop.create_connection(Lane, url.hostname, url.port)
         ops, sha = Ops(Keys("atd", 1)), load_scripts()["create"].sha
+        store = None
+        if args.store:  # the same creates, through the store's lone-call path instead
+            from asynctaskd.store import Store, open_redis
+
+            store = Store(open_redis(args.redis), Keys("atd", 1))
 
         async def create(i: int) -> None:
             call = ops.create(new_task_id(0), "demo", b'{"i":%d}' % i, timeout_ms=600_000)
+            if store is not None:
+                await store.run(call)
+                return
             reply = await lane.call(pack(("EVALSHA", sha, len(call.keys), *call.keys, *call.args)))
             call.decode(reply)
 
@@ -101,6 +113,9 @@ def _child_main(argv: list[str]) -> int:
             await create(i)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         transport.close()
+        if store is not None:
+            await store.close()
+            await store.redis.aclose()
         return {
             "wall_s": wall,
             "per_s": args.tasks / wall,
@@ -205,6 +220,7 @@ SUBJECTS: dict[str, tuple[str, int]] = {
     "arq-32": ("arq_w2.py", CONCURRENT),
     "ping": ("ping", 1),
     "create-floor": ("floor", 1),
+    "store-create": ("store", 1),
 }
 BASE = "asynctaskd@base"
 
@@ -229,12 +245,14 @@ def run_subject(
     sync.flushdb()
     env = dict(os.environ)
     counts = ["--tasks", str(n), "--warmup", str(warmup), "--concurrency", str(concurrency)]
-    if runner in ("asynctaskd", "base", "ping", "floor"):
+    if runner in ("asynctaskd", "base", "ping", "floor", "store"):
         prepare_asynctaskd(sync)
         tree = base if runner == "base" else ROOT
         env["PYTHONPATH"] = str(tree)
         argv = [sys.executable, str(Path(__file__).resolve()), "child", "--redis", url, *counts]
-        argv += [f"--{runner}"] if runner in ("ping", "floor") else []
+        argv += {"ping": ["--ping"], "floor": ["--floor"], "store": ["--floor", "--store"]}.get(
+            runner, []
+        )
     else:
         assert peers is not None
         path = ROOT / "bench" / "peers" / runner
@@ -253,7 +271,12 @@ def run_subject(
     out["evalsha_per_job"] = (delta.get("evalsha", 0) + delta.get("eval", 0)) / calls
     out["redis_commands"] = {k: round(v / calls, 3) for k, v in delta.items()}
     out["redis_cpu_ms_per_job"] = (cpu1 - cpu0) * 1000 / calls
-    if runner in ("asynctaskd", "base", "floor"):  # the check: every create left its request
+    if runner in (
+        "asynctaskd",
+        "base",
+        "floor",
+        "store",
+    ):  # the check: every create left its request
         from asynctaskd.keys import Keys
 
         out["ok"] = sync.llen(Keys("atd", 1).intake(0)) == calls
@@ -302,7 +325,7 @@ def run(
         for name, rs in results.items()
     }
     ratios: dict[str, Any] = {}
-    for peer in ("saq", "arq", "saq-32", "arq-32", BASE, "ping", "create-floor"):
+    for peer in ("saq", "arq", "saq-32", "arq-32", BASE, "ping", "create-floor", "store-create"):
         mine = "asynctaskd-32" if peer.endswith("-32") else "asynctaskd"
         if results.get(peer) and results.get(mine):
             per_round = [
