@@ -158,6 +158,10 @@ async def test_a_late_reply_times_out_as_on_the_pool_path_and_is_not_read_after(
     assert str(ours.value) == str(theirs.value)
     assert await lane.call(wire.pack(("ECHO", "next"))) == b"next"  # not WAIT's 0
     assert await lane.call(late, last_wait=2.0) == 0  # the call's own wait is allowed
+    # after a call that was allowed a long wait, the next one still has only its own
+    assert await lane.call(wire.pack(("ECHO", "long")), last_wait=5.0) == b"long"
+    with pytest.raises(rex.TimeoutError):
+        await asyncio.wait_for(lane.call(late), 2)
     lane.close()
 
 

@@ -157,6 +157,10 @@ class _Protocol(asyncio.Protocol):
         self.waiter: asyncio.Future[Any] | None = None
         self.lost = False
         self.fd = -1
+        # One timer for the waiting reply, kept across calls (a timer armed and cancelled
+        # per call costs more than the rest of a call's own work here).
+        self.deadline = 0.0
+        self.watchdog: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # a stream transport
@@ -184,23 +188,41 @@ class _Protocol(asyncio.Protocol):
             return
         waiter.set_result(reply)
 
+    def arm(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
+        """The reply now awaited must come by `deadline` (loop time)."""
+        self.deadline = deadline
+        watchdog = self.watchdog
+        if watchdog is not None and watchdog.when() > deadline:
+            watchdog.cancel()  # (an earlier call's longer wait)
+            watchdog = None
+        if watchdog is None:
+            self.watchdog = loop.call_at(deadline, self._watch, loop)
+
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.watchdog = None
+        waiter = self.waiter
+        if waiter is None or waiter.done():
+            return  # idle: the next call arms it again
+        if loop.time() >= self.deadline:
+            waiter.set_exception(TimeoutError())
+        else:  # a later call's reply: wait for its own deadline
+            self.watchdog = loop.call_at(self.deadline, self._watch, loop)
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         self._fail(rex.ConnectionError(CLOSED))
 
     def _fail(self, exc: Exception) -> None:
         self.lost = True
+        if self.watchdog is not None:
+            self.watchdog.cancel()
+            self.watchdog = None
         waiter, self.waiter = self.waiter, None
         if waiter is not None and not waiter.done():
             waiter.set_exception(exc)
         if self.transport is not None:
             with contextlib.suppress(RuntimeError):  # its loop is closed: nothing to do
                 self.transport.abort()
-
-
-def _expire(waiter: asyncio.Future[Any]) -> None:
-    if not waiter.done():
-        waiter.set_exception(TimeoutError())
 
 
 class Lane:
@@ -234,7 +256,8 @@ class Lane:
     ) -> Any:
         budget = self.settings.socket_timeout
         waiter = protocol.waiter = loop.create_future()
-        timer = None if budget is None else loop.call_later(budget + wait, _expire, waiter)
+        if budget is not None:
+            protocol.arm(loop, loop.time() + budget + wait)
         try:
             protocol.transport.write(payload)  # type: ignore[union-attr]  # set on connect
             reply = await waiter
@@ -244,9 +267,6 @@ class Lane:
         except BaseException:  # closed, refused, cancelled: a reply may still be on its way
             self.close()
             raise
-        finally:
-            if timer is not None:
-                timer.cancel()
         # As redis-py's parser: an error reply that means a connection error (the server's
         # "max number of clients reached") is raised, and the connection dropped.
         if isinstance(reply, rex.ConnectionError) or (
