@@ -4,8 +4,8 @@ W1 bench/lifecycle.py (child process), W2 bench/w2_poll.py (asynctaskd vs arq an
 the bench-only venv, bench/peers/setup.sh), W3 bench/w3_due_lag.py, W4 bench/w4_wakeup.py,
 W5 bench/w5_memory.py, W6 bench/w6_web.py (HTTP submits vs the Python client), W7
 bench/w7_sse.py (5,000 SSE watchers on one web process), admission on/off
-bench/admission.py. The Redis ceiling
-(redis-benchmark EVALSHA of a claim-shaped script) is measured first, on a fresh
+bench/admission.py, producer bench/producer.py (submits/s against SAQ and arq). The Redis
+ceiling (redis-benchmark EVALSHA of a claim-shaped script) is measured first, on a fresh
 redis-server, and handed to every bench. Each bench prints its table and its JSON line;
 all JSON lines also go to bench/results/<time>.jsonl.
 
@@ -18,6 +18,7 @@ all JSON lines also go to bench/results/<time>.jsonl.
     W6          5,000 POSTs, 32 clients           20,000 POSTs, 32 clients
     W7          1,000 watchers, 100 changes       5,000 watchers, 1,000 changes
     adm         5,000 tasks, 20,000 paused        20,000 tasks, 100,000 paused
+    prod        3,000 calls, 3 rounds             10,000 calls, 5 rounds
     cost        with --only cost                  instructions under callgrind: Redis per
                                                   script operation (2,000 tasks), the daemon
                                                   per task (600); needs valgrind, ~2 minutes
@@ -48,7 +49,8 @@ from bench import (
     table,
 )
 
-ALL = ("w1", "w2", "w3", "w4", "w5", "w6", "w7", "adm")  # and "cost": run by --full, or asked for
+# and "cost": run by --full, or asked for
+ALL = ("w1", "w2", "w3", "w4", "w5", "w6", "w7", "adm", "prod")
 
 
 def run_w1(full: bool, ceiling: dict[str, Any]) -> dict[str, Any]:
@@ -107,7 +109,9 @@ def run_w1(full: bool, ceiling: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="the long versions (~10 minutes)")
-    parser.add_argument("--only", default=",".join(ALL), help="comma list of w1..w7, adm, cost")
+    parser.add_argument(
+        "--only", default=",".join(ALL), help="comma list of w1..w7, adm, prod, cost"
+    )
     parser.add_argument("--profile", type=Path, help="directory for py-spy profiles (W2, W3)")
     args = parser.parse_args(argv)
     only = [x.strip().lower() for x in args.only.split(",") if x.strip()]
@@ -213,6 +217,15 @@ def main(argv: list[str] | None = None) -> int:
         adm, proc = run_child([str(ROOT / "bench" / "admission.py"), *args_adm], timeout=600)
         say(proc.stdout.rsplit("\n", 2)[0] if proc.returncode == 0 else proc.stdout + proc.stderr)
         record("admission", adm or {"ok": False})
+
+    if "prod" in only:
+        from bench import producer
+
+        say("\n== Producer: submits/s against SAQ and arq")
+        r = producer.run(10_000 if full else 3_000, 5 if full else 3)
+        producer.report(r)
+        emit("producer", r)
+        record("producer", r)
 
     if "cost" in only or (full and args.only == ",".join(ALL)):
         # Instruction counts under callgrind (needs valgrind): the same code gives the same

@@ -224,10 +224,47 @@ async def test_a_burst_of_submits_on_a_cold_client_refreshes_its_caches_once(
     assert await redis_client.llen(Keys().intake(0)) == 200  # 200 requests for a daemon
     await ingest(Store(redis_client, Keys()))
     assert await redis_client.hget(Keys().counts(0), "PENDING_SUBMIT@ocr:demo") == b"200"
-    # One read of the groups and handlers answered all 200, not one read each; and the
-    # creates went out together, not one round trip each: once, and once more after the
-    # script was loaded.
-    assert trips == {"read": 1, "pipeline": 2}
+    # One read of the groups and handlers answered all 200, not one read each; the first
+    # create went out alone at once (nothing of the client's was on its way), the other 199
+    # together: once, and once more if they met NOSCRIPT before the first one's reload.
+    assert trips in (
+        {"read": 1, "create": 1, "pipeline": 1},
+        {"read": 1, "create": 1, "pipeline": 2},
+    )
+
+
+async def test_a_submit_alone_goes_out_from_its_callers_task_and_others_meanwhile_together(
+    redis_url: str, redis_client: redis.asyncio.Redis
+) -> None:
+    await redis_client.hset("atd:handlers", "ocr:demo", str(int(time.time() * 1000) + 60_000))
+    async with AsyncClient.from_url(redis_url) as client:
+        await client.load_scripts()
+        await client.submit("ocr:demo", {}, tracking_timeout=60)  # caches and a connection
+        senders: list[asyncio.Task[Any] | None] = []
+        run = client._store.run
+
+        async def recorded(call: Call[T]) -> T:
+            senders.append(asyncio.current_task())
+            return await run(call)
+
+        client._store.run = recorded  # type: ignore[method-assign]
+        before = dict(client._store.round_trips)
+        for i in range(3):  # one after the other: each from this task, none through the batcher
+            await client.submit("ocr:demo", {"i": i}, tracking_timeout=60)
+        assert senders == [asyncio.current_task()] * 3
+        # Ten at once: the first goes out alone, the nine made while it is on its way as
+        # one pipeline.
+        tasks = await asyncio.gather(
+            *(client.submit("ocr:demo", {"i": i}, tracking_timeout=60) for i in range(10))
+        )
+        after = client._store.round_trips
+
+    assert len({t.id for t in tasks}) == 10
+    assert {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)} == {
+        "create": 4,
+        "pipeline": 1,
+    }
+    assert await redis_client.llen(Keys().intake(0)) == 14
 
 
 async def sent(client: AsyncClient, call: Call[T]) -> T:
@@ -1105,3 +1142,40 @@ def test_a_create_whose_reply_was_lost_and_resent_by_redis_py_makes_one_task(
     finally:
         conn.close()
         proxy.close()
+
+
+async def test_aclose_gives_back_the_connection_lone_calls_keep(
+    redis_url: str, sync_redis: SyncRedis
+) -> None:
+    """A client passed in stays open, but the connection its lone calls kept out of the
+    pool goes back: the whole pool can be taken after; one the client opened itself
+    leaves no connection open, its lone calls' lane included."""
+    pool = redis.asyncio.BlockingConnectionPool.from_url(
+        redis_url,
+        max_connections=4,
+        protocol=3,
+        socket_timeout=2,  # RESP3: no lane
+    )
+    passed_in = AsyncClient(redis.asyncio.Redis(connection_pool=pool))
+    for _ in range(3):
+        assert (await passed_in.submit("h", {}, tracking_timeout=60, strict=False)).id
+    await passed_in.aclose()
+    taken = [await asyncio.wait_for(pool.get_connection(), 2) for _ in range(4)]
+    for connection in taken:
+        await pool.release(connection)
+    await pool.disconnect()
+
+    def ours() -> int:
+        listed = sync_redis.execute_command("CLIENT", "LIST")
+        return listed.count(b"name=aclose-test ")
+
+    owned = AsyncClient.from_url(redis_url + "?client_name=aclose-test")
+    for _ in range(3):
+        assert (await owned.submit("h", {}, tracking_timeout=60, strict=False)).id
+    assert ours() >= 1
+    await owned.aclose()
+
+    async def none_left() -> bool:
+        return ours() == 0
+
+    await wait_until(none_left, "the client's connections to close")

@@ -26,6 +26,7 @@ from asynctaskd.errors import StoreUnavailable
 from asynctaskd.keys import Keys
 from asynctaskd.store import Code, Store
 
+from .conftest import wait_until
 from .lua.helpers import create
 
 PACKAGE = Path(asynctaskd.__file__).parent
@@ -297,3 +298,159 @@ async def test_a_timed_out_batch_is_unavailable_to_the_store(
     created = await create(store)
     with pytest.raises(StoreUnavailable, match="Redis is unavailable"):
         await store.pipeline([store.ops.cancel(created.task_id)], ("WAIT", 1, 400))
+
+
+# ---- the connection lone calls keep out of the pool (`Held`) ----
+
+
+@pytest.fixture
+async def held_pool(redis_url: str) -> AsyncIterator[redis.asyncio.BlockingConnectionPool]:
+    """A pool of HOLD_MIN_POOL connections (the smallest a `Held` keeps one of)."""
+    pool = redis.asyncio.BlockingConnectionPool.from_url(
+        redis_url, max_connections=wire.HOLD_MIN_POOL, protocol=2, socket_timeout=0.5
+    )
+    try:
+        yield pool
+    finally:
+        await pool.disconnect()
+
+
+def _counting_gets(pool: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the pool's get_connection calls."""
+    gets: list[int] = []
+    real = pool.get_connection
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        gets.append(1)
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(pool, "get_connection", counted)
+    return gets
+
+
+async def test_lone_calls_take_one_connection_from_the_pool_and_keep_it(
+    held_pool: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held = wire.Held(held_pool)
+    gets = _counting_gets(held_pool, monkeypatch)
+    for i in range(10):
+        assert await held.exchange(wire.pack(("ECHO", i)), 1) == [b"%d" % i]
+    assert len(gets) == 1
+    # Given back on close: every connection of the pool can be taken again.
+    await held.close()
+    taken = [await asyncio.wait_for(held_pool.get_connection(), 2) for _ in range(4)]
+    for connection in taken:
+        await held_pool.release(connection)
+
+
+async def test_a_small_pool_keeps_no_connection_aside(
+    one_connection: redis.asyncio.Redis, keys: Keys
+) -> None:
+    """A pool of one: a lone call and then a pipeline on it must both get the connection."""
+    store = Store(one_connection, keys)
+    await store.prepare()
+    created = await create(store)
+    replies = await asyncio.wait_for(store.run_many([store.ops.cancel(created.task_id)]), 2)
+    assert [r.code for r in replies] == [Code.ACCEPTED]
+
+
+async def test_a_lone_call_and_others_at_once_each_get_their_reply(held_pool: Any) -> None:
+    held = wire.Held(held_pool)
+    # The first waits on the held connection (BLPOP), the others meanwhile take the pool's.
+    first = asyncio.ensure_future(held.exchange(wire.pack(("BLPOP", "l", 2)), 1, last_wait=3))
+    await asyncio.sleep(0)  # let it take the held connection
+    others = await asyncio.gather(
+        held.exchange(wire.pack(("ECHO", "a")), 1),
+        wire.exchange(held_pool, wire.pack(("RPUSH", "l", "x")) + wire.pack(("ECHO", "b")), 2),
+    )
+    assert others == [[b"a"], [1, b"b"]]
+    assert await first == [[b"l", b"x"]]
+    await held.close()
+
+
+async def test_a_connection_killed_while_held_and_idle_is_replaced(
+    held_pool: Any, redis_client: redis.asyncio.Redis
+) -> None:
+    held = wire.Held(held_pool)
+    [first_id] = await held.exchange(wire.pack(("CLIENT", "ID")), 1)
+    await redis_client.execute_command("CLIENT", "KILL", "ID", first_id)
+    # the pool's readiness check notices, as it would for a connection it hands out
+    [second_id] = await held.exchange(wire.pack(("CLIENT", "ID")), 1)
+    assert second_id != first_id
+    await held.close()
+
+
+async def test_a_connection_killed_under_a_lone_call_fails_it_and_is_dropped(
+    held_pool: Any, redis_client: redis.asyncio.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held = wire.Held(held_pool)
+    [victim] = await held.exchange(wire.pack(("CLIENT", "ID")), 1)
+    call = asyncio.ensure_future(held.exchange(wire.pack(("BLPOP", "l", 5)), 1, last_wait=6))
+    await _blocked(redis_client, victim)
+    await redis_client.execute_command("CLIENT", "KILL", "ID", victim)
+    with pytest.raises(rex.ConnectionError):
+        await call
+    gets = _counting_gets(held_pool, monkeypatch)
+    assert await held.exchange(wire.pack(("ECHO", "next")), 1) == [b"next"]
+    assert len(gets) == 1  # a fresh one, taken from the pool
+    await held.close()
+
+
+async def test_a_lone_call_that_times_out_drops_the_held_connection(
+    held_pool: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held = wire.Held(held_pool)
+    assert await held.exchange(wire.pack(("ECHO", "first")), 1) == [b"first"]
+    with pytest.raises(rex.TimeoutError):  # WAIT answers after 0.8 s, the timeout is 0.5 s
+        await held.exchange(wire.pack(("WAIT", 1, 800)), 1)
+    gets = _counting_gets(held_pool, monkeypatch)
+    # the late WAIT reply died with its connection: the next call reads its own
+    assert await held.exchange(wire.pack(("ECHO", "next")), 1) == [b"next"]
+    assert len(gets) == 1
+    await held.close()
+
+
+async def _blocked(client: redis.asyncio.Redis, client_id: int) -> None:
+    async def blocked() -> bool:
+        listed = await client.execute_command("CLIENT", "LIST", "ID", client_id)
+        return b"cmd=blpop" in listed
+
+    await wait_until(blocked, "the lone call to block")
+
+
+async def test_closing_under_a_lone_call_fails_it_and_gives_the_connection_back(
+    held_pool: Any, redis_client: redis.asyncio.Redis
+) -> None:
+    held = wire.Held(held_pool)
+    [held_id] = await held.exchange(wire.pack(("CLIENT", "ID")), 1)
+    call = asyncio.ensure_future(held.exchange(wire.pack(("BLPOP", "l", 5)), 1, last_wait=6))
+    await _blocked(redis_client, held_id)
+    await held.close()
+    with pytest.raises((rex.ConnectionError, OSError)):
+        await asyncio.wait_for(call, 2)
+    taken = [await asyncio.wait_for(held_pool.get_connection(), 2) for _ in range(4)]
+    for connection in taken:
+        await held_pool.release(connection)
+
+
+def test_a_held_connection_follows_its_caller_to_another_event_loop(redis_url: str) -> None:
+    pool = redis.asyncio.BlockingConnectionPool.from_url(
+        redis_url, max_connections=wire.HOLD_MIN_POOL, protocol=2, socket_timeout=2
+    )
+    held = wire.Held(pool)
+
+    async def call(text: str) -> list[Any]:
+        return await held.exchange(wire.pack(("ECHO", text)), 1)
+
+    assert asyncio.run(call("one")) == [b"one"]  # its loop is closed after
+    assert asyncio.run(call("two")) == [b"two"]
+
+    async def close() -> None:
+        await held.close()
+        # the connection of the first loop went back too: the whole pool can be taken
+        taken = [await asyncio.wait_for(pool.get_connection(), 2) for _ in range(4)]
+        for connection in taken:
+            await pool.release(connection)
+        await pool.disconnect()
+
+    asyncio.run(close())

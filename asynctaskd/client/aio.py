@@ -1,5 +1,7 @@
-"""`AsyncClient`: the plans run with asyncio; calls made at the same moment go out as one
-pipeline (`Batcher`), and concurrent cache refreshes share one read.
+"""`AsyncClient`: the plans run with asyncio. A script call made while none of the
+client's others is on its way goes out at once, from the caller's task; calls made while
+some are go out together as one pipeline (`Batcher`). Concurrent cache refreshes share
+one read.
 """
 
 from __future__ import annotations
@@ -76,6 +78,10 @@ class AsyncClient:
         self._owned = False
         self._sharing: dict[str, asyncio.Future[Sequence[Any]]] = {}
         self._calls = Batcher(self._store, standalone=True)  # calls made together, piped
+        # Script calls of this client on their way (sent or queued), on `_busy_loop`: a
+        # call made when there are none has no pipeline to join (`_call`).
+        self._busy = 0
+        self._busy_loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
     def from_url(
@@ -93,7 +99,9 @@ class AsyncClient:
         return client
 
     async def aclose(self) -> None:
-        """Close the connections this client opened (not a client passed in)."""
+        """Close the connections this client opened (not a client passed in), and give
+        back the one its lone calls keep out of the client's pool."""
+        await self._store.close()
         if self._owned:
             await self.redis.aclose()
             await self.redis.connection_pool.disconnect()
@@ -356,7 +364,7 @@ class AsyncClient:
     async def _step(self, step: Step) -> tuple[Any, Exception | None]:
         try:
             if isinstance(step, Call):
-                return (await self._calls.call(step))[0], None
+                return await self._call(step), None
             if isinstance(step, Reads):
                 return (await self._execute(step) if step.cmds else []), None
             if isinstance(step, Pause):
@@ -364,6 +372,25 @@ class AsyncClient:
         except Exception as exc:  # handed to the plan, which re-raises it
             return None, exc
         return None, None
+
+    async def _call(self, call: Call[T]) -> T:
+        """Run a script call. Alone (none of this client's others on its way: a producer
+        awaiting one submit after the other) it goes out now, from the caller's task;
+        the batcher's hop (a callback, then a task of its own) would wait for nothing
+        and cost a sequential submit about a tenth of its CPU. Otherwise it joins the
+        batcher's next pipeline, with the calls made at the same moment as it."""
+        loop = asyncio.get_running_loop()
+        if loop is not self._busy_loop:  # first use, or a new loop: the old one's are gone
+            self._busy_loop, self._busy = loop, 0
+        alone = self._busy == 0
+        self._busy += 1
+        try:
+            if alone:
+                return await self._store.run(call)
+            return (await self._calls.call(call))[0]
+        finally:
+            if self._busy_loop is loop:
+                self._busy -= 1
 
     async def _execute(self, reads: Reads) -> Sequence[Any]:
         if reads.share is None:

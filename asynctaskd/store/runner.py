@@ -16,11 +16,12 @@ import redis.asyncio.cluster as redis_cluster
 import redis.exceptions as rex
 from redis import Redis as SyncRedis
 
+from asynctaskd.connection.lane import Lane, lane_settings
 from asynctaskd.errors import StoreUnavailable
 from asynctaskd.keys import Keys, settings_problem
 from asynctaskd.model import Task, shard_of
 from asynctaskd.scripts import Script, load_scripts
-from asynctaskd.wire import closed_under_io, exchange, pack, refresh_slots
+from asynctaskd.wire import Held, closed_under_io, exchange, pack, refresh_slots
 
 from .failures import _mapped, _reading_task
 from .ops import Ops
@@ -76,6 +77,15 @@ class _Runner(_Base):
         # gate (WAITAOF/WAIT) follows that node's writes on the same connection.
         self.cluster = isinstance(redis, redis_cluster.RedisCluster)
         self._nodes: dict[str, _AsyncRedis] = {}
+        # Lone script calls (`run`) go out on the lane (asynctaskd.connection.lane) where
+        # it can stand in for the pool's connections, else (and while it is busy) on one
+        # connection kept out of the pool.
+        self._held: Held | None = None
+        self._lane: Lane | None = None
+        if not self.cluster:
+            self._held = Held(redis.connection_pool)
+            lane = lane_settings(redis.connection_pool)
+            self._lane = None if lane is None else Lane(lane)
 
     async def prepare(self) -> None:
         """Load every script into Redis and write the per-shard settings."""
@@ -100,7 +110,7 @@ class _Runner(_Base):
         script = self.scripts[call.script]
         self._count(call.script)
         started = time.perf_counter()
-        with _mapped(call.script):
+        try:
             try:
                 reply = await self._evalsha(call)
             except rex.NoScriptError:
@@ -108,6 +118,11 @@ class _Runner(_Base):
                 # did not run, so loading and running again is safe.
                 await self._load(script)
                 reply = await self._evalsha(call)
+        except Exception as exc:
+            # Mapped here rather than around the call: entering `_mapped` costs a lone
+            # call (a sequential producer's submit) about a microsecond of its forty.
+            with _mapped(call.script):
+                raise exc
         self._timed(call.script, started)
         return call.decode(reply)
 
@@ -115,7 +130,14 @@ class _Runner(_Base):
         if self.cluster:  # redis-py routes it to the node of its slot
             script = self.scripts[call.script]
             return await self.redis.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
-        reply = (await self._send_packed((call,), None, 0.0))[0]
+        sha = self.scripts[call.script].sha
+        payload = pack(("EVALSHA", sha, len(call.keys), *call.keys, *call.args))
+        lane = self._lane
+        if lane is not None and not lane.busy:
+            reply = await lane.call(payload)
+        else:
+            assert self._held is not None
+            reply = (await self._held.exchange(payload, 1))[0]
         if isinstance(reply, Exception):
             raise reply
         return reply
@@ -189,7 +211,12 @@ class _Runner(_Base):
             await refresh_slots(cluster)
 
     async def close(self) -> None:
-        """Close the per-node clients of cluster mode (the main client is the caller's)."""
+        """Give back the connection lone calls use, close the per-node clients of cluster
+        mode (the main client is the caller's)."""
+        if self._lane is not None:
+            self._lane.close()
+        if self._held is not None:
+            await self._held.close()
         for client in self._nodes.values():
             with contextlib.suppress(Exception):
                 await client.aclose()

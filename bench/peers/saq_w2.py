@@ -3,6 +3,10 @@ poll job (`scheduled=now + poll`) until the vendor says the job ended.
 
     python saq_w2.py worker  --redis URL --vendor URL --ready FILE [--concurrency N]
     python saq_w2.py enqueue --redis URL --tasks N     (prints {"t0": epoch} when it starts)
+    python saq_w2.py enqueue-seq --redis URL --tasks N [--concurrency C] [--warmup W]
+
+`enqueue-seq` (bench/producer.py) awaits one `queue.enqueue` after the other (split over
+C coroutines when C > 1), after W untimed ones, and prints its rate and CPU as JSON.
 
 SAQ moves scheduled jobs to the queue from its `schedule` timer (default 1 s, whole
 seconds only: the lock is a SETEX), which is SAQ's own granularity; the default is kept.
@@ -88,17 +92,55 @@ async def enqueue(args: argparse.Namespace) -> None:
     await queue.disconnect()
 
 
+async def enqueue_seq(args: argparse.Namespace) -> None:
+    queue = Queue.from_url(args.redis)
+    await queue.connect()
+
+    async def run(start: int, count: int) -> None:
+        for i in range(start, start + count):
+            await queue.enqueue("submit", task_id=f"t{i}", params={"i": i})
+
+    await run(0, args.warmup)
+    c0, t0 = time.process_time(), time.perf_counter()
+    await sequential_loops(run, args.warmup, args.tasks, args.concurrency)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    print(json.dumps(rate_line(args, wall, cpu)), flush=True)  # noqa: T201
+    await queue.disconnect()
+
+
+async def sequential_loops(run: Any, first: int, n: int, concurrency: int) -> None:
+    """n calls numbered from `first`: one loop of awaits, or `concurrency` such loops."""
+    share = -(-n // concurrency)
+    starts = range(first, first + n, share)
+    await asyncio.gather(*(run(s, min(share, first + n - s)) for s in starts))
+
+
+def rate_line(args: argparse.Namespace, wall: float, cpu: float) -> dict[str, Any]:
+    return {
+        "jobs": args.tasks,
+        "warmup": args.warmup,
+        "concurrency": args.concurrency,
+        "wall_s": wall,
+        "per_s": args.tasks / wall,
+        "cpu_ms_per_job": cpu * 1000 / args.tasks,
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["worker", "enqueue"])
+    parser.add_argument("mode", choices=["worker", "enqueue", "enqueue-seq"])
     parser.add_argument("--redis", required=True)
     parser.add_argument("--vendor", default="")
     parser.add_argument("--ready", default="/dev/null")
     parser.add_argument("--tasks", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=200)
     args = parser.parse_args()
     import uvloop
 
+    if args.mode == "enqueue-seq":
+        uvloop.run(enqueue_seq(args))
+        return 0
     uvloop.run(worker(args) if args.mode == "worker" else enqueue(args))
     return 0
 

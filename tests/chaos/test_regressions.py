@@ -23,6 +23,7 @@ from redis.asyncio.connection import AbstractConnection
 
 from asynctaskd.codec import encode_json
 from asynctaskd.config import parse_config
+from asynctaskd.connection.lane import Lane
 from asynctaskd.embedded import ServerProcess, find_binary, free_port
 from asynctaskd.errors import StoreUnavailable
 from asynctaskd.handlers import HandlerContext, HandlerEntry, Submitted, Succeeded
@@ -228,6 +229,15 @@ def break_script(store: Store, monkeypatch: pytest.MonkeyPatch, script: str) -> 
         await real(self, command, check_health)
 
     monkeypatch.setattr(AbstractConnection, "send_packed_command", send)
+    # Lone calls go out on the store's lane, not a redis-py connection: its write fails so.
+    real_call = Lane.call
+
+    async def call(self: Lane, payload: bytes, last_wait: float = 0.0) -> Any:
+        if sha in payload:
+            raise RuntimeError(UVLOOP_CLOSED)
+        return await real_call(self, payload, last_wait)
+
+    monkeypatch.setattr(Lane, "call", call)
 
 
 async def test_a_closed_transport_is_store_unavailable(

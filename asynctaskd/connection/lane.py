@@ -1,0 +1,315 @@
+"""A lean connection for the script calls a caller makes one at a time (a producer
+awaiting one submit after the other): one asyncio Protocol, its replies parsed by
+`hiredis.Reader`, one request on it at a time.
+
+Why: such a call spends most of its client CPU in redis-py's connection (a timer task
+per write, a stream reader, the parser's readiness checks), not in the client. The lane
+writes the packed command on the transport and waits for one future the protocol sets
+when hiredis has a whole reply: what `wire.exchange` does, in about a third of the CPU.
+
+What it is not: a client. It serves only what `lane_settings` accepts, a pool of plain
+TCP or unix-socket connections of redis-py's own classes (or asynctaskd's, which only
+word connect errors better) speaking RESP2, without a credential provider or decoded
+replies; TLS, Sentinel, Cluster, RESP3 keep the pool. It takes the pool's settings: host
+and port or path, username and password (AUTH), db (SELECT), client name (CLIENT
+SETNAME), socket timeout and connect timeout. It does not send CLIENT SETINFO (a label
+for CLIENT LIST) nor run health checks; before each call it checks, as the pool does
+before it hands a connection out, that the server has not closed the connection (and
+opens a new one if it has).
+
+Behaviour, as the pool's path (`wire.exchange`): an error reply comes back as a value,
+the same redis-py exception class with the same text (`reply_error`, redis-py's own
+table); a reply later than the socket timeout (plus the call's own wait) raises
+`redis.exceptions.TimeoutError`; a closed or refused connection raises
+`redis.exceptions.ConnectionError`, a refused AUTH `AuthenticationError`; after any of
+these, a protocol error or a cancelled call, the lane is closed, and the next call opens
+a new one. It belongs to the event loop it was opened on (a call on another loop opens a
+new one). Not safe for two calls at once: `busy` says it is in use, and the caller then
+takes another path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import select
+from typing import Any, Final, NamedTuple
+
+import hiredis
+import redis.exceptions as rex
+
+from asynctaskd.wire import pack
+
+__all__ = ["Lane", "LaneSettings", "lane_settings", "reply_error"]
+
+# redis-py's table (the one its parsers use): an error reply's first word, the class
+# redis-py raises for it, with the word cut off the text; under ERR, by whole text.
+# tests/test_lane.py checks every entry of the installed redis-py's against this one.
+_CODES: Final[dict[str, type[rex.RedisError]]] = {
+    "OOM": rex.OutOfMemoryError,
+    "WRONGPASS": rex.AuthenticationError,
+    "EXECABORT": rex.ExecAbortError,
+    "LOADING": rex.BusyLoadingError,
+    "NOSCRIPT": rex.NoScriptError,
+    "READONLY": rex.ReadOnlyError,
+    "NOAUTH": rex.AuthenticationError,
+    "NOPERM": rex.NoPermissionError,
+    "ASK": rex.AskError,
+    "TRYAGAIN": rex.TryAgainError,
+    "MOVED": rex.MovedError,
+    "CLUSTERDOWN": rex.ClusterDownError,
+    "CROSSSLOT": rex.ClusterCrossSlotError,
+    "MASTERDOWN": rex.MasterDownError,
+}
+_ERR: Final[dict[str, type[rex.RedisError]]] = {
+    "max number of clients reached": rex.ConnectionError,
+    "invalid password": rex.AuthenticationError,
+    "wrong number of arguments for 'auth' command": rex.AuthenticationWrongNumberOfArgsError,
+    "wrong number of arguments for 'AUTH' command": rex.AuthenticationWrongNumberOfArgsError,
+    "Client sent AUTH, but no password is set": rex.AuthenticationError,
+    "AUTH <password> called without any password configured for the default user. "
+    "Are you sure your configuration is correct?": rex.AuthenticationError,
+    "Error loading the extension. Please check the server logs.": rex.ModuleError,
+    "Error unloading module: the module exports one or more module-side data types, "
+    "can't unload": rex.ModuleError,
+    "Error unloading module: no such module with that name": rex.ModuleError,
+    "Error unloading module: operation not possible.": rex.ModuleError,
+    # (classes of newer redis-py releases only)
+    "problem with LDAP service": getattr(rex, "ExternalAuthProviderError", rex.ResponseError),
+    "no such fieldset": getattr(rex, "NoSuchFieldsetError", rex.ResponseError),
+}
+
+# What redis-py says when the server closes a connection under a read.
+CLOSED: Final = "Connection closed by server."
+
+# Connection classes whose connections the lane may stand in for: redis-py's plain TCP
+# and unix socket ones, and asynctaskd's TCP one (which only words connect errors better).
+_TCP_CLASSES: Final = ("redis.asyncio.connection.Connection",
+                       "asynctaskd.connection.clients._AsyncTcpConnection")  # fmt: skip
+_UNIX_CLASS: Final = "redis.asyncio.connection.UnixDomainSocketConnection"
+
+
+def reply_error(message: str) -> rex.RedisError:
+    """An error reply as the exception redis-py's parsers make of it."""
+    code, _, rest = message.partition(" ")
+    cls: type[rex.RedisError] | None = _CODES.get(code)
+    if cls is None and code == "ERR":
+        cls = _ERR.get(rest, rex.ResponseError)
+    if cls is None:
+        return rex.ResponseError(message)
+    try:
+        return cls(rest, status_code=code)
+    except TypeError:  # an older redis-py, without status codes
+        return cls(rest)
+    except ValueError:  # MOVED/ASK text that names no slot and node
+        return rex.ResponseError(message)
+
+
+class LaneSettings(NamedTuple):
+    """Where and how to connect: the pool's own settings."""
+
+    host: str
+    port: int
+    path: str | None  # a unix socket, instead of host and port
+    username: str | None
+    password: str | None
+    db: int
+    client_name: str | None
+    socket_timeout: float | None
+    connect_timeout: float | None
+
+
+def lane_settings(pool: Any) -> LaneSettings | None:
+    """The settings of a lane for `pool`'s connections, or None where a lane cannot stand
+    in for them (TLS, Sentinel, RESP3, decoded replies, a credential provider, a
+    connection class of someone else's)."""
+    cls = getattr(pool, "connection_class", None)
+    kwargs = getattr(pool, "connection_kwargs", None)
+    if not isinstance(cls, type) or not isinstance(kwargs, dict):
+        return None
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if name not in (*_TCP_CLASSES, _UNIX_CLASS):
+        return None
+    if kwargs.get("protocol", 2) not in (2, "2") or kwargs.get("decode_responses"):
+        return None
+    if kwargs.get("credential_provider") is not None:
+        return None
+    timeout = kwargs.get("socket_timeout")
+    return LaneSettings(
+        host=str(kwargs.get("host", "localhost")),
+        port=int(kwargs.get("port", 6379)),
+        path=str(kwargs["path"]) if name == _UNIX_CLASS else None,
+        username=kwargs.get("username"),
+        password=kwargs.get("password"),
+        db=int(kwargs.get("db", 0) or 0),
+        client_name=kwargs.get("client_name"),
+        socket_timeout=timeout,
+        connect_timeout=kwargs.get("socket_connect_timeout") or timeout,
+    )
+
+
+class _Protocol(asyncio.Protocol):
+    """Bytes in, one reply out to the waiting future."""
+
+    def __init__(self) -> None:
+        self.reader = hiredis.Reader(replyError=reply_error, protocolError=rex.InvalidResponse)
+        self.transport: asyncio.Transport | None = None
+        self.waiter: asyncio.Future[Any] | None = None
+        self.lost = False
+        self.fd = -1
+        # One timer for the waiting reply, kept across calls (a timer armed and cancelled
+        # per call costs more than the rest of a call's own work here).
+        self.deadline = 0.0
+        self.watchdog: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # a stream transport
+        self.fd = transport.get_extra_info("socket").fileno()
+
+    def stale(self) -> bool:
+        """Readable while no request is out: the server closed the connection (a
+        restart, CLIENT KILL, its idle timeout) and the loop has not yet seen it; what
+        the pool's readiness check finds before it hands a connection out. One poll
+        with no wait, about a microsecond."""
+        return bool(select.select((self.fd,), (), (), 0)[0])
+
+    def data_received(self, data: bytes) -> None:
+        self.reader.feed(data)
+        try:
+            reply = self.reader.gets()
+        except Exception as exc:  # a protocol error: nothing after it can be trusted
+            self._fail(rex.InvalidResponse(f"Protocol error: {exc}"))
+            return
+        if reply is False:
+            return
+        waiter, self.waiter = self.waiter, None
+        if waiter is None or waiter.done() or self.reader.has_data():
+            self._fail(rex.InvalidResponse("a reply nobody asked for"))  # out of step
+            return
+        waiter.set_result(reply)
+
+    def arm(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
+        """The reply now awaited must come by `deadline` (loop time)."""
+        self.deadline = deadline
+        watchdog = self.watchdog
+        if watchdog is not None and watchdog.when() > deadline:
+            watchdog.cancel()  # (an earlier call's longer wait)
+            watchdog = None
+        if watchdog is None:
+            self.watchdog = loop.call_at(deadline, self._watch, loop)
+
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.watchdog = None
+        waiter = self.waiter
+        if waiter is None or waiter.done():
+            return  # idle: the next call arms it again
+        if loop.time() >= self.deadline:
+            waiter.set_exception(TimeoutError())
+        else:  # a later call's reply: wait for its own deadline
+            self.watchdog = loop.call_at(self.deadline, self._watch, loop)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self._fail(rex.ConnectionError(CLOSED))
+
+    def _fail(self, exc: Exception) -> None:
+        self.lost = True
+        if self.watchdog is not None:
+            self.watchdog.cancel()
+            self.watchdog = None
+        waiter, self.waiter = self.waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(exc)
+        if self.transport is not None:
+            with contextlib.suppress(RuntimeError):  # its loop is closed: nothing to do
+                self.transport.abort()
+
+
+class Lane:
+    """One connection for lone calls (the module says what it does and does not)."""
+
+    __slots__ = ("_loop", "_protocol", "busy", "settings")
+
+    def __init__(self, settings: LaneSettings) -> None:
+        self.settings = settings
+        self.busy = False
+        self._protocol: _Protocol | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def call(self, payload: bytes, last_wait: float = 0.0) -> Any:
+        """Write one packed command, return its reply (an error reply as a value). The
+        reply may take the socket timeout plus `last_wait`. Raises RuntimeError if busy."""
+        if self.busy:
+            raise RuntimeError("the lane is in use")
+        self.busy = True
+        try:
+            loop = asyncio.get_running_loop()
+            protocol = self._protocol
+            if protocol is None or protocol.lost or self._loop is not loop or protocol.stale():
+                protocol = await self._open(loop)
+            return await self._round_trip(protocol, loop, payload, last_wait)
+        finally:
+            self.busy = False
+
+    async def _round_trip(
+        self, protocol: _Protocol, loop: asyncio.AbstractEventLoop, payload: bytes, wait: float
+    ) -> Any:
+        budget = self.settings.socket_timeout
+        waiter = protocol.waiter = loop.create_future()
+        if budget is not None:
+            protocol.arm(loop, loop.time() + budget + wait)
+        try:
+            protocol.transport.write(payload)  # type: ignore[union-attr]  # set on connect
+            reply = await waiter
+        except TimeoutError:
+            self.close()
+            raise rex.TimeoutError(f"no reply from Redis within {budget} s") from None
+        except BaseException:  # closed, refused, cancelled: a reply may still be on its way
+            self.close()
+            raise
+        # As redis-py's parser: an error reply that means a connection error (the server's
+        # "max number of clients reached") is raised, and the connection dropped.
+        if isinstance(reply, rex.ConnectionError) or (
+            isinstance(reply, list) and reply and isinstance(reply[0], rex.ConnectionError)
+        ):
+            self.close()
+            raise reply if isinstance(reply, rex.ConnectionError) else reply[0]
+        return reply
+
+    async def _open(self, loop: asyncio.AbstractEventLoop) -> _Protocol:
+        self.close()
+        s = self.settings
+        where = s.path or f"{s.host}:{s.port}"
+        try:
+            async with asyncio.timeout(s.connect_timeout):
+                if s.path is not None:
+                    _, protocol = await loop.create_unix_connection(_Protocol, s.path)
+                else:
+                    _, protocol = await loop.create_connection(_Protocol, s.host, s.port)
+        except TimeoutError:
+            raise rex.TimeoutError(f"Timeout connecting to {where}") from None
+        except OSError as exc:
+            raise rex.ConnectionError(f"Error {exc.errno} connecting to {where}. {exc}") from exc
+        self._protocol, self._loop = protocol, loop
+        handshake: list[tuple[Any, ...]] = []
+        if s.password is not None:
+            handshake.append(("AUTH", s.password) if s.username is None
+                             else ("AUTH", s.username, s.password))  # fmt: skip
+        if s.client_name:
+            handshake.append(("CLIENT", "SETNAME", s.client_name))
+        if s.db:
+            handshake.append(("SELECT", s.db))
+        for command in handshake:
+            reply = await self._round_trip(protocol, loop, pack(command), 0.0)
+            if isinstance(reply, Exception):
+                self.close()
+                if command[0] == "SELECT":
+                    raise rex.ConnectionError("Invalid Database")  # as redis-py words it
+                raise reply
+        return protocol
+
+    def close(self) -> None:
+        """Close the connection (a call on it fails; the next call opens a new one)."""
+        protocol, self._protocol, self._loop = self._protocol, None, None
+        if protocol is not None:
+            protocol._fail(rex.ConnectionError("the lane was closed"))
