@@ -117,13 +117,20 @@ def new_task_id(shard: int = 0, *, now_ms: int | None = None) -> str:
         else:
             rand = int.from_bytes(os.urandom(10), "big") >> 1  # leave room to increment
         _last[0], _last[1] = ms, rand
-    value = (ms << 80) | rand
-    chars = []
-    for _ in range(26):
-        chars.append(_CROCKFORD[value & 31])
-        value >>= 5
-    ulid = "".join(reversed(chars))
+    ulid = ulid_text((ms << 80) | rand)
     return ulid if shard == 0 else f"{ulid}-{shard}"
+
+
+# Two characters of Crockford's base 32 for each 10 bits, and where a ULID's 13 pairs sit
+_PAIRS: Final = tuple(a + b for a in _CROCKFORD for b in _CROCKFORD)
+_SHIFTS: Final = tuple(range(120, -1, -10))
+
+
+def ulid_text(value: int) -> str:
+    """A 128-bit value as a ULID's 26 characters of Crockford's base 32, most significant
+    first (the first character carries 3 bits): 13 lookups of two characters each, half
+    the cost of 26 shifts of five bits (a submit makes one id)."""
+    return "".join([_PAIRS[(value >> s) & 1023] for s in _SHIFTS])
 
 
 class Keys:
