@@ -6,6 +6,7 @@ lone calls on it only where it may."""
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -335,3 +336,20 @@ def test_the_lane_follows_its_caller_to_another_event_loop(redis_url: str) -> No
 
     assert asyncio.run(call("one")) == b"one"
     assert asyncio.run(close_after("two")) == b"two"
+
+
+async def test_the_lane_works_on_a_descriptor_past_what_select_takes(store: Store) -> None:
+    """A daemon or web process holds more than 1,024 sockets (select's limit): the lane's
+    check that its connection is still open must take any descriptor."""
+    spare = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        await store.close()  # the next lone call opens the lane on a descriptor > 1024
+        created = await create(store)
+        assert await store.run(store.ops.cancel(created.task_id)) is not None
+        lane = store._lane
+        assert lane is not None and lane._protocol is not None
+        fd = lane._protocol.transport.get_extra_info("socket").fileno()
+        assert fd > 1024
+    finally:
+        for fd in spare:
+            os.close(fd)

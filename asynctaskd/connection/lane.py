@@ -156,7 +156,7 @@ class _Protocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.waiter: asyncio.Future[Any] | None = None
         self.lost = False
-        self.fd = -1
+        self.poller: Any = None  # select.poll on the socket (no FD_SETSIZE limit)
         # One timer for the waiting reply, kept across calls (a timer armed and cancelled
         # per call costs more than the rest of a call's own work here).
         self.deadline = 0.0
@@ -164,14 +164,17 @@ class _Protocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # a stream transport
-        self.fd = transport.get_extra_info("socket").fileno()
+        # poll, not select: a process with a thousand sockets open (a daemon's vendor
+        # connections, a web process's streams) has descriptors select cannot take
+        self.poller = select.poll()
+        self.poller.register(transport.get_extra_info("socket").fileno(), select.POLLIN)
 
     def stale(self) -> bool:
         """Readable while no request is out: the server closed the connection (a
         restart, CLIENT KILL, its idle timeout) and the loop has not yet seen it; what
         the pool's readiness check finds before it hands a connection out. One poll
         with no wait, about a microsecond."""
-        return bool(select.select((self.fd,), (), (), 0)[0])
+        return bool(self.poller.poll(0))
 
     def data_received(self, data: bytes) -> None:
         self.reader.feed(data)
