@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from _seq import rate_line, sequential_loops  # beside this script (bench/peers)
 from saq import Queue, Worker
 
 POLL = 0.2
@@ -106,24 +107,6 @@ async def enqueue_seq(args: argparse.Namespace) -> None:
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     print(json.dumps(rate_line(args, wall, cpu)), flush=True)  # noqa: T201
     await queue.disconnect()
-
-
-async def sequential_loops(run: Any, first: int, n: int, concurrency: int) -> None:
-    """n calls numbered from `first`: one loop of awaits, or `concurrency` such loops."""
-    share = -(-n // concurrency)
-    starts = range(first, first + n, share)
-    await asyncio.gather(*(run(s, min(share, first + n - s)) for s in starts))
-
-
-def rate_line(args: argparse.Namespace, wall: float, cpu: float) -> dict[str, Any]:
-    return {
-        "jobs": args.tasks,
-        "warmup": args.warmup,
-        "concurrency": args.concurrency,
-        "wall_s": wall,
-        "per_s": args.tasks / wall,
-        "cpu_ms_per_job": cpu * 1000 / args.tasks,
-    }
 
 
 def main() -> int:
