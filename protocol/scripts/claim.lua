@@ -403,8 +403,9 @@ local function release_slots(tk, id, slots)
   end
 end
 
--- Move a task's status, keeping the per-status index and the per-handler counters exact. `written`: the
--- caller already wrote the new status in an HSET of its own; `slots`: as release_slots.
+-- Move a task's status, keeping the per-status index and the per-handler counters exact.
+-- `written`: the caller already wrote the new status in an HSET of its own; `slots`: as
+-- release_slots.
 local function move_status(tk, id, old, new, handler, written, slots)
   if not written then redis.call('HSET', tk, 'status', new) end
   if old == new then return end
