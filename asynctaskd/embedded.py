@@ -152,7 +152,13 @@ class ServerProcess:
             start_new_session=True,
             preexec_fn=_die_with(os.getpid()) if self.parent_death else None,
         )
-        self.wait_ready(timeout)
+        try:
+            self.wait_ready(timeout)
+        except BaseException:
+            # Not ready (or Ctrl-C while it started): nobody will stop a server whose start
+            # did not return, and in a session of its own no terminal signal reaches it.
+            self.stop()
+            raise
         return self
 
     def wait_ready(self, timeout: float = 10.0) -> None:
