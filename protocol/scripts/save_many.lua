@@ -654,12 +654,12 @@ local function save_one(k, A, o, n)
   redis.call(unpack(dels))
   local handler = t[8]
   redis.call('ZREM', P .. 'leases', id)
-  -- A leased task waits in no due, ready or held set (the claim took it out, and nothing
-  -- schedules a leased task): finishing it need not look there. A late save's task is
-  -- not leased.
-  local known = {slots = t[14], dedup = t[15], unscheduled = not late}
   if terminal then
-    finish(tk, id, old, final, handler, true, known)
+    -- A leased task waits in no due, ready or held set (the claim took it out, and nothing
+    -- schedules a leased task): finishing it need not look there. A late save's task is
+    -- not leased.
+    finish(tk, id, old, final, handler, true, {slots = t[14], dedup = t[15],
+                                               unscheduled = not late})
   else
     if final ~= old then move_status(tk, id, old, final, handler, true, t[14]) end
     if final == 'SUBMIT_UNKNOWN' then

@@ -91,8 +91,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a save that finishes a leased task does not look for it in the due, ready and held "
         "sets (a leased task is in none): the lifecycle's command count says so",
         "lua/_save.lua",
-        "unscheduled = not late}",
-        "unscheduled = false}",
+        "unscheduled = not late})",
+        "unscheduled = false})",
         t(STRAIGHT, "test_each_step_of_a_lifecycle_costs_the_commands_it_needs_and_no_more"),
     ),
     # --- settling parked tasks by asking the vendor ----------------------------------------
