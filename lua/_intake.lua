@@ -26,6 +26,7 @@
 -- (the task is live). settle_fresh writes it as every other new task: PENDING_SUBMIT,
 -- counted, indexed, scheduled, with its event.
 
+--- @include _defer
 --- @include _emit
 --- @include _int_field
 --- @include _move
@@ -156,7 +157,7 @@ local function ingest_create(id, wake_others, fresh)
     end
     return why
   end
-  redis.call('ZADD', P .. 'deadlines', f.deadline_ms, id)
+  z_add(P .. 'deadlines', f.deadline_ms, id)
   if FRESH and #fresh < FRESH_MOST and tonumber(f.due_ms) <= NOW
      and tonumber(f.deadline_ms) > NOW then
     FRESH[id] = f
@@ -274,7 +275,7 @@ local function take_fresh(fresh, n, owner, lease_until, ready_empty)
       move_status(tk, id, nil, 'SUBMITTING', f.handler, true)
       emit(id, 'PENDING_SUBMIT', 1)
       emit(id, 'SUBMITTING', 2)
-      redis.call('ZADD', P .. 'leases', lease_until, id)
+      z_add(P .. 'leases', lease_until, id)
       out[#out + 1] = {id, 1, 2, fields}
     else
       settle_fresh(id)

@@ -1,5 +1,6 @@
 -- _move: status moves with exact counters and indexes; finishing; versions (an include).
 
+--- @include _defer
 --- @include _schedule
 --- @include _settings
 --- @include _statuses
@@ -26,11 +27,11 @@ local function move_status(tk, id, old, new, handler, written, slots)
   -- one counter per status and handler; a status's total is the size of its index
   local counts = P .. 'counts'
   if old then
-    redis.call('HINCRBY', counts, old .. '@' .. handler, '-1')
-    redis.call('ZREM', P .. 'idx:' .. old, id)
+    h_incr(counts, old .. '@' .. handler, -1)
+    z_rem(P .. 'idx:' .. old, id)
   end
-  redis.call('HINCRBY', counts, new .. '@' .. handler, '1')
-  redis.call('ZADD', P .. 'idx:' .. new, NOW_S, id)
+  h_incr(counts, new .. '@' .. handler, 1)
+  z_add(P .. 'idx:' .. new, NOW_S, id)
 end
 
 -- Everything that happens when a task becomes terminal, in one place. `written`: the
@@ -44,11 +45,11 @@ local function finish(tk, id, old, new, handler, written, known)
   if old == 'SUBMIT_UNKNOWN' then redis.call('ZREM', P .. 'due:find', id) end
   if not written then
     -- only a leased task has an owner: a producer's cancel never touches the lease index
-    if redis.call('HEXISTS', tk, 'owner') == 1 then redis.call('ZREM', P .. 'leases', id) end
+    if redis.call('HEXISTS', tk, 'owner') == 1 then z_rem(P .. 'leases', id) end
     redis.call('HSET', tk, 'finished_ms', NOW_S)
     redis.call('HDEL', tk, 'owner', 'due_ms', 'started_fence')
   end
-  redis.call('ZREM', P .. 'deadlines', id)
+  z_rem(P .. 'deadlines', id)
   local dedup = known and known.dedup
   if dedup == nil then dedup = redis.call('HGET', tk, 'dedup') end
   if dedup then

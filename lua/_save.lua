@@ -5,6 +5,7 @@
 -- (save.lua states the contract). It returns save's reply, and raises on bad arguments or
 -- a corrupt hash or a bad setting it uses, before anything is written.
 
+--- @include _defer
 --- @include _emit
 --- @include _guards
 --- @include _int_arg
@@ -130,7 +131,7 @@ local function save_one(k, A, o, n)
   redis.call(unpack(sets))
   redis.call(unpack(dels))
   local handler = t[8]
-  redis.call('ZREM', P .. 'leases', id)
+  z_rem(P .. 'leases', id)
   if terminal then
     -- A leased task waits in no due, ready or held set (the claim took it out, and nothing
     -- schedules a leased task): finishing it need not look there. A late save's task is
@@ -140,7 +141,7 @@ local function save_one(k, A, o, n)
   else
     if final ~= old then move_status(tk, id, old, final, handler, true, t[14]) end
     if final == 'SUBMIT_UNKNOWN' then
-      redis.call('ZREM', P .. 'deadlines', id)
+      z_rem(P .. 'deadlines', id)
       -- a handler that can look its job up (its start recorded `find` under this fence)
       local f = redis.call('HGET', tk, 'find')
       if f and string.match(f, '^(%d+):') == fence then
@@ -149,7 +150,7 @@ local function save_one(k, A, o, n)
     else
       schedule(id, PHASE[final], NOW + delay_ms, tonumber(t[9]) or 0)
       if old == 'SUBMIT_UNKNOWN' then
-        redis.call('ZADD', P .. 'deadlines', deadline, id)
+        z_add(P .. 'deadlines', int_s(deadline), id)
         redis.call('ZREM', P .. 'due:find', id)
       end
       if delay_ms == 0 then wake() end

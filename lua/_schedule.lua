@@ -1,5 +1,6 @@
 -- _schedule: where a due task waits: ready, due or held by admission (an include).
 
+--- @include _defer
 --- @include _statuses
 --- @include _wake
 
@@ -204,7 +205,7 @@ local function schedule(id, phase, due_ms, priority)
   if due_ms <= NOW then
     place(id, phase, (100 - priority) * PRIO_SPAN + due_ms)
   else
-    redis.call('ZADD', P .. 'due:' .. phase, due_score(due_ms, priority), id)
+    z_add(P .. 'due:' .. phase, due_score(due_ms, priority), id)
   end
   return due_ms
 end

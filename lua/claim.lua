@@ -39,6 +39,7 @@
 -- submit claim adds the task to the in-flight set of every cap it falls under (listed in
 -- its `slots` field), and a rate-lane claim spends exactly one granted token.
 
+--- @include _defer
 --- @include _emit
 --- @include _int_arg
 --- @include _int_field
@@ -71,10 +72,14 @@ for i = 6, #ARGV, 2 do
   granted[#granted + 1] = lane
 end
 settings()  -- the last check: nothing is written before this line
+-- Leases, deadlines, status indexes, counters and due sets are written once per key per
+-- flush (lua/_defer.lua): after the intake, and at the end, before the due set is read.
+defer_on()
 local used = {}
 local due_key = P .. 'due:' .. phase
 local ready_key = P .. 'ready:' .. phase
 local leases = P .. 'leases'
+local lease_until = int_s(NOW + lease_ms)
 local quarantine = P .. 'quarantine'
 
 -- Whether the ready set is known to be empty: found so, and nothing added to it since
@@ -106,6 +111,7 @@ if phase == 'submit' then
   local taken, rejected
   taken, rejected, fresh = ingest(take, false, most)
   reply[5] = {taken, unpack(rejected)}
+  flush()  -- promotion reads the due set
 end
 
 -- Promote newly due tasks, bounded, to where they wait (the ready set or a held set): the
@@ -362,7 +368,7 @@ local function consider(id, score, from, flat)
       redis.call('HSET', tk, 'fence', set.fence, 'version', set.version, 'updated_ms', NOW_S,
                  'owner', owner)
     end
-    redis.call('ZADD', leases, int_s(NOW + lease_ms), id)
+    z_add(leases, lease_until, id)
     got = got + 1
     reply[#reply + 1] = {id, fence, v, claimed_hash(flat, set, gone)}
   end
@@ -376,7 +382,7 @@ end
 
 -- Fresh tasks, when nothing waits before them (no limits: no grants or holds either).
 if fresh then
-  for _, c in ipairs(take_fresh(fresh, n, owner, int_s(NOW + lease_ms), ready_empty)) do
+  for _, c in ipairs(take_fresh(fresh, n, owner, lease_until, ready_empty)) do
     reply[#reply + 1] = c
     got = got + 1
   end
@@ -426,6 +432,7 @@ for lane in pairs(lanes) do
   r[#r + 1] = waiting
 end
 
+flush()
 local first = redis.call('ZRANGE', due_key, '0', '0', 'WITHSCORES')
 if #first > 0 then reply[1] = math.floor(tonumber(first[2])) end
 reply[2] = (ready_empty and not READIED) and 0 or redis.call('ZCARD', ready_key)

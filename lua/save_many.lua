@@ -9,14 +9,19 @@
 -- where save would have raised (bad arguments, a corrupt hash); that one fails alone.
 -- Why: every script call pays a fixed cost before its first command (the call itself and
 -- the helpers it includes, ~a quarter of a save); a daemon's concurrent saves to one shard
--- pay it once.
+-- pay it once; and the saves' writes to leases, deadlines, status indexes, counters and due
+-- sets go as one command per key (lua/_defer.lua).
 -- Invariants: a malformed ARGV layout fails the whole call before anything is written;
 -- each save runs in order exactly as the save script would (a later save of the same task
 -- sees the earlier one), under one NOW; a rejected save writes nothing.
 
+--- @include _defer
 --- @include _many
 --- @include _roles
 --- @include _save
 
 daemon_only()
-return run_many(save_one, 'save_many', 1)
+defer_on()
+local replies = run_many(save_one, 'save_many', 1)
+flush()
+return replies

@@ -113,6 +113,91 @@ local function int_field(v)
   return digits ~= nil and #digits <= 15
 end
 
+-- include: _defer
+-- _defer: index and counter writes a batched call sends once per key (an include).
+--
+-- A call that moves many tasks (a claim, save_many) writes the same few keys for each of
+-- them: its lease in `leases`, its deadline in `deadlines`, its status in `idx:<status>`
+-- and `counts`, its due time in `due:<phase>`. Each write is a command, and each command
+-- a script runs costs Redis far more than the Lua around it. Such a call turns deferral on
+-- with defer_on(); z_add, z_rem and h_incr then only note the write, and flush() sends,
+-- for each key, one ZADD of every member added, one ZREM of every member removed and one
+-- HINCRBY per counter field. Without defer_on() they write at once (every other script).
+--
+-- The result is the keyspace the writes in order would have left: for a key and member
+-- the last write wins (a ZADD then a ZREM of the same member is a ZREM), and the deltas
+-- of a counter add up. A script that defers must flush() before it reads any of these
+-- keys and before it returns, and must write them only through these helpers meanwhile.
+-- Their replies (added or removed counts, the new counter) are not given: no caller uses
+-- them.
+
+local DEFER = nil  -- nil: write at once; else {key = {member = score or false}}
+local DEFER_KEYS, COUNTS = nil, nil  -- keys in first-write order; {key = {field = delta}}
+
+local function defer_on()
+  DEFER, DEFER_KEYS, COUNTS = {}, {}, {}
+end
+
+local function deferred(key)
+  local z = DEFER[key]
+  if not z then
+    z = {}
+    DEFER[key] = z
+    DEFER_KEYS[#DEFER_KEYS + 1] = key
+  end
+  return z
+end
+
+-- score: text, as ZADD takes it (int_s, NOW_S, due_score)
+local function z_add(key, score, member)
+  if DEFER then deferred(key)[member] = score else redis.call('ZADD', key, score, member) end
+end
+
+local function z_rem(key, member)
+  if DEFER then deferred(key)[member] = false else redis.call('ZREM', key, member) end
+end
+
+-- by: an integer (a number)
+local function h_incr(key, field, by)
+  if not DEFER then
+    redis.call('HINCRBY', key, field, int_s(by))
+    return
+  end
+  local c = COUNTS[key]
+  if not c then
+    c = {}
+    COUNTS[key] = c
+  end
+  c[field] = (c[field] or 0) + by
+end
+
+-- Send what was noted, and start noting afresh (deferral stays on).
+local function flush()
+  if not DEFER then return end
+  for _, key in ipairs(DEFER_KEYS) do
+    local adds, rems = {}, {}
+    for member, score in pairs(DEFER[key]) do
+      if score then
+        adds[#adds + 1] = score
+        adds[#adds + 1] = member
+      else
+        rems[#rems + 1] = member
+      end
+    end
+    -- at most 1,000 members a command: unpack() puts every argument on Lua's C stack
+    for i = 1, #adds, 2000 do
+      redis.call('ZADD', key, unpack(adds, i, math.min(i + 1999, #adds)))
+    end
+    for i = 1, #rems, 1000 do
+      redis.call('ZREM', key, unpack(rems, i, math.min(i + 999, #rems)))
+    end
+  end
+  for key, fields in pairs(COUNTS) do
+    for field, by in pairs(fields) do redis.call('HINCRBY', key, field, int_s(by)) end
+  end
+  DEFER, DEFER_KEYS, COUNTS = {}, {}, {}
+end
+
 -- include: _statuses
 -- _statuses: status sets as tables (an include).
 
@@ -141,6 +226,7 @@ end
 -- include: _schedule
 -- _schedule: where a due task waits: ready, due or held by admission (an include).
 
+--- @include _defer
 --- @include _statuses
 --- @include _wake
 
@@ -345,7 +431,7 @@ local function schedule(id, phase, due_ms, priority)
   if due_ms <= NOW then
     place(id, phase, (100 - priority) * PRIO_SPAN + due_ms)
   else
-    redis.call('ZADD', P .. 'due:' .. phase, due_score(due_ms, priority), id)
+    z_add(P .. 'due:' .. phase, due_score(due_ms, priority), id)
   end
   return due_ms
 end
@@ -371,14 +457,16 @@ end
 -- include: _unschedule
 -- _unschedule: taking a task out of every due, ready and held set (an include).
 
+--- @include _defer
+
 local function unschedule(id)
   local held = redis.call('HGET', P .. 'task:' .. id, 'held')
   if held then
     redis.call('ZREM', P .. 'held:' .. held, id)
     redis.call('HDEL', P .. 'task:' .. id, 'held')
   end
-  redis.call('ZREM', P .. 'due:submit', id)
-  redis.call('ZREM', P .. 'due:query', id)
+  z_rem(P .. 'due:submit', id)  -- deferred in a call that defers (lua/_defer.lua)
+  z_rem(P .. 'due:query', id)
   redis.call('ZREM', P .. 'ready:submit', id)
   redis.call('ZREM', P .. 'ready:query', id)
 end
@@ -386,6 +474,7 @@ end
 -- include: _move
 -- _move: status moves with exact counters and indexes; finishing; versions (an include).
 
+--- @include _defer
 --- @include _schedule
 --- @include _settings
 --- @include _statuses
@@ -412,11 +501,11 @@ local function move_status(tk, id, old, new, handler, written, slots)
   -- one counter per status and handler; a status's total is the size of its index
   local counts = P .. 'counts'
   if old then
-    redis.call('HINCRBY', counts, old .. '@' .. handler, '-1')
-    redis.call('ZREM', P .. 'idx:' .. old, id)
+    h_incr(counts, old .. '@' .. handler, -1)
+    z_rem(P .. 'idx:' .. old, id)
   end
-  redis.call('HINCRBY', counts, new .. '@' .. handler, '1')
-  redis.call('ZADD', P .. 'idx:' .. new, NOW_S, id)
+  h_incr(counts, new .. '@' .. handler, 1)
+  z_add(P .. 'idx:' .. new, NOW_S, id)
 end
 
 -- Everything that happens when a task becomes terminal, in one place. `written`: the
@@ -430,11 +519,11 @@ local function finish(tk, id, old, new, handler, written, known)
   if old == 'SUBMIT_UNKNOWN' then redis.call('ZREM', P .. 'due:find', id) end
   if not written then
     -- only a leased task has an owner: a producer's cancel never touches the lease index
-    if redis.call('HEXISTS', tk, 'owner') == 1 then redis.call('ZREM', P .. 'leases', id) end
+    if redis.call('HEXISTS', tk, 'owner') == 1 then z_rem(P .. 'leases', id) end
     redis.call('HSET', tk, 'finished_ms', NOW_S)
     redis.call('HDEL', tk, 'owner', 'due_ms', 'started_fence')
   end
-  redis.call('ZREM', P .. 'deadlines', id)
+  z_rem(P .. 'deadlines', id)
   local dedup = known and known.dedup
   if dedup == nil then dedup = redis.call('HGET', tk, 'dedup') end
   if dedup then

@@ -42,6 +42,29 @@ def t(file: str, *names: str) -> tuple[str, ...]:
 STRAIGHT = "tests/lua/test_straight_claim.py"
 
 MUTANTS: tuple[Mutant, ...] = (
+    # --- deferred index writes: one command per key per call, the same keyspace -----------
+    Mutant(
+        "deferred-removal-forgotten",
+        "a deferred ZREM after a deferred ZADD of the same member leaves the member out",
+        "lua/_defer.lua",
+        "  if DEFER then deferred(key)[member] = false else redis.call('ZREM', key, member) end",
+        "  if DEFER then deferred(key)[member] = nil else redis.call('ZREM', key, member) end",
+        (
+            "tests/lua/test_defer.py::test_deferred_writes_leave_the_keyspace_the_writes_in_order_leave",
+            "tests/lua/test_many.py::test_save_many_replies_and_writes_exactly_what_each_save_would",
+        ),
+    ),
+    Mutant(
+        "deferred-counters-lost",
+        "the deferred counter deltas of a call are written when it flushes",
+        "lua/_defer.lua",
+        "    for field, by in pairs(fields) do redis.call('HINCRBY', key, field, int_s(by)) end",
+        "    for field, by in pairs({}) do redis.call('HINCRBY', key, field, int_s(by)) end",
+        (
+            "tests/lua/test_defer.py::test_deferred_writes_leave_the_keyspace_the_writes_in_order_leave",
+            "tests/lua/test_defer.py::test_a_batch_of_polls_writes_each_index_once",
+        ),
+    ),
     # --- fewer commands per task: leases read from the owner, claims straight from due ----
     Mutant(
         "start-without-a-lease",
