@@ -187,6 +187,7 @@ class Monitor:
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.sendall(b"MONITOR\r\n")
         self.top: dict[str, int] = {}
+        self.in_lua: dict[str, int] = {}
         self.lua = 0
         self._stop = False
         self._buf = b""
@@ -213,15 +214,16 @@ class Monitor:
                 if line == b"+OK":
                     self._ready.set()
                     continue
-                if b" lua] " in line:
-                    self.lua += 1
-                    continue
                 i = line.find(b'] "')
                 if i < 0:
                     continue
                 j = line.find(b'"', i + 3)
                 name = line[i + 3 : j].decode(errors="replace").lower()
-                self.top[name] = self.top.get(name, 0) + 1
+                if b" lua] " in line:
+                    self.lua += 1
+                    self.in_lua[name] = self.in_lua.get(name, 0) + 1
+                else:
+                    self.top[name] = self.top.get(name, 0) + 1
 
     def stop(self) -> dict[str, Any]:
         time.sleep(0.2)
@@ -231,6 +233,7 @@ class Monitor:
         return {
             "top_level": dict(sorted(self.top.items(), key=lambda kv: -kv[1])),
             "in_lua": self.lua,
+            "in_lua_by_command": dict(sorted(self.in_lua.items(), key=lambda kv: -kv[1])),
         }
 
 

@@ -142,6 +142,9 @@ def accounting(counted: dict[str, Any], n: int, harness_cmd: str, reads: int) ->
         "top_level_commands_per_task": sum(top.values()) / n,
         "in_lua_commands_per_task": counted["in_lua"] / n,
         "top_level_by_command_per_task": {k: round(v / n, 3) for k, v in top.items()},
+        "in_lua_by_command_per_task": {
+            k: round(v / n, 3) for k, v in counted.get("in_lua_by_command", {}).items()
+        },
     }
 
 
@@ -446,6 +449,7 @@ def run(
                     "top_level_commands_per_task",
                     "in_lua_commands_per_task",
                     "top_level_by_command_per_task",
+                    "in_lua_by_command_per_task",
                 )
             }
             say(
