@@ -130,6 +130,10 @@ async def w1(args: argparse.Namespace) -> None:
     async def after_job_end(ctx: dict[str, Any]) -> None:
         ended.append((time.perf_counter(), time.process_time()))
 
+    # max_jobs: W1's max_inflight. poll_delay: the harness runs arq's default 0.5 s and
+    # 50 ms. On a backlog it matters less than its name says: one poll reads up to
+    # queue_read_limit (5 x max_jobs) ids and starts them as slots free, so the delay only
+    # spaces the reads after a poll that found little (the last ones, as jobs end).
     # arq's defaults otherwise (keep_result 3600 s: each job's result is stored, as
     # asynctaskd stores its task's result).
     w = Worker(
