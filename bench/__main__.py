@@ -1,6 +1,7 @@
 """`python -m bench` runs every benchmark quickly (< 3 minutes); `--full` the long versions.
 
-W1 bench/lifecycle.py (child process), W2 bench/w2_poll.py (asynctaskd vs arq and SAQ from
+W1 bench/lifecycle.py (child process; with the bench venv against arq and SAQ too,
+bench/w1_peers.py), W2 bench/w2_poll.py (asynctaskd vs arq and SAQ from
 the bench-only venv, bench/peers/setup.sh), W3 bench/w3_due_lag.py, W4 bench/w4_wakeup.py,
 W5 bench/w5_memory.py, W6 bench/w6_web.py (HTTP submits vs the Python client), W7
 bench/w7_sse.py (5,000 SSE watchers on one web process), admission on/off
@@ -10,7 +11,7 @@ redis-server, and handed to every bench. Each bench prints its table and its JSO
 all JSON lines also go to bench/results/<time>.jsonl.
 
                 quick (default)                   --full
-    W1          5,000 tasks, 1 run                20,000 tasks, 3 runs
+    W1          5,000 tasks, 1 run, arq + SAQ     20,000 tasks, 3 runs, arq, arq-50ms, SAQ
     W2          1,000 tasks, 1 run, arq + SAQ     2,000 tasks, 3 runs, arq, arq-50ms, SAQ
     W3          10,000 tasks, 15 s window         10,000 tasks, 60 s window
     W4          200 submits, 1 run                200 submits, 3 runs
@@ -54,21 +55,13 @@ ALL = ("w1", "w2", "w3", "w4", "w5", "w6", "w7", "adm", "prod")
 
 
 def run_w1(full: bool, ceiling: dict[str, Any]) -> dict[str, Any]:
+    """bench/lifecycle.py's runs, and with the bench venv arq's and SAQ's W1 in the same
+    rounds (bench/w1_peers.py): the asynctaskd runs serve both tables."""
+    from bench import w1_peers
+
     tasks, runs = (20_000, 3) if full else (5_000, 1)
-    results = []
-    for i in range(runs):
-        args = [str(ROOT / "bench" / "lifecycle.py"), "--tasks", str(tasks), "--no-ceiling"]
-        r, proc = run_child(args, timeout=300)
-        if r is None:
-            say(proc.stdout + proc.stderr)
-            raise RuntimeError("bench/lifecycle.py printed no JSON line")
-        r["loadavg_1m"] = loadavg()[0]
-        say(
-            f"  run {i + 1}: {r['tasks_per_s']:,.0f} tasks/s, {r['redis_commands_per_task']:.1f}"
-            f" cmds/task, {r['cpu_ms_per_task']:.3f} ms CPU/task, ok={r['all_succeeded_once']}"
-            f", load {r['loadavg_1m']:.2f}"
-        )
-        results.append(r)
+    compared = w1_peers.run(tasks, runs)
+    results = compared["results"].pop(w1_peers.OURS)
     keys = (
         "tasks_per_s",
         "redis_commands_per_task",
@@ -102,6 +95,12 @@ def run_w1(full: bool, ceiling: dict[str, Any]) -> dict[str, Any]:
             "(target >= 5,000 tasks/s)"
         )
     say(f"  all SUCCEEDED, each submitted once: {out['ok']}")
+    out["peers"] = compared
+    if "vs_best_peer" in compared:
+        out["vs_best_peer"] = compared["vs_best_peer"]
+    if compared["results"]:  # the peers' (asynctaskd's are above); none: skipped, said so
+        w1_peers.report(compared)
+    out["ok"] = out["ok"] and compared["ok"]
     emit("w1_lifecycle", out)
     return out
 

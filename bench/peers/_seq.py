@@ -1,4 +1,5 @@
-"""What both peers' `enqueue-seq` drivers share: the loops of awaits and the JSON line.
+"""What both peers' drivers share: the loops of awaits and the JSON line of `enqueue-seq`,
+and the handshake and JSON line of `w1`.
 
 The drivers run as scripts from the bench-only venv, so this sits beside them (their
 directory is on the path) rather than in the bench package.
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import sys
 from typing import Any
 
 
@@ -26,4 +29,23 @@ def rate_line(args: argparse.Namespace, wall: float, cpu: float) -> dict[str, An
         "wall_s": wall,
         "per_s": args.tasks / wall,
         "cpu_ms_per_job": cpu * 1000 / args.tasks,
+    }
+
+
+async def handshake(line: dict[str, Any]) -> None:
+    """Print one JSON line, then wait for the harness's answer on stdin: it reads Redis's
+    INFO between the two, so its deltas cover the timed part only."""
+    print(json.dumps(line), flush=True)  # noqa: T201
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+
+
+def w1_line(jobs: int, done: int, wall: float, cpu: float, **extra: Any) -> dict[str, Any]:
+    return {
+        "jobs": jobs,
+        "done": done,
+        "wall_s": wall,
+        "per_s": jobs / wall,
+        "cpu_ms_per_job": cpu * 1000 / jobs,
+        "ok": done == jobs,
+        **extra,
     }

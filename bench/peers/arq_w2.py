@@ -4,9 +4,17 @@ with `_defer_by=poll` until the vendor says the job ended.
     python arq_w2.py worker  --redis URL --vendor URL --ready FILE [--max-jobs N] [--poll-delay S]
     python arq_w2.py enqueue --redis URL --tasks N     (prints {"t0": epoch} when it starts)
     python arq_w2.py enqueue-seq --redis URL --tasks N [--concurrency C] [--warmup W]
+    python arq_w2.py w1 --redis URL --tasks N --max-jobs 1000 [--poll-delay S]
 
 `enqueue-seq` (bench/producer.py) awaits one `enqueue_job` after the other (split over C
 coroutines when C > 1), after W untimed ones, and prints its rate and CPU as JSON.
+
+`w1` (bench/w1_peers.py) is W1 on arq: N no-op jobs enqueued up front (100 coroutines of
+awaits, untimed), then one arq Worker in this process drains them with `burst=True`
+(`max_jobs` 1000 as W1's max_inflight; the pool of the enqueues, so no connect is timed).
+It prints {"enqueued": N} and waits for a line on stdin, then times from the worker's
+start to the N-th job's end (`after_job_end`, results recorded) and prints the JSON line
+(wall to the worker's own exit apart, as `exit_s`), then waits for a line again.
 
 The final poll stores the vendor's result as the job result (arq keeps it) and INCRs
 `bench:done`, the counter the harness watches (asynctaskd keeps an exact status counter
@@ -24,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from _seq import rate_line, sequential_loops  # beside this script (bench/peers)
+from _seq import handshake, rate_line, sequential_loops, w1_line  # beside this script
 from arq import Worker, create_pool
 from arq.connections import RedisSettings
 
@@ -105,9 +113,52 @@ async def enqueue_seq(args: argparse.Namespace) -> None:
     await pool.aclose()
 
 
+async def noop(ctx: dict[str, Any]) -> None:
+    """W1's job: nothing to do, so the rate is the queue's own cost per job."""
+
+
+async def w1(args: argparse.Namespace) -> None:
+    pool = await create_pool(RedisSettings.from_dsn(args.redis))
+
+    async def put(start: int, count: int) -> None:
+        for _ in range(count):
+            await pool.enqueue_job("noop")
+
+    await sequential_loops(put, 0, args.tasks, 100)
+    ended: list[tuple[float, float]] = []
+
+    async def after_job_end(ctx: dict[str, Any]) -> None:
+        ended.append((time.perf_counter(), time.process_time()))
+
+    # max_jobs: W1's max_inflight. poll_delay: the harness runs arq's default 0.5 s and
+    # 50 ms. On a backlog it matters less than its name says: one poll reads up to
+    # queue_read_limit (5 x max_jobs) ids and starts them as slots free, so the delay only
+    # spaces the reads after a poll that found little (the last ones, as jobs end).
+    # arq's defaults otherwise (keep_result 3600 s: each job's result is stored, as
+    # asynctaskd stores its task's result).
+    w = Worker(
+        functions=[noop],
+        redis_pool=pool,
+        burst=True,
+        max_jobs=args.max_jobs,
+        poll_delay=args.poll_delay,
+        after_job_end=after_job_end,
+    )
+    await handshake({"enqueued": args.tasks})
+    t0, c0 = time.perf_counter(), time.process_time()
+    await w.async_run()
+    exit_s = time.perf_counter() - t0
+    t1, c1 = max(ended) if ended else (time.perf_counter(), time.process_time())
+    line = w1_line(args.tasks, w.jobs_complete, t1 - t0, c1 - c0, exit_s=exit_s)
+    line.update(poll_delay_s=args.poll_delay, max_jobs=args.max_jobs, failed=w.jobs_failed)
+    line["ok"] = line["ok"] and not w.jobs_failed and len(ended) == args.tasks
+    await handshake(line)
+    await w.close()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["worker", "enqueue", "enqueue-seq"])
+    parser.add_argument("mode", choices=["worker", "enqueue", "enqueue-seq", "w1"])
     parser.add_argument("--redis", required=True)
     parser.add_argument("--vendor", default="")
     parser.add_argument("--ready", default="/dev/null")
@@ -122,7 +173,8 @@ def main() -> int:
     else:
         import uvloop
 
-        uvloop.run(enqueue_seq(args) if args.mode == "enqueue-seq" else enqueue(args))
+        modes = {"enqueue-seq": enqueue_seq, "enqueue": enqueue, "w1": w1}
+        uvloop.run(modes[args.mode](args))
     return 0
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Bench-only venv with the peer job queues (arq, SAQ). NOT project dependencies: nothing
-# in asynctaskd imports them; bench/w2_poll.py runs their workers from this venv.
+# in asynctaskd imports them; bench/w2_poll.py and bench/w1_peers.py run their workers from it.
 #   bash bench/peers/setup.sh            # creates .bench-venv at the repo root
 #   BENCH_VENV=/somewhere bash bench/peers/setup.sh
 set -euo pipefail
