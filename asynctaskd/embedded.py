@@ -31,6 +31,7 @@ from .errors import ConfigError
 
 __all__ = [
     "EmbeddedServer",
+    "PortTaken",
     "ServerProcess",
     "find_binary",
     "free_port",
@@ -79,6 +80,14 @@ def find_binary(name: str) -> Path | None:
     return Path(found) if found else None
 
 
+# How many ports a first start tries when the one chosen was taken before the bind.
+_PORT_ATTEMPTS = 3
+
+
+class PortTaken(RuntimeError):
+    """The server exited at start because its port (or its cluster bus port) was in use."""
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -105,6 +114,11 @@ class ServerProcess:
     ) -> None:
         self.binary = binary
         self.port = port or free_port()
+        # A port we chose may be taken between free_port() and the server's bind (by a
+        # process that asked the kernel for one meanwhile): the first start then tries
+        # another. A given port, or a restart, must keep its port.
+        self._own_port = port is None
+        self._started = False
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if data_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="asynctaskd-redis-")
@@ -142,24 +156,35 @@ class ServerProcess:
 
     def start(self, timeout: float = 10.0) -> ServerProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        # A session of its own: Ctrl-C at a terminal signals the whole foreground process
-        # group, and the server must outlive the drain of the daemon that uses it (the one
-        # that started it stops it, last).
-        self.process = subprocess.Popen(
-            self._argv(),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            preexec_fn=_die_with(os.getpid()) if self.parent_death else None,
-        )
-        try:
-            self.wait_ready(timeout)
-        except BaseException:
-            # Not ready (or Ctrl-C while it started): nobody will stop a server whose start
-            # did not return, and in a session of its own no terminal signal reaches it.
-            self.stop()
-            raise
-        return self
+        for attempt in range(_PORT_ATTEMPTS):
+            # A session of its own: Ctrl-C at a terminal signals the whole foreground
+            # process group, and the server must outlive the drain of the daemon that uses
+            # it (the one that started it stops it, last).
+            self.process = subprocess.Popen(
+                self._argv(),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                preexec_fn=_die_with(os.getpid()) if self.parent_death else None,
+            )
+            try:
+                self.wait_ready(timeout)
+            except PortTaken:
+                if not self._own_port or self._started or attempt == _PORT_ATTEMPTS - 1:
+                    self.stop()
+                    raise
+                self._end_process()
+                self.port = free_port()
+                continue
+            except BaseException:
+                # Not ready (or Ctrl-C while it started): nobody will stop a server whose
+                # start did not return, and in a session of its own no terminal signal
+                # reaches it.
+                self.stop()
+                raise
+            self._started = True
+            return self
+        raise AssertionError("unreachable")
 
     def wait_ready(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
@@ -168,7 +193,10 @@ class ServerProcess:
                 err = self.process.stderr.read().decode() if self.process.stderr else ""
                 log = self.data_dir / "server.log"
                 tail = log.read_text()[-2000:] if log.exists() else ""
-                raise RuntimeError(f"{self.binary} exited at start: {err}{tail}")
+                why = RuntimeError(f"{self.binary} exited at start: {err}{tail}")
+                if "Address already in use" in err + tail:
+                    raise PortTaken(str(why))
+                raise why
             if _ping(self.port):
                 return
             time.sleep(0.02)
@@ -185,6 +213,12 @@ class ServerProcess:
         self.start()
 
     def stop(self) -> None:
+        self._end_process()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def _end_process(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:
@@ -195,9 +229,6 @@ class ServerProcess:
         if self.process is not None and self.process.stderr is not None:
             self.process.stderr.close()
         self.process = None
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
 
     def __enter__(self) -> ServerProcess:
         return self.start()

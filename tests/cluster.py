@@ -13,7 +13,7 @@ from pathlib import Path
 from redis import Redis
 from redis.exceptions import RedisError
 
-from asynctaskd.embedded import ServerProcess, free_port
+from asynctaskd.embedded import PortTaken, ServerProcess, free_port
 from tests.conftest import wait_until_sync
 
 SLOTS = 16384
@@ -29,18 +29,24 @@ class LocalCluster:
         args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                 "--cluster-node-timeout", str(node_timeout_ms),
                 "--cluster-require-full-coverage", "no", *extra_args)  # fmt: skip
-        self.bus: dict[int, int] = {}  # client port -> cluster bus port
+        self._bus: dict[str, int] = {}  # node name -> cluster bus port
 
         def node(name: str) -> ServerProcess:
             # an explicit bus port: the default (port + 10000) overflows for high ports
             bus = free_port()
             proc = ServerProcess(binary, data_dir=directory / name, aof=aof,
                                  extra_args=(*args, "--cluster-port", str(bus)))  # fmt: skip
-            self.bus[proc.port] = bus
+            self._bus[name] = bus
             return proc
 
+        self._node = node
         self.masters = [node(f"m{i}") for i in range(masters)]
         self.replicas = [node(f"r{i}") for i in range(masters * replicas)]
+
+    @property
+    def bus(self) -> dict[int, int]:
+        """Client port -> cluster bus port, for each node as it is now."""
+        return {n.port: self._bus[n.data_dir.name] for n in self.nodes}
 
     @property
     def nodes(self) -> list[ServerProcess]:
@@ -53,8 +59,9 @@ class LocalCluster:
         return f"redis+cluster://{seeds}"
 
     def start(self) -> LocalCluster:
-        for node in self.nodes:
-            node.start()
+        for group in (self.masters, self.replicas):
+            for i, node in enumerate(group):
+                group[i] = self._start_node(node)
         per = SLOTS // len(self.masters)
         for i, master in enumerate(self.masters):
             first = i * per
@@ -74,6 +81,17 @@ class LocalCluster:
                 r.execute_command("CLUSTER", "REPLICATE", master_id)
         wait_until_sync(self.healthy, "cluster_state:ok on every node", 30)
         return self
+
+    def _start_node(self, node: ServerProcess) -> ServerProcess:
+        """Start a node; one whose bus port was taken before its bind (ServerProcess
+        retries a taken client port itself) is made again with new ports."""
+        for _ in range(3):
+            try:
+                return node.start()
+            except PortTaken:
+                (node.data_dir / "nodes.conf").unlink(missing_ok=True)  # names the old ports
+                node = self._node(node.data_dir.name)
+        return node.start()
 
     def _knows_all(self, node: ServerProcess) -> bool:
         with Redis(port=node.port) as r:

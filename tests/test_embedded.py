@@ -10,17 +10,25 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from redis import Redis
 
-from asynctaskd import Client, Status
+from asynctaskd import Client, Status, embedded
 from asynctaskd.connection import local_url
 from asynctaskd.devtools.fakevendor import Behaviour, FakeVendorProcess
-from asynctaskd.embedded import EmbeddedServer, ServerProcess, require_valkey_binary
+from asynctaskd.embedded import (
+    EmbeddedServer,
+    PortTaken,
+    ServerProcess,
+    find_binary,
+    require_valkey_binary,
+)
 from asynctaskd.errors import ConfigError
 from tests.configs import demo_handler, write_daemon_config
 from tests.conftest import wait_until_sync
@@ -188,3 +196,43 @@ def test_the_cli_reads_the_daemons_config_to_find_its_server(
         )  # fmt: skip
         assert waited.returncode == 0, waited.stderr
     assert servers_of(data_dir) == []  # the daemon's exit took its server along
+
+
+# --- a port taken between free_port() and the server's bind ------------------------------
+
+
+@contextlib.contextmanager
+def _listening() -> Iterator[int]:
+    """A loopback port some other process holds."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield int(s.getsockname()[1])
+
+
+def test_a_chosen_port_taken_before_the_bind_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    binary = find_binary("redis-server")
+    assert binary is not None
+    real = embedded.free_port
+    with _listening() as taken:
+        handed = iter([taken])
+        monkeypatch.setattr(embedded, "free_port", lambda: next(handed, 0) or real())
+        server = ServerProcess(binary)
+        assert server.port == taken
+        server.start()
+        try:
+            assert server.port != taken
+            with Redis(port=server.port) as r:
+                assert r.ping()
+        finally:
+            server.stop()
+
+
+def test_a_given_port_that_is_taken_is_not_replaced() -> None:
+    binary = find_binary("redis-server")
+    assert binary is not None
+    with _listening() as taken:
+        server = ServerProcess(binary, port=taken)
+        with pytest.raises(PortTaken, match="Address already in use"):
+            server.start()
+        assert server.process is None and server.port == taken
