@@ -636,6 +636,8 @@ local MAX_DELAY_MS = 316224000000
 local WRITABLE = {handle = true, external_id = true, result = true, error_code = true,
   error_message = true, progress = true, stage = true, message = true,
   consecutive_errors = true, poll_count = true, throttles = true}
+-- What a RUNNING event carries of the hash.
+local SHOWN = {'progress', 'stage', 'message'}
 
 local function save_one(k, A, o, n)
   local tk = KEYS[k]
@@ -652,11 +654,29 @@ local function save_one(k, A, o, n)
     if not WRITABLE[A[i]] then error('asynctaskd: save may not write field ' .. A[i]) end
   end
 
-  -- owner: the task is leased exactly while it has one (no lease index lookup); slots
-  -- and dedup: what finishing it needs, read here rather than one call each there
-  local t = redis.call('HMGET', tk, 'status', 'fence', 'version', 'cancel_requested',
-                       'cancel_version', 'deadline_ms', 'started_fence', 'handler', 'priority',
-                       'progress', 'stage', 'message', 'owner', 'slots', 'dedup')
+  local last = {}  -- each field written: the index of its last pair
+  for i = first, stop, 2 do last[A[i]] = i end
+  -- owner: the task is leased exactly while it has one (no lease index lookup). The rest
+  -- only where the save can use it (each field HMGET looks for costs Redis a scan of the
+  -- hash): the progress, stage and message a RUNNING save does not write (its event
+  -- carries them), and slots and dedup where the save asks to finish the task (or may, by
+  -- a cancel), so finishing reads nothing again. A task that times out meanwhile, rare,
+  -- has finish() read those two itself.
+  local read = {'HMGET', tk, 'status', 'fence', 'version', 'cancel_requested',
+                'cancel_version', 'deadline_ms', 'started_fence', 'handler', 'priority', 'owner'}
+  if want == 'RUNNING' then
+    for _, name in ipairs(SHOWN) do
+      if not last[name] then read[#read + 1] = name end
+    end
+  end
+  local finishing = TERMINAL[want] or want == 'PENDING_SUBMIT'
+  if finishing then
+    read[#read + 1] = 'slots'
+    read[#read + 1] = 'dedup'
+  end
+  local t = redis.call(unpack(read))
+  local slots, dedup = nil, nil  -- false: read, and absent; nil: not read
+  if finishing then slots, dedup = t[#t - 1], t[#t] end
   local old = t[1]
   if not old then return {-1} end
   -- the late save of the original submitter: its fence is the started mark's, even when a
@@ -665,7 +685,7 @@ local function save_one(k, A, o, n)
                and (want == 'SUBMITTED' or want == 'FAILED' or want == 'PENDING_SUBMIT')
   if t[2] ~= fence and not late then return {-2} end
   if not late then
-    if not t[13] then return {-4} end
+    if not t[10] then return {-4} end
     if not version_holds(t[3], t[5], A[o + 3]) then return {-3} end
   end
   -- a worker parks only its own submit (SUBMIT_UNKNOWN -> SUBMIT_UNKNOWN is reconcile's)
@@ -704,8 +724,6 @@ local function save_one(k, A, o, n)
     sets[#sets + 1] = final
   end
   local dels = {'HDEL', tk, 'owner'}
-  local last = {}
-  for i = first, stop, 2 do last[A[i]] = i end
   for i = first, stop, 2 do
     if last[A[i]] == i then
       if A[i + 1] == '' then
@@ -748,10 +766,10 @@ local function save_one(k, A, o, n)
     -- A leased task waits in no due, ready or held set (the claim took it out, and nothing
     -- schedules a leased task): finishing it need not look there. A late save's task is
     -- not leased.
-    finish(tk, id, old, final, handler, true, {slots = t[14], dedup = t[15],
+    finish(tk, id, old, final, handler, true, {slots = slots, dedup = dedup,
                                                unscheduled = not late})
   else
-    if final ~= old then move_status(tk, id, old, final, handler, true, t[14]) end
+    if final ~= old then move_status(tk, id, old, final, handler, true, slots) end
     if final == 'SUBMIT_UNKNOWN' then
       z_rem(P .. 'deadlines', id)
       -- a handler that can look its job up (its start recorded `find` under this fence)
@@ -770,11 +788,18 @@ local function save_one(k, A, o, n)
   end
   local extra = nil
   if final == 'RUNNING' then
-    -- the hash's progress, stage and message now: as written above, else as read
+    -- the hash's progress, stage and message now: as written above, else as read (after
+    -- owner, in SHOWN's order: a save that ends RUNNING asked for RUNNING)
     extra = {}
-    for k, name in ipairs({'progress', 'stage', 'message'}) do
-      local value = t[9 + k]
-      if last[name] then value = A[last[name] + 1] ~= '' and A[last[name] + 1] end
+    local at = 10
+    for _, name in ipairs(SHOWN) do
+      local value
+      if last[name] then
+        value = A[last[name] + 1] ~= '' and A[last[name] + 1]
+      else
+        at = at + 1
+        value = t[at]
+      end
       if value then extra[#extra + 1] = name; extra[#extra + 1] = value end
     end
   end

@@ -173,7 +173,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "save-without-a-lease",
         "a save after the lease is gone is refused (NO_LEASE)",
         "lua/_save.lua",
-        "    if not t[13] then return {-4} end",
+        "    if not t[10] then return {-4} end",
         "    if false then return {-4} end",
         t(SCRIPTS, "test_no_lease_after_reap_in_query_phase"),
     ),
