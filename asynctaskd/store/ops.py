@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from asynctaskd.codec import decode_task, pairs_to_dict
+from asynctaskd.codec import decode_flat_task, decode_task, pairs_to_dict
 from asynctaskd.errors import CorruptTask, ScriptError
 from asynctaskd.keys import HANDLER_KEY_RE, Keys
 from asynctaskd.model import Phase, Status, shard_of
@@ -143,7 +143,7 @@ class Ops:
             for item in reply[5:]:
                 task_id = _s(item[0])
                 try:
-                    task = decode_task(pairs_to_dict(item[3]), task_id)
+                    task = decode_flat_task(item[3], task_id)
                 except CorruptTask as exc:
                     corrupt.append(exc)
                     continue
