@@ -172,11 +172,9 @@ def decode_flat_task(flat: list[bytes], task_id: str | None = None) -> Task:
     """`decode_task` of a task hash as a script returns it (HGETALL's flat list of names and
     values: a claim's), without the dict of the hash on the way. An odd count raises
     ValueError (as `pairs_to_dict`)."""
-    if len(flat) % 2:
-        raise ValueError(f"a task hash as {len(flat)} names and values, not pairs")
     fields = _FIELDS.copy()
     pairs = iter(flat)
-    fields.update(zip(pairs, pairs))
+    fields.update(zip(pairs, pairs, strict=True))
     try:
         return _decode_task(fields, task_id)
     except CorruptTask:
@@ -185,7 +183,9 @@ def decode_flat_task(flat: list[bytes], task_id: str | None = None) -> Task:
         raise _diagnosis(fields, task_id, exc) from None  # as decode_task
 
 
-def _diagnosis(hash_: Mapping[bytes, bytes | None], task_id: str | None, exc: Exception) -> CorruptTask:
+def _diagnosis(
+    hash_: Mapping[bytes, bytes | None], task_id: str | None, exc: Exception
+) -> CorruptTask:
     """What is wrong with a hash `_decode_task` could not read (it raised `exc`)."""
     tid = _text(hash_.get(b"id")) or task_id or "?"
     for name, parse in _CHECKS:

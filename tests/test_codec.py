@@ -249,5 +249,5 @@ def test_a_flat_hash_is_corrupt_as_its_dict_is(
 
 
 def test_a_flat_hash_of_an_odd_count_is_refused() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="shorter"):
         decode_flat_task([*_flat(FULL), b"lonely"], TID)

@@ -376,8 +376,9 @@ def test_a_running_poll_is_due_as_clamp_delay_says(left: float, next_poll: float
         save = jittery.queried(Running(next_poll=next_poll), task(deadline_at=NOW + left),
                                poll=POLL, now=NOW)  # fmt: skip
         assert isinstance(save, Save)
-        hint = next_poll if next_poll is not None else POLL * (
-            1.0 + (-0.3 + 0.6 * plain.rng.random()))
+        hint = (
+            next_poll if next_poll is not None else POLL * (1.0 + (-0.3 + 0.6 * plain.rng.random()))
+        )
         if next_poll is not None:
             hint = min(next_poll, max(POLL, float(plain.retry.max_error_delay)))
         assert save.delay == clamp_delay(hint, NOW, NOW + left)
