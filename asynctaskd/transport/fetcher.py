@@ -178,7 +178,15 @@ class Fetcher:
         else:
             timeouts = self._timeouts(timeout)
         answer = await transport.pool().send(
-            method, origin[0], target.encode("ascii"), raw, body, timeouts, limit, block=block
+            method,
+            origin[0],
+            target.encode("ascii"),
+            raw,
+            body,
+            timeouts,
+            limit,
+            block=block,
+            plain=True,  # a Reply has no version nor reason phrase
         )
         data = answer.body
         if answer.stream is not None:
