@@ -238,3 +238,32 @@ async def test_a_cut_is_entered_once_and_rescheduled_only_while_entered() -> Non
     with pytest.raises(RuntimeError):
         async with cut:
             pass
+
+
+async def test_a_deadline_later_than_arm_by_is_noted_a_sooner_one_armed_none_disarms() -> None:
+    loop = asyncio.get_running_loop()
+    async with running("begin") as c:
+        now = loop.time()
+        c.set_deadline(now + 100, now + 30)  # past the lease: only noted
+        assert (c.deadline, c.cut.when()) == (now + 100, None)
+        c.set_deadline(now + 10, now + 30)  # sooner: armed
+        assert (c.deadline, c.cut.when()) == (now + 10, now + 10)
+        c.set_deadline(None)  # lifted: disarmed
+        assert (c.deadline, c.cut.when()) == (None, None)
+        c.set_deadline(now + 100, now + 30)
+        c.arm_near(now + 200)  # the noted one comes near: armed
+        assert c.cut.when() == now + 100
+        c.set_deadline(None)
+        assert c.cut.when() is None
+    async with running("begin", "lose") as c:  # lost: cut now, a deadline changes nothing
+        armed = c.cut.when()
+        c.set_deadline(now + 10, now + 30)
+        c.set_deadline(None)
+        assert c.deadline is None and c.cut.when() == armed
+    with pytest.raises(TimeoutError):
+        async with running("begin") as c:
+            c.set_deadline(loop.time() - 1, loop.time())  # past: fires on the next pass
+            await asyncio.sleep(0.1)
+    assert c.cut.expired()
+    c.set_deadline(None)  # expired: left as it is
+    assert c.cut.when() is not None
