@@ -260,10 +260,17 @@ async def test_a_deadline_later_than_arm_by_is_noted_a_sooner_one_armed_none_dis
         c.set_deadline(now + 10, now + 30)
         c.set_deadline(None)
         assert c.deadline is None and c.cut.when() == armed
-    with pytest.raises(TimeoutError):
+    cut_short: list[Call] = []
+
+    async def past_deadline() -> None:
         async with running("begin") as c:
+            cut_short.append(c)
             c.set_deadline(loop.time() - 1, loop.time())  # past: fires on the next pass
             await asyncio.sleep(0.1)
+
+    with pytest.raises(TimeoutError):
+        await past_deadline()
+    c = cut_short[0]
     assert c.cut.expired()
     c.set_deadline(None)  # expired: left as it is
     assert c.cut.when() is not None

@@ -312,7 +312,7 @@ class Call:
         # twice per poll, and those calls were most of its cost.
         cut = self.cut
         state = cut._state
-        if self.state is LOST or state == _EXPIRING or state == _EXPIRED:
+        if self.state is LOST or state in (_EXPIRING, _EXPIRED):
             return
         if when is None:
             if cut._when is not None:
