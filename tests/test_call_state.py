@@ -274,3 +274,22 @@ async def test_a_deadline_later_than_arm_by_is_noted_a_sooner_one_armed_none_dis
     assert c.cut.expired()
     c.set_deadline(None)  # expired: left as it is
     assert c.cut.when() is not None
+
+
+async def test_a_cut_told_its_loop_finds_its_task_and_cuts_it_as_one_that_asks() -> None:
+    loop = asyncio.get_running_loop()
+
+    async def cut_short(cut: Cut) -> None:
+        async with cut:
+            cut.reschedule(loop.time() + 0.01)
+            await asyncio.sleep(1)
+
+    for cut in (Cut(), Cut(loop)):
+        with pytest.raises(TimeoutError):
+            await cut_short(cut)
+        assert cut.expired()
+    call = Call(Lease("t1", 1, 1), "query", "h", loop)
+    assert call.loop is loop
+    async with call.cut:
+        call.begin()
+    assert Call(Lease("t1", 1, 1), "query", "h").loop is None

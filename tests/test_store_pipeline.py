@@ -364,3 +364,28 @@ def test_ops_name_each_shards_keys_as_keys_does(shards: int) -> None:
     assert ops.reap(shards + 5, 1, 1).keys == [keys.tag(shards + 5) + ":"]
     with pytest.raises(ValueError, match="shard"):
         ops.save(Lease(new_task_id() + f"-{shards}", 1, 1), Status.RUNNING)
+
+
+async def test_a_batcher_run_again_serves_its_callers_as_before(store: Store) -> None:
+    # While run() runs, calls make their futures on its loop (no running-loop lookup);
+    # stopped and run again, it serves callers just the same.
+    made = [await create(store) for _ in range(2)]
+    batcher = Batcher(store)
+    for created in made:
+        runner = asyncio.create_task(batcher.run())
+        try:
+            result, durable = await batcher.call(store.ops.cancel(created.task_id))
+            assert (result.code, durable) == (Code.ACCEPTED, True)
+        finally:
+            runner.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await runner
+    queued = asyncio.create_task(batcher.call(store.ops.cancel(made[0].task_id)))
+    await asyncio.sleep(0)  # queued before run() starts: served once it does
+    runner = asyncio.create_task(batcher.run())
+    try:
+        assert (await queued)[0].code in (Code.ACCEPTED, Code.TERMINAL)
+    finally:
+        runner.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await runner
