@@ -238,3 +238,58 @@ async def test_a_cut_is_entered_once_and_rescheduled_only_while_entered() -> Non
     with pytest.raises(RuntimeError):
         async with cut:
             pass
+
+
+async def test_a_deadline_later_than_arm_by_is_noted_a_sooner_one_armed_none_disarms() -> None:
+    loop = asyncio.get_running_loop()
+    async with running("begin") as c:
+        now = loop.time()
+        c.set_deadline(now + 100, now + 30)  # past the lease: only noted
+        assert (c.deadline, c.cut.when()) == (now + 100, None)
+        c.set_deadline(now + 10, now + 30)  # sooner: armed
+        assert (c.deadline, c.cut.when()) == (now + 10, now + 10)
+        c.set_deadline(None)  # lifted: disarmed
+        assert (c.deadline, c.cut.when()) == (None, None)
+        c.set_deadline(now + 100, now + 30)
+        c.arm_near(now + 200)  # the noted one comes near: armed
+        assert c.cut.when() == now + 100
+        c.set_deadline(None)
+        assert c.cut.when() is None
+    async with running("begin", "lose") as c:  # lost: cut now, a deadline changes nothing
+        armed = c.cut.when()
+        c.set_deadline(now + 10, now + 30)
+        c.set_deadline(None)
+        assert c.deadline is None and c.cut.when() == armed
+    cut_short: list[Call] = []
+
+    async def past_deadline() -> None:
+        async with running("begin") as c:
+            cut_short.append(c)
+            c.set_deadline(loop.time() - 1, loop.time())  # past: fires on the next pass
+            await asyncio.sleep(0.1)
+
+    with pytest.raises(TimeoutError):
+        await past_deadline()
+    c = cut_short[0]
+    assert c.cut.expired()
+    c.set_deadline(None)  # expired: left as it is
+    assert c.cut.when() is not None
+
+
+async def test_a_cut_told_its_loop_finds_its_task_and_cuts_it_as_one_that_asks() -> None:
+    loop = asyncio.get_running_loop()
+
+    async def cut_short(cut: Cut) -> None:
+        async with cut:
+            cut.reschedule(loop.time() + 0.01)
+            await asyncio.sleep(1)
+
+    for cut in (Cut(), Cut(loop)):
+        with pytest.raises(TimeoutError):
+            await cut_short(cut)
+        assert cut.expired()
+    call = Call(Lease("t1", 1, 1), "query", "h", loop)
+    assert call.loop is loop
+    async with call.cut:
+        call.begin()
+    assert Call(Lease("t1", 1, 1), "query", "h").loop is None

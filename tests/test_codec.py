@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from asynctaskd.codec import decode_task
+from asynctaskd.codec import decode_flat_task, decode_task, pairs_to_dict
 from asynctaskd.errors import CorruptTask
 from asynctaskd.model import Status, Task, TaskError
 
@@ -205,3 +205,49 @@ def test_a_value_no_field_check_explains_is_still_corrupt_data() -> None:
     # A time too large for a float passes as an integer but cannot become seconds.
     with pytest.raises(CorruptTask, match=r"unreadable \(OverflowError"):
         decode_task(FULL | {b"due_ms": b"9" * 400}, TID)
+
+
+def _flat(hash_: dict[bytes, bytes]) -> list[bytes]:
+    return [part for pair in hash_.items() for part in pair]
+
+
+@pytest.mark.parametrize(
+    "hash_",
+    [
+        FULL,
+        {b"id": TID.encode(), b"handler": b"ocr", b"status": b"SUBMITTED",
+         b"created_ms": b"1700000000000", b"deadline_ms": b"1700003600000"},
+        FULL | {b"timeout_ms": b"600000", b"started_by": b"tok-1", b"slots": b"cap:x"},
+        FULL | {b"a field no script writes": b"x", "é".encode(): b"y"},
+    ],
+)  # fmt: skip
+def test_a_claimed_flat_hash_reads_as_its_dict_does(hash_: dict[bytes, bytes]) -> None:
+    # A claim's reply holds each hash as HGETALL's flat list (decode_flat_task).
+    assert decode_flat_task(_flat(hash_), TID) == decode_task(hash_, TID)
+    assert decode_flat_task(_flat(hash_), TID) == decode_task(pairs_to_dict(_flat(hash_)), TID)
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({b"st\xffage": b"x"}, "a field name is not UTF-8"),
+        ({b"handler": b""}, "field handler is missing"),
+        ({b"fence": GARBAGE}, "field fence is b'{x', not an integer"),
+        ({b"handle": GARBAGE}, None),
+    ],
+)
+def test_a_flat_hash_is_corrupt_as_its_dict_is(
+    changes: dict[bytes, bytes], reason: str | None
+) -> None:
+    with pytest.raises(CorruptTask) as flat:
+        decode_flat_task(_flat(FULL | changes), TID)
+    with pytest.raises(CorruptTask) as mapped:
+        decode_task(FULL | changes, TID)
+    assert flat.value.reason == mapped.value.reason
+    if reason is not None:
+        assert flat.value.reason == reason
+
+
+def test_a_flat_hash_of_an_odd_count_is_refused() -> None:
+    with pytest.raises(ValueError, match="shorter"):
+        decode_flat_task([*_flat(FULL), b"lonely"], TID)

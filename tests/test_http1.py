@@ -1078,3 +1078,24 @@ async def test_https_with_an_untrusted_certificate_is_connect_error(
             await http.get(tls_url)
 
     assert isinstance(caught.value.__cause__, ssl.SSLCertVerificationError)
+
+
+async def test_a_plain_exchange_leaves_version_and_reason_out_and_others_keep_them() -> None:
+    # ctx.fetch's Reply has neither: its exchanges are `plain`, and llhttp is not asked.
+    seen = Seen()
+    replies = [ok_response(b"one"), ok_response(b"two"), ok_response(b"three")]
+    async with serving(replying(seen, replies)) as url, make_http_client() as http:
+        reply = await fetcher_for(http)("GET", f"{url}/0")
+        response = await http.get(f"{url}/1")
+        pool = pool_of(http)
+        origin = ("http", *url.removeprefix("http://").split(":"))
+        answer = await pool.send(
+            "GET", (origin[0], origin[1], int(origin[2])), b"/2",
+            [(b"Host", b"x")], b"", {}, None, plain=True,
+        )  # fmt: skip
+    assert (reply.status, reply.content) == (200, b"one")
+    assert response.content == b"two"
+    assert response.extensions["http_version"] == b"HTTP/1.1"
+    assert response.extensions["reason_phrase"] == b"OK"
+    assert (answer.status, answer.body, answer.version, answer.reason) == (200, b"three", b"", b"")
+    assert seen.accepted == 1

@@ -362,3 +362,23 @@ def test_jitter_spreads_polls_and_backoffs_within_bounds() -> None:
                       random.Random(7))  # fmt: skip
     waits = {spread.retry_delay(RetryableError(), 3, task(), NOW) for _ in range(50)}
     assert len(waits) > 1 and all(2 <= w <= 6 for w in waits)
+
+
+@pytest.mark.parametrize("left", [3600.0, 2.5, 2.0, 1.0, 0.0, -5.0])
+@pytest.mark.parametrize("next_poll", [None, 0.0, 1.5, 100.0])
+def test_a_running_poll_is_due_as_clamp_delay_says(left: float, next_poll: float | None) -> None:
+    # queried clamps the delay inline (every poll): it must agree with clamp_delay.
+    from asynctaskd.retry import clamp_delay
+
+    for seed in range(5):
+        retry = parse_config(RETRY.replace("poll_jitter = 0", "poll_jitter = 0.3")).retry
+        jittery, plain = Outcomes(retry, random.Random(seed)), Outcomes(retry, random.Random(seed))
+        save = jittery.queried(Running(next_poll=next_poll), task(deadline_at=NOW + left),
+                               poll=POLL, now=NOW)  # fmt: skip
+        assert isinstance(save, Save)
+        hint = (
+            next_poll if next_poll is not None else POLL * (1.0 + (-0.3 + 0.6 * plain.rng.random()))
+        )
+        if next_poll is not None:
+            hint = min(next_poll, max(POLL, float(plain.retry.max_error_delay)))
+        assert save.delay == clamp_delay(hint, NOW, NOW + left)

@@ -22,7 +22,8 @@ import redis.asyncio
 from asynctaskd.errors import ScriptError, StoreUnavailable
 from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.model import Status
-from asynctaskd.store import Batcher, Code, Created, Gate, Result, Store, open_redis
+from asynctaskd.store import Batcher, Code, Created, Gate, Lease, Result, Store, open_redis
+from asynctaskd.store.ops import Ops
 
 from .conftest import wait_until
 from .lua.helpers import claim_one, create, ingest, submitted
@@ -345,3 +346,46 @@ async def test_a_gated_call_is_durable_only_when_the_gate_is_met(
 async def test_a_server_setting_is_read_or_none(store: Store) -> None:
     assert await store.server_setting("maxmemory-policy") == "noeviction"  # as started
     assert await store.server_setting("no-such-setting") is None
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_ops_name_each_shards_keys_as_keys_does(shards: int) -> None:
+    # Ops formats each shard's prefixes once; the keys a call names are still Keys' own.
+    keys = Keys("ns-1", shards=shards)
+    ops = Ops(keys)
+    for shard in range(shards):
+        task_id = new_task_id() + (f"-{shard}" if shard else "")
+        call = ops.save(Lease(task_id, 3, 7), Status.RUNNING, delay_ms=5,
+                        fields={"poll_count": 2, "stage": "x"})  # fmt: skip
+        assert call.keys == [keys.tag(shard) + ":", keys.task(shard, task_id)]
+        assert call.args == [task_id, 3, 7, "RUNNING", 5, "poll_count", 2, "stage", "x"]
+        assert ops.claim(shard, "query", 1, 1000, "w", 10).keys == [keys.tag(shard) + ":"]
+    assert ops.save(Lease(new_task_id(), 1, 1), Status.RUNNING).args[3:] == ["RUNNING", 0]
+    assert ops.reap(shards + 5, 1, 1).keys == [keys.tag(shards + 5) + ":"]
+    with pytest.raises(ValueError, match="shard"):
+        ops.save(Lease(new_task_id() + f"-{shards}", 1, 1), Status.RUNNING)
+
+
+async def test_a_batcher_run_again_serves_its_callers_as_before(store: Store) -> None:
+    # While run() runs, calls make their futures on its loop (no running-loop lookup);
+    # stopped and run again, it serves callers just the same.
+    made = [await create(store) for _ in range(2)]
+    batcher = Batcher(store)
+    for created in made:
+        runner = asyncio.create_task(batcher.run())
+        try:
+            result, durable = await batcher.call(store.ops.cancel(created.task_id))
+            assert (result.code, durable) == (Code.ACCEPTED, True)
+        finally:
+            runner.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await runner
+    queued = asyncio.create_task(batcher.call(store.ops.cancel(made[0].task_id)))
+    await asyncio.sleep(0)  # queued before run() starts: served once it does
+    runner = asyncio.create_task(batcher.run())
+    try:
+        assert (await queued)[0].code in (Code.ACCEPTED, Code.TERMINAL)
+    finally:
+        runner.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await runner

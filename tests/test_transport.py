@@ -1001,3 +1001,17 @@ def test_the_direct_path_takes_exactly_the_urls_its_pattern_allows(tail: str) ->
     fetcher = Fetcher(httpx.AsyncClient(), None)
     expected = _PLAIN_TAIL.fullmatch(tail) is not None and "/." not in tail
     assert (fetcher._origin("http://vendor.test", tail) is not None) is expected
+
+
+def test_fetcher_for_gives_each_client_its_own_whichever_was_asked_last() -> None:
+    # fetcher_for remembers the last client asked for (ctx.fetch asks on every poll).
+    first, second = make_http_client(), make_http_client()
+    mine = fetcher_for(first)
+    assert fetcher_for(first) is mine
+    theirs = fetcher_for(second)
+    assert theirs is not mine and fetcher_for(second) is theirs
+    assert fetcher_for(first) is mine and fetcher_for(second) is theirs
+    plain = httpx.AsyncClient()
+    made = fetcher_for(plain)  # made on first use (no fast path), then kept
+    assert made is not mine and made is not theirs and fetcher_for(plain) is made
+    assert fetcher_for(first) is mine

@@ -108,6 +108,7 @@ class Http1Pool:
         request: httpx.Request | None = None,
         *,
         block: bytes | None = None,
+        plain: bool = False,
     ) -> Answer:
         """Send `method target` with `headers` (Host included) and `body` to `origin`
         (scheme, host, port) and read the answer: whole, or its head and a body stream.
@@ -115,7 +116,8 @@ class Http1Pool:
         `limit` bounds the body (None: no bound); `request`, when there is one, is named
         by the exceptions raised. `block`, if given, is `headers` as a header block
         (`name: value` lines and the blank line), built once by a caller that sends the
-        same headers often; it is checked as any other."""
+        same headers often; it is checked as any other. `plain`: the caller reads only
+        the status, headers and body (the answer's version and reason are empty)."""
         line = b"%s %s HTTP/1.1\r\n" % (method.encode("ascii", "replace"), target)
         if block is None:
             block = b"".join([name + b": " + value + b"\r\n" for name, value in headers])
@@ -137,7 +139,7 @@ class Http1Pool:
             connection = await self._acquire(request, origin, timeouts)
         try:
             answer = await connection.exchange(
-                request, method, line + block + body, timeouts.get("read"), limit
+                request, method, line + block + body, timeouts.get("read"), limit, plain
             )
         except BaseException:
             connection.exchanged()

@@ -196,6 +196,7 @@ class Batcher:
         # start_soon and Semaphore cost several times asyncio's TaskGroup and Event.
         self._wake = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None  # standalone: the queue's loop
+        self._running: asyncio.AbstractEventLoop | None = None  # run()'s, while it runs
         self._flushes: set[asyncio.Task[None]] = set()  # standalone: held, the loop won't
         self.gate_seconds = 0.0
 
@@ -205,9 +206,10 @@ class Batcher:
         With gated=True and a gate configured, durable says whether the gate confirmed
         the write (False also when the server had to be sent the call again).
         """
-        pending = _Pending(
-            call, gated and self.gate is not None, asyncio.get_running_loop().create_future()
-        )
+        # run()'s loop while it runs (the one the calls are on): asking asyncio for the
+        # running loop is a getpid system call on Python 3.11, once per save.
+        loop = self._running or asyncio.get_running_loop()
+        pending = _Pending(call, gated and self.gate is not None, loop.create_future())
         if self.standalone:
             self._enqueue_here(pending)
         else:
@@ -220,15 +222,19 @@ class Batcher:
 
     async def run(self) -> None:
         slots = asyncio.Semaphore(self.max_pipelines)
-        async with asyncio.TaskGroup() as tg:
-            while True:
-                await self._wake.wait()
-                self._wake.clear()
-                while self._queue:
-                    await slots.acquire()
-                    batch = self._queue[: self.max_batch]
-                    del self._queue[: self.max_batch]
-                    tg.create_task(self._flush(batch, slots))
+        self._running = asyncio.get_running_loop()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                while True:
+                    await self._wake.wait()
+                    self._wake.clear()
+                    while self._queue:
+                        await slots.acquire()
+                        batch = self._queue[: self.max_batch]
+                        del self._queue[: self.max_batch]
+                        tg.create_task(self._flush(batch, slots))
+        finally:
+            self._running = None
 
     def _enqueue_here(self, pending: _Pending) -> None:
         loop = asyncio.get_running_loop()

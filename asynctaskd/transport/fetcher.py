@@ -178,7 +178,15 @@ class Fetcher:
         else:
             timeouts = self._timeouts(timeout)
         answer = await transport.pool().send(
-            method, origin[0], target.encode("ascii"), raw, body, timeouts, limit, block=block
+            method,
+            origin[0],
+            target.encode("ascii"),
+            raw,
+            body,
+            timeouts,
+            limit,
+            block=block,
+            plain=True,  # a Reply has no version nor reason phrase
         )
         data = answer.body
         if answer.stream is not None:
@@ -291,11 +299,24 @@ _FETCHERS: Final[weakref.WeakKeyDictionary[httpx.AsyncClient, Fetcher]] = (
 )
 
 
+# The last client asked for and its Fetcher, both weakly: `ctx.fetch` asks on every poll,
+# nearly always for the same client, and a WeakKeyDictionary lookup makes a weak
+# reference and runs Python code each time.
+_last: tuple[weakref.ref[httpx.AsyncClient], weakref.ref[Fetcher]] | None = None
+
+
 def fetcher_for(client: httpx.AsyncClient) -> Fetcher:
     """The `Fetcher` for `client`: its fast path if `make_http_client` made it."""
+    global _last
+    last = _last
+    if last is not None and last[0]() is client:
+        fetcher = last[1]()
+        if fetcher is not None:
+            return fetcher
     fetcher = _FETCHERS.get(client)
     if fetcher is None:
         fetcher = _FETCHERS[client] = Fetcher(client, None)
+    _last = (weakref.ref(client), weakref.ref(fetcher))
     return fetcher
 
 

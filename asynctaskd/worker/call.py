@@ -114,9 +114,12 @@ class Cut:
     (bench/daemon_cost.py). tests/test_call_state.py holds it to asyncio's semantics.
     """
 
-    __slots__ = ("_cancelling", "_handle", "_state", "_task", "_when")
+    __slots__ = ("_cancelling", "_handle", "_loop", "_state", "_task", "_when")
 
-    def __init__(self) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        # `loop`, when given, is the loop it is entered on: asking asyncio for the current
+        # task without it asks for the running loop, a getpid system call on Python 3.11.
+        self._loop = loop
         self._state = _CREATED
         self._when: float | None = None
         self._handle: asyncio.Handle | None = None
@@ -151,7 +154,7 @@ class Cut:
     async def __aenter__(self) -> Cut:
         if self._state != _CREATED:
             raise RuntimeError("a cut is entered once")
-        task = asyncio.current_task()
+        task = asyncio.current_task(self._loop)
         if task is None:
             raise RuntimeError("a cut is entered inside a task")
         self._state = _ENTERED
@@ -204,18 +207,26 @@ class Call:
         "handler",
         "lease",
         "lookups",
+        "loop",
         "phase",
         "state",
         "token",
     )
 
-    def __init__(self, lease: Lease, phase: CallPhase, handler: str) -> None:
+    def __init__(
+        self,
+        lease: Lease,
+        phase: CallPhase,
+        handler: str,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
         self.lease = lease
         self.phase = phase
         self.handler = handler  # metric label: a registered key, or "other"
         self.state = CLAIMED
         self._resume = CLAIMED  # where a save that gives up returns to
-        self.cut = Cut()
+        self.loop = loop  # the loop the call runs on, if the caller knows it (else None)
+        self.cut = Cut(loop)
         self.deadline: float | None = None  # loop time the running query is cut at
         self.token = ""  # this call's start token (withdraw takes back only its own mark)
         self.lookups = 0  # a lookup: the parked task's lookups so far, this one included
@@ -308,13 +319,17 @@ class Call:
         disarming the timeout for each showed in every poll's profile.
         """
         self.deadline = when
-        if self.state is LOST or self.cut.expired():
+        # The cut's state and time read here, not through expired() and when(): this runs
+        # twice per poll, and those calls were most of its cost.
+        cut = self.cut
+        state = cut._state
+        if self.state is LOST or state in (_EXPIRING, _EXPIRED):
             return
         if when is None:
-            if self.cut.when() is not None:
-                self.cut.reschedule(None)
+            if cut._when is not None:
+                cut.reschedule(None)
         elif when <= arm_by:
-            self.cut.reschedule(when)
+            cut.reschedule(when)
 
     def arm_near(self, arm_by: float) -> None:
         """Arm a noted deadline that now falls before `arm_by`."""

@@ -163,8 +163,9 @@ class Claimer:
             if result.claimed:
                 self.metrics.claimed.labels(phase).inc(len(result.claimed))
                 due_lag = self.metrics.due_lag.labels(phase)
+                loop = asyncio.get_running_loop()  # once, not per call (a getpid on 3.11)
                 for claimed in result.claimed:
-                    self._launch(calls, claimed, phase, now, due_lag)
+                    self._launch(calls, claimed, phase, now, due_lag, loop)
             got += len(result.claimed)
             self.metrics.quarantined.inc(len(result.corrupt))
             for task_id, why in result.refused:
@@ -175,11 +176,17 @@ class Claimer:
         return Round(got, more, next_due)
 
     def _launch(
-        self, calls: asyncio.TaskGroup, claimed: Claimed, phase: Phase, now: float, due_lag: Any
+        self,
+        calls: asyncio.TaskGroup,
+        claimed: Claimed,
+        phase: Phase,
+        now: float,
+        due_lag: Any,
+        loop: asyncio.AbstractEventLoop,
     ) -> None:
         task = claimed.task
         key = task.handler
-        call = Call(claimed.lease, phase, key if key in self.handlers else "other")
+        call = Call(claimed.lease, phase, key if key in self.handlers else "other", loop)
         self.inflight.active[claimed.lease.task_id] = call
         if task.due_at is not None:
             due_lag.observe(max(0.0, now - task.due_at))

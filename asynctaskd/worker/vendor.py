@@ -282,7 +282,7 @@ class Vendor:
         # The call's timeout cuts the query at the task's deadline (Worker._run_call then
         # saves); it is lifted before any save, so only the vendor call is cut.
         budget = max(0.0, task.deadline_at - time.time()) + 0.05
-        now = asyncio.get_running_loop().time()
+        now = (active.loop or asyncio.get_running_loop()).time()  # (a getpid on 3.11)
         active.set_deadline(now + budget, now + self.lease_ms / 1000)  # see set_deadline
         failure: BaseException | None = None
         spans = self.spans
