@@ -16,10 +16,10 @@
 -- them.
 
 local DEFER = nil  -- nil: write at once; else {key = {member = score or false}}
-local DEFER_KEYS, COUNTS = nil, nil  -- keys in first-write order; {key = {field = delta}}
+local COUNTS = nil  -- {key = {field = delta}}
 
 local function defer_on()
-  DEFER, DEFER_KEYS, COUNTS = {}, {}, {}
+  DEFER, COUNTS = {}, {}
 end
 
 local function deferred(key)
@@ -27,7 +27,6 @@ local function deferred(key)
   if not z then
     z = {}
     DEFER[key] = z
-    DEFER_KEYS[#DEFER_KEYS + 1] = key
   end
   return z
 end
@@ -58,9 +57,9 @@ end
 -- Send what was noted, and start noting afresh (deferral stays on).
 local function flush()
   if not DEFER then return end
-  for _, key in ipairs(DEFER_KEYS) do
+  for key, members in pairs(DEFER) do
     local adds, rems = {}, {}
-    for member, score in pairs(DEFER[key]) do
+    for member, score in pairs(members) do
       if score then
         adds[#adds + 1] = score
         adds[#adds + 1] = member
@@ -79,5 +78,5 @@ local function flush()
   for key, fields in pairs(COUNTS) do
     for field, by in pairs(fields) do redis.call('HINCRBY', key, field, int_s(by)) end
   end
-  DEFER, DEFER_KEYS, COUNTS = {}, {}, {}
+  DEFER, COUNTS = {}, {}
 end
