@@ -367,7 +367,7 @@ def test_jitter_spreads_polls_and_backoffs_within_bounds() -> None:
 @pytest.mark.parametrize("left", [3600.0, 2.5, 2.0, 1.0, 0.0, -5.0])
 @pytest.mark.parametrize("next_poll", [None, 0.0, 1.5, 100.0])
 def test_a_running_poll_is_due_as_clamp_delay_says(left: float, next_poll: float | None) -> None:
-    # queried clamps the delay inline (every poll): it must agree with clamp_delay.
+    # a poll's delay: the jittered interval or the handler's hint, clamped to the deadline
     from asynctaskd.retry import clamp_delay
 
     for seed in range(5):

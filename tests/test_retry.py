@@ -37,6 +37,26 @@ def test_clamp_delay_keeps_within_floor_cap_and_deadline(
     assert clamp_delay(delay, NOW, NOW + 3600, floor=0.5, cap=cap) == expected
 
 
+def test_clamp_delay_is_its_min_max_definition_for_every_kind_of_value() -> None:
+    """clamp_delay is written as comparisons for speed; it must stay what its docstring
+    defines, NaNs and infinities included."""
+    values = [-1.0, 0.0, 0.5, 1.0, 2.5, 100.0, math.inf, -math.inf, math.nan]
+
+    def defined(delay: float, now: float, deadline: float, floor: float, cap: float) -> float:
+        if not delay >= floor:
+            return floor
+        return max(floor, min(delay, cap, max(0.0, deadline - now)))
+
+    for delay in values:
+        for deadline in values:
+            for floor in (0.0, 1.0):
+                for cap in (math.inf, 2.0, math.nan):
+                    got = clamp_delay(delay, 10.0, deadline, floor=floor, cap=cap)
+                    want = defined(delay, 10.0, deadline, floor, cap)
+                    assert got == want or (math.isnan(got) and math.isnan(want)), (
+                        delay, deadline, floor, cap, got, want)  # fmt: skip
+
+
 def test_clamp_delay_after_the_deadline_is_the_floor() -> None:
     assert clamp_delay(10.0, NOW, NOW - 5) == 0.0
     assert clamp_delay(10.0, NOW, NOW - 5, floor=0.5) == 0.5

@@ -207,13 +207,12 @@ class Outcomes:
                     )
                 except InvalidTask as exc:
                     note = (logging.ERROR, f"ignoring a replacement handle: {exc}")
-            # clamp_delay(delay, now, task.deadline_at), inline: never past the deadline
-            left = task.deadline_at - now
-            if not delay >= 0.0:  # also NaN
-                delay = 0.0
-            elif delay > left:
-                delay = left if left > 0.0 else 0.0
-            return Save(Status.RUNNING, delay=delay, fields=fields, note=note)
+            return Save(
+                Status.RUNNING,
+                delay=clamp_delay(delay, now, task.deadline_at),
+                fields=fields,
+                note=note,
+            )
         if isinstance(out, Succeeded):
             return out
         if isinstance(out, Failed):
