@@ -156,7 +156,8 @@ class ServerProcess:
 
     def start(self, timeout: float = 10.0) -> ServerProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        for attempt in range(_PORT_ATTEMPTS):
+        attempts = _PORT_ATTEMPTS
+        while True:
             # A session of its own: Ctrl-C at a terminal signals the whole foreground
             # process group, and the server must outlive the drain of the daemon that uses
             # it (the one that started it stops it, last).
@@ -167,10 +168,11 @@ class ServerProcess:
                 start_new_session=True,
                 preexec_fn=_die_with(os.getpid()) if self.parent_death else None,
             )
+            attempts -= 1
             try:
                 self.wait_ready(timeout)
             except PortTaken:
-                if not self._own_port or self._started or attempt == _PORT_ATTEMPTS - 1:
+                if not self._own_port or self._started or attempts == 0:
                     self.stop()
                     raise
                 self._end_process()
@@ -184,7 +186,6 @@ class ServerProcess:
                 raise
             self._started = True
             return self
-        raise AssertionError("unreachable")
 
     def wait_ready(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
