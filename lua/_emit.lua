@@ -2,12 +2,17 @@
 
 --- @include _settings
 
+-- version: the task's version, a number or its text; extra: more field, value pairs
 local function emit(id, status, version, extra)
   if not EVENTS_MAXLEN then settings(true) end
-  local args = {'XADD', P .. 'events', 'MAXLEN', '~', EVENTS_MAXLEN, '*',
-                'task', id, 'status', status, 'version', int_s(version)}
-  if extra then
-    for i = 1, #extra do args[#args + 1] = extra[i] end
+  if type(version) == 'number' then version = int_s(version) end
+  if not extra then  -- the usual event: no table to build and unpack
+    redis.call('XADD', P .. 'events', 'MAXLEN', '~', EVENTS_MAXLEN, '*',
+               'task', id, 'status', status, 'version', version)
+    return
   end
+  local args = {'XADD', P .. 'events', 'MAXLEN', '~', EVENTS_MAXLEN, '*',
+                'task', id, 'status', status, 'version', version}
+  for i = 1, #extra do args[#args + 1] = extra[i] end
   redis.call(unpack(args))
 end

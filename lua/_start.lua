@@ -38,9 +38,10 @@ local function start_one(k, A, o, n)
   if not int_field(t[8]) then
     error('asynctaskd: task ' .. id .. ' field submit_attempts is corrupt: ' .. tostring(t[8]))
   end
-  local v = (tonumber(t[3]) or 0) + 1
+  -- int_field vouched for both: `+ 1` reads the text once (tonumber reads it twice)
+  local v = (t[3] or 0) + 1
   local token = n >= 5 and A[o + 5] or ''
-  local attempts = int_s((tonumber(t[8]) or 0) + 1)
+  local attempts = int_s((t[8] or 0) + 1)
   if visible then
     -- a handler that can look its vendor job up: whoever parks the task schedules lookups
     redis.call('HSET', tk, 'started_fence', fence, 'started_by', token,

@@ -343,7 +343,7 @@ local function consider(id, score, from, flat)
     end
     -- HINCRBY fence and version (bump()), and a submit's new status, as one write:
     -- int_field vouched for both counters
-    local fence, v = (tonumber(h.fence) or 0) + 1, (tonumber(h.version) or 0) + 1
+    local fence, v = (h.fence or 0) + 1, (h.version or 0) + 1
     local set = {fence = int_s(fence), version = int_s(v)}
     for name, value in pairs(CLAIMED) do set[name] = value end
     if phase == 'submit' then

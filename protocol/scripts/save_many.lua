@@ -209,13 +209,18 @@ end
 
 --- @include _settings
 
+-- version: the task's version, a number or its text; extra: more field, value pairs
 local function emit(id, status, version, extra)
   if not EVENTS_MAXLEN then settings(true) end
-  local args = {'XADD', P .. 'events', 'MAXLEN', '~', EVENTS_MAXLEN, '*',
-                'task', id, 'status', status, 'version', int_s(version)}
-  if extra then
-    for i = 1, #extra do args[#args + 1] = extra[i] end
+  if type(version) == 'number' then version = int_s(version) end
+  if not extra then  -- the usual event: no table to build and unpack
+    redis.call('XADD', P .. 'events', 'MAXLEN', '~', EVENTS_MAXLEN, '*',
+               'task', id, 'status', status, 'version', version)
+    return
   end
+  local args = {'XADD', P .. 'events', 'MAXLEN', '~', EVENTS_MAXLEN, '*',
+                'task', id, 'status', status, 'version', version}
+  for i = 1, #extra do args[#args + 1] = extra[i] end
   redis.call(unpack(args))
 end
 
@@ -258,9 +263,15 @@ end
 -- A stored counter a script may increment: absent (false), or an integer as Redis itself
 -- writes one (no leading zeros, no "-0") with at most 15 digits, so HINCRBY takes it and
 -- Lua's doubles hold it and its successor exactly (claim and save add 1 in Lua).
+-- Counters of one or two characters (fences, versions and attempts, mostly) are checked
+-- by their bytes: a pattern costs Redis several times as much.
 local function int_field(v)
   if not v then return true end
-  if v == '0' then return true end
+  if #v <= 2 then
+    local a, b = string.byte(v, 1, 2)  -- 48-57: '0'-'9', 45: '-'
+    if not b then return a ~= nil and a >= 48 and a <= 57 end
+    return b >= 48 and b <= 57 and ((a >= 49 and a <= 57) or (a == 45 and b ~= 48))
+  end
   local digits = string.match(v, '^%-?([1-9]%d*)$')
   return digits ~= nil and #digits <= 15
 end
@@ -716,49 +727,47 @@ local function save_one(k, A, o, n)
   if not deadline or deadline % 1 ~= 0 then
     error('asynctaskd: task ' .. id .. ' field deadline_ms is corrupt: ' .. tostring(t[6]))
   end
-  local v = (tonumber(t[3]) or 0) + 1
-  local sets = {'HSET', tk, 'version', int_s(v), 'updated_ms', NOW_S}
+  local v = (t[3] or 0) + 1  -- int_field vouched for it: `+ 1` reads it once
+  -- the two commands' arguments, counted as they are added (ns, nd): tables made at a
+  -- size that holds a usual save's, so they need not grow
+  local sets = {'HSET', tk, 'version', int_s(v), 'updated_ms', NOW_S,
+                false, false, false, false, false, false, false, false, false, false}
+  local dels = {'HDEL', tk, 'owner', false, false, false, false, false}
+  local ns, nd = 6, 3
   if final ~= old then  -- the status too (move_status below is told it is written)
-    sets[#sets + 1] = 'status'
-    sets[#sets + 1] = final
+    sets[ns + 1], sets[ns + 2], ns = 'status', final, ns + 2
   end
-  local dels = {'HDEL', tk, 'owner'}
   for i = first, stop, 2 do
     if last[A[i]] == i then
       if A[i + 1] == '' then
-        dels[#dels + 1] = A[i]
+        dels[nd + 1], nd = A[i], nd + 1
       else
-        sets[#sets + 1] = A[i]
-        sets[#sets + 1] = A[i + 1]
+        sets[ns + 1], sets[ns + 2], ns = A[i], A[i + 1], ns + 2
       end
     end
   end
   local terminal = TERMINAL[final]
   if old == 'SUBMITTING' or old == 'SUBMIT_UNKNOWN' or terminal then
-    dels[#dels + 1] = 'started_fence'
-    dels[#dels + 1] = 'started_by'
+    dels[nd + 1], dels[nd + 2], nd = 'started_fence', 'started_by', nd + 2
     -- the lookup record goes with the lookups (a record left by a submit that was not
     -- parked names an old fence, which no park matches: the hot path does not delete it)
     if old == 'SUBMIT_UNKNOWN' then
-      dels[#dels + 1] = 'find'
-      dels[#dels + 1] = 'lookups'
-      dels[#dels + 1] = 'lookup_ms'
+      dels[nd + 1], dels[nd + 2], dels[nd + 3], nd = 'find', 'lookups', 'lookup_ms', nd + 3
     end
   end
   if terminal then  -- what finish() would write and delete: here, in the same two calls
-    sets[#sets + 1] = 'finished_ms'
-    sets[#sets + 1] = NOW_S
-    dels[#dels + 1] = 'due_ms'
+    sets[ns + 1], sets[ns + 2], ns = 'finished_ms', NOW_S, ns + 2
+    dels[nd + 1], nd = 'due_ms', nd + 1
   elseif final == 'SUBMIT_UNKNOWN' then
-    dels[#dels + 1] = 'due_ms'
+    dels[nd + 1], nd = 'due_ms', nd + 1
   else
-    sets[#sets + 1] = 'due_ms'
-    sets[#sets + 1] = int_s(NOW + delay_ms)  -- what schedule() below returns
+    -- what schedule() below returns
+    sets[ns + 1], sets[ns + 2], ns = 'due_ms', int_s(NOW + delay_ms), ns + 2
   end
   -- the settings this save uses (its event; its finish), checked before its first write
   if terminal then settings() elseif final ~= old or final == 'RUNNING' then settings(true) end
-  redis.call(unpack(sets))
-  redis.call(unpack(dels))
+  redis.call(unpack(sets, 1, ns))
+  redis.call(unpack(dels, 1, nd))
   local handler = t[8]
   z_rem(P .. 'leases', id)
   if terminal then

@@ -74,13 +74,18 @@ end
 
 --- @include _settings
 
+-- version: the task's version, a number or its text; extra: more field, value pairs
 local function emit(id, status, version, extra)
   if not EVENTS_MAXLEN then settings(true) end
-  local args = {'XADD', P .. 'events', 'MAXLEN', '~', EVENTS_MAXLEN, '*',
-                'task', id, 'status', status, 'version', int_s(version)}
-  if extra then
-    for i = 1, #extra do args[#args + 1] = extra[i] end
+  if type(version) == 'number' then version = int_s(version) end
+  if not extra then  -- the usual event: no table to build and unpack
+    redis.call('XADD', P .. 'events', 'MAXLEN', '~', EVENTS_MAXLEN, '*',
+               'task', id, 'status', status, 'version', version)
+    return
   end
+  local args = {'XADD', P .. 'events', 'MAXLEN', '~', EVENTS_MAXLEN, '*',
+                'task', id, 'status', status, 'version', version}
+  for i = 1, #extra do args[#args + 1] = extra[i] end
   redis.call(unpack(args))
 end
 
@@ -107,9 +112,15 @@ end
 -- A stored counter a script may increment: absent (false), or an integer as Redis itself
 -- writes one (no leading zeros, no "-0") with at most 15 digits, so HINCRBY takes it and
 -- Lua's doubles hold it and its successor exactly (claim and save add 1 in Lua).
+-- Counters of one or two characters (fences, versions and attempts, mostly) are checked
+-- by their bytes: a pattern costs Redis several times as much.
 local function int_field(v)
   if not v then return true end
-  if v == '0' then return true end
+  if #v <= 2 then
+    local a, b = string.byte(v, 1, 2)  -- 48-57: '0'-'9', 45: '-'
+    if not b then return a ~= nil and a >= 48 and a <= 57 end
+    return b >= 48 and b <= 57 and ((a >= 49 and a <= 57) or (a == 45 and b ~= 48))
+  end
   local digits = string.match(v, '^%-?([1-9]%d*)$')
   return digits ~= nil and #digits <= 15
 end
@@ -637,21 +648,25 @@ local function check_request(id, packed)
     return nil, 'trace is not a W3C traceparent (and tracestate)'
   end
   -- the times, as create writes them: positive integers without leading zeros, at most 15
-  -- digits (Lua's doubles hold them and their sums exactly), checked in one pattern
+  -- digits (Lua's doubles hold them and their sums exactly), checked in one pattern.
+  -- Text the patterns passed is a number: `+ 0` reads it (tonumber reads it twice).
   local times = f.created_ms .. ' ' .. f.deadline_ms .. ' ' .. f.timeout_ms .. ' ' .. f.due_ms
   if not string.find(times, '^[1-9]%d* [1-9]%d* [1-9]%d* [1-9]%d*$') then
     return nil, 'a time is not a positive integer'
   end
-  local created, deadline = tonumber(f.created_ms), tonumber(f.deadline_ms)
-  local timeout, due = tonumber(f.timeout_ms), tonumber(f.due_ms)
+  local created, deadline = f.created_ms + 0, f.deadline_ms + 0
+  local timeout, due = f.timeout_ms + 0, f.due_ms + 0
   if created > MAX_MS or deadline > MAX_MS or timeout > MAX_MS or due > MAX_MS then
     return nil, 'a time has more than 15 digits'
   end
   if f.updated_ms ~= f.created_ms or deadline ~= created + timeout or due < created then
     return nil, 'the times do not fit together'
   end
-  local priority = tonumber(f.priority)
-  if not string.find(f.priority, '^%-?%d+$') or priority < -100 or priority > 100 then
+  if not string.find(f.priority, '^%-?%d+$') then
+    return nil, 'priority is not an integer from -100 to 100'
+  end
+  local priority = f.priority + 0
+  if priority < -100 or priority > 100 then
     return nil, 'priority is not an integer from -100 to 100'
   end
   if f.dedup then
@@ -662,10 +677,12 @@ local function check_request(id, packed)
       return nil, 'its dedup key does not name it'
     end
   end
-  return f, nil, flat
+  return f, nil, flat, due, deadline, priority
 end
 
 local FRESH = nil  -- id -> the fields of a fresh task (see above), when a claim asked
+local FRESH_FLAT = nil  -- id -> its request's field, value pairs, as checked
+local FRESH_SCORE = nil  -- id -> its ready score
 local FRESH_MOST = 0  -- how many the claim may take: the ones after it are written at once
 -- A claim with room for this many tasks or more, that may take new tasks straight, takes
 -- in only as many requests as it can take (lua/claim.lua); one with less takes in 256.
@@ -693,7 +710,7 @@ end
 local function settle_fresh(id)
   local f = FRESH[id]
   FRESH[id] = nil
-  write_new(id, f, false)
+  write_new(id, f, false, FRESH_FLAT[id])
 end
 
 local function ingest_create(id, wake_others, fresh)
@@ -701,7 +718,7 @@ local function ingest_create(id, wake_others, fresh)
   local packed = redis.call('GETDEL', nk)
   if not packed then return nil end  -- taken in already, or never stored
   local tk = task_key(id)
-  local f, why, flat = check_request(id, packed)
+  local f, why, flat, due, deadline, priority = check_request(id, packed)
   if f and redis.call('EXISTS', tk) == 1 then f, why = nil, 'the task id is taken' end
   if not f then
     -- free the dedup key if it names this request, so the same key can be used again
@@ -717,9 +734,9 @@ local function ingest_create(id, wake_others, fresh)
     return why
   end
   z_add(P .. 'deadlines', f.deadline_ms, id)
-  if FRESH and #fresh < FRESH_MOST and tonumber(f.due_ms) <= NOW
-     and tonumber(f.deadline_ms) > NOW then
-    FRESH[id] = f
+  if FRESH and #fresh < FRESH_MOST and due <= NOW and deadline > NOW then
+    FRESH[id], FRESH_FLAT[id] = f, flat
+    FRESH_SCORE[id] = (100 - priority) * PRIO_SPAN + due
     fresh[#fresh + 1] = id
     return nil
   end
@@ -772,7 +789,9 @@ end
 
 local function ingest(limit, wake_others, most)
   local fresh = {}
-  if most and most > 0 then FRESH, FRESH_MOST = {}, most end
+  if most and most > 0 then
+    FRESH, FRESH_FLAT, FRESH_SCORE, FRESH_MOST = {}, {}, {}, most
+  end
   local entries = redis.call('LPOP', P .. 'intake', limit)
   if not entries then return 0, {}, fresh end
   local dropped = {}
@@ -810,31 +829,36 @@ local function take_fresh(fresh, n, owner, lease_until, ready_empty)
   local out = {}
   if #fresh == 0 then return out end
   if n > 0 and (ready_empty or redis.call('ZCARD', P .. 'ready:submit') == 0) then
-    local score = {}
-    for _, id in ipairs(fresh) do
-      local f = FRESH[id]
-      score[id] = (100 - tonumber(f.priority)) * PRIO_SPAN + tonumber(f.due_ms)
-    end
-    ready_order(fresh, score)
+    ready_order(fresh, FRESH_SCORE)
   else
     n = 0
   end
+  local leases = P .. 'leases'
   for _, id in ipairs(fresh) do
     if #out < n then
-      local f = FRESH[id]
+      local f, fields = FRESH[id], FRESH_FLAT[id]
       FRESH[id] = nil
       local tk = task_key(id)
-      f.status, f.version, f.fence, f.owner, f.updated_ms = 'SUBMITTING', '2', '1', owner, NOW_S
-      local fields = {}
-      for name, value in pairs(f) do
-        fields[#fields + 1] = name
-        fields[#fields + 1] = value
+      -- the request's pairs (each field once) as the claim leaves them: status, version
+      -- and updated_ms replaced, fence and owner added
+      local size = #fields
+      for i = 1, size, 2 do
+        local name = fields[i]
+        if name == 'status' then
+          fields[i + 1] = 'SUBMITTING'
+        elseif name == 'version' then
+          fields[i + 1] = '2'
+        elseif name == 'updated_ms' then
+          fields[i + 1] = NOW_S
+        end
       end
+      fields[size + 1], fields[size + 2], fields[size + 3], fields[size + 4] =
+        'fence', '1', 'owner', owner
       redis.call('HSET', tk, unpack(fields))
       move_status(tk, id, nil, 'SUBMITTING', f.handler, true)
-      emit(id, 'PENDING_SUBMIT', 1)
-      emit(id, 'SUBMITTING', 2)
-      z_add(P .. 'leases', lease_until, id)
+      emit(id, 'PENDING_SUBMIT', '1')
+      emit(id, 'SUBMITTING', '2')
+      z_add(leases, lease_until, id)
       out[#out + 1] = {id, 1, 2, fields}
     else
       settle_fresh(id)

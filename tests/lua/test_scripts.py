@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -575,6 +576,28 @@ async def test_prelude_writes_times_and_integers_as_plain_text(
             "number",
             "number",
         ]
+
+
+async def test_int_field_takes_exactly_the_counters_redis_writes(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    # int_field checks short counters by their bytes and the rest with a pattern: both
+    # must take exactly an integer without leading zeros or "-0", of at most 15 digits
+    values = ["", "-", "0", "-0", "00", "01", "1", "9", "10", "99", "-1", "-9", "-10", "+1",
+              " 1", "1 ", "a", "1a", "a1", "/", ":", "0/", "1:", "-/", "-:", "--", "1.5", "1e3",
+              "0x1", "100", "123456789012345", "-123456789012345", "1234567890123456",
+              "\x00", "\xff", "1\x00", "\xd9\xa0"]  # fmt: skip
+    values += [chr(a) + chr(b) for a in range(40, 60) for b in range(40, 60)]
+    body = """
+    local out = {}
+    for i = 1, #ARGV do out[i] = int_field(ARGV[i]) and 1 or 0 end
+    out[#ARGV + 1] = int_field(false) and 1 or 0
+    return out
+    """
+    source = store.scripts["start"].source.split("-- script: ")[0] + body
+    reply = await redis_client.eval(source, 1, keys.tag(0) + ":", *values)
+    expected = [int(re.fullmatch(r"0|-?[1-9][0-9]{0,14}", v) is not None) for v in values]
+    assert reply == [*expected, 1]
 
 
 MAX_DELAY_MS = 10 * 366 * 86_400_000  # what save takes at most: the client's 10 years
