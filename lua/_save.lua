@@ -164,7 +164,8 @@ local function save_one(k, A, o, n)
         redis.call('ZADD', P .. 'due:find', NOW_S, id)
       end
     else
-      schedule(id, PHASE[final], NOW + delay_ms, tonumber(t[9]) or 0)
+      -- priority 0, the usual one, without reading text as a number
+      schedule(id, PHASE[final], NOW + delay_ms, t[9] == '0' and 0 or tonumber(t[9]) or 0)
       if old == 'SUBMIT_UNKNOWN' then
         z_add(P .. 'deadlines', int_s(deadline), id)
         redis.call('ZREM', P .. 'due:find', id)

@@ -151,7 +151,7 @@ if promote_limit > 0 then
   local ids, score, promoted = {}, {}, {}
   for i = 1, #due, 2 do
     local id = due[i]
-    local due_ms, pr = due_fraction(tonumber(due[i + 1]))
+    local due_ms, pr = due_fraction(due[i + 1] + 0)  -- a score's text: `+ 0` reads it once
     if pr then
       if whole then direct_hash[id] = redis.pcall('HGETALL', task_key(id)) end
     elseif whole then
@@ -185,7 +185,7 @@ if promote_limit > 0 then
         in_ready[id] = true
         if not score[id] then
           ids[#ids + 1] = id
-          score[id] = tonumber(head[j + 1])
+          score[id] = head[j + 1] + 0
         end
       end
     end

@@ -254,10 +254,19 @@ local function ready_order(ids, score)
     if not string.find(id, '^[0-9A-Z]+%-?[0-9]*$') then plain = false; break end
   end
   if plain then
-    table.sort(ids, function(a, b)
-      if score[a] ~= score[b] then return score[a] < score[b] end
-      return a < b
-    end)
+    -- often in order already (promoted in due order, requests in arrival order): then
+    -- one look at each neighbour, not a sort
+    for i = 2, #ids do
+      local a, b = ids[i - 1], ids[i]
+      local sa, sb = score[a], score[b]
+      if sa > sb or (sa == sb and not (a < b)) then
+        table.sort(ids, function(x, y)
+          if score[x] ~= score[y] then return score[x] < score[y] end
+          return x < y
+        end)
+        return
+      end
+    end
   else
     local sort_key = {}
     for _, id in ipairs(ids) do
@@ -426,6 +435,7 @@ end
 -- that the claim that promotes it need not read its priority back: due_fraction() reads
 -- it, or says there is none (a score of an earlier release, a whole number).
 local function due_score(due_ms, priority)
+  if priority == 0 then return int_s(due_ms) .. '.39453125' end  -- 101 / 256, the usual one
   return int_s(due_ms) .. string.sub(string.format('%.8f', (101 - priority) / 256), 2)
 end
 

@@ -558,6 +558,10 @@ async def test_prelude_writes_times_and_integers_as_plain_text(
     out[#out + 1] = int_s(-3)
     out[#out + 1] = type(int_s(1.5))
     out[#out + 1] = type(int_s(2^53))
+    out[#out + 1] = type(int_s(0/0))
+    out[#out + 1] = type(int_s(1/0))
+    out[#out + 1] = type(int_s(-1/0))
+    out[#out + 1] = int_s(-(2^53 - 1))
     return out
     """
     source = store.scripts["renew"].source.split("-- script: ")[0] + body
@@ -575,7 +579,32 @@ async def test_prelude_writes_times_and_integers_as_plain_text(
             "-3",
             "number",
             "number",
+            "number",
+            "number",
+            "number",
+            "-9007199254740991",
         ]
+
+
+async def test_a_due_score_carries_the_priority_due_fraction_reads_back(
+    store: Store, redis_client: redis.asyncio.Redis, keys: Keys
+) -> None:
+    # due:<phase> scores are the due time with (101 - priority) / 256 in the fraction,
+    # eight decimals (priority 0 has a constant of its own); due_fraction reads both back
+    body = """
+    local out = {}
+    for p = -100, 100 do
+      local s = due_score(1764000000123, p)
+      local due, pr = due_fraction(s + 0)
+      out[#out + 1] = s .. ' ' .. int_s(due) .. ' ' .. int_s(pr)
+    end
+    return out
+    """
+    source = store.scripts["save"].source.split("-- script: ")[0] + body
+    reply = await redis_client.eval(source, 1, keys.tag(0) + ":")
+    assert [r.decode() for r in reply] == [
+        f"1764000000123{f'{(101 - p) / 256:.8f}'[1:]} 1764000000123 {p}" for p in range(-100, 101)
+    ]
 
 
 async def test_int_field_takes_exactly_the_counters_redis_writes(
