@@ -12,6 +12,10 @@ the real scripts, with the calls of each step pipelined as the daemon sends them
     keeping it, and a last claim + save SUCCEEDED; renew of 100 leases a call; and a
     submit claim of a backlog (all requests made before the first claim).
 
+Then W1 as a daemon runs it (bench/lifecycle.py's workload: the tasks created up front,
+then a Worker runs them, claims and saves batched as its timing makes them, polls due
+1 ms later promoted from the due set): the create, and the rest of the lifecycle.
+
 Each step's figure is the server's instructions over the step divided by its tasks, so a
 claim's or renew's share of its batch is included (reading, parsing and answering the
 pipeline too). Two reference rows show the floor: an EVALSHA of `return 1`, and one of
@@ -19,7 +23,7 @@ lua/_core.lua alone (what every script runs first: TIME and the helpers all use)
 The same binary, inputs and scripts give the same counts to within a fraction of a
 percent; a change to a script shows as a change of its rows.
 
-Needs valgrind (callgrind_control comes with it) and runs ~1 minute for 2,000 tasks.
+Needs valgrind (callgrind_control comes with it) and runs ~2 minutes for 2,000 tasks.
 
     python bench/script_cost.py [--tasks 2000] [--server redis-server]
 Prints a table, then one JSON line {"bench": "script_cost", ...}.
@@ -199,6 +203,42 @@ async def _lifecycle(server: CallgrindServer, tasks: int) -> list[tuple[str, int
     return rows
 
 
+async def _w1(server: CallgrindServer, tasks: int) -> list[tuple[str, int, int]]:
+    """W1 as a daemon runs it: `tasks` tasks created up front, then a Worker (claims of 100,
+    1,000 in flight, a 1 ms poll interval, bench/lifecycle.py's instant handler) runs them
+    to SUCCEEDED. What the worker's own calls cost Redis per task, the create apart: its
+    claims, starts and saves as it batches them, promotions of due polls included."""
+    import httpx
+
+    from asynctaskd.config import parse_config
+    from asynctaskd.handlers import HandlerEntry
+    from asynctaskd.worker import Worker
+    from bench import create_tasks
+    from bench.lifecycle import Instant
+
+    client = redis.asyncio.Redis(port=server.port)
+    await client.flushdb()
+    store = Store(client, Keys())
+    await store.prepare()
+    ids = [new_task_id() for _ in range(tasks)]
+    server.counted()
+    await create_tasks(store, ids, "instant")
+    rows = [("W1 create (create_many, 1,000 a call)", tasks, server.counted())]
+    config = parse_config(
+        '[worker]\nmax_inflight = 1000\nbatch_size = 100\nlease = "120s"\n'
+        '[retry]\npoll_interval = "1ms"\n'
+    )
+    handler = Instant()
+    entry = {"instant": HandlerEntry(key="instant", handler=handler, provider="instant")}
+    async with httpx.AsyncClient() as http:
+        await Worker(store, entry, config, http=http).run_until_idle()
+    rows.append(("W1 lifecycle after create (a Worker's calls)", tasks, server.counted()))
+    if sorted(handler.submits) != sorted(ids) or max(handler.submits.values()) != 1:
+        raise RuntimeError("W1: not every task was submitted exactly once")
+    await client.aclose()
+    return rows
+
+
 def run(tasks: int = 2000, binary: str = "redis-server") -> dict[str, Any]:
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         raise SystemExit("valgrind not found: install it (Debian: apt install valgrind)")
@@ -211,6 +251,7 @@ def run(tasks: int = 2000, binary: str = "redis-server") -> dict[str, Any]:
         try:
             m = machine(server.port)
             rows = asyncio.run(_lifecycle(server, tasks))
+            rows += asyncio.run(_w1(server, tasks))
         finally:
             server.stop()
     sums: dict[str, list[int]] = {}
@@ -225,6 +266,10 @@ def run(tasks: int = 2000, binary: str = "redis-server") -> dict[str, Any]:
     # one poll of a task in flight: its share of a query claim, then its save
     per_op["one poll (claim + save, same status)"] = (
         per_op["claim (query phase)"] + per_op["save RUNNING (same status)"]
+    )
+    per_op["W1 lifecycle, create included"] = (
+        per_op["W1 create (create_many, 1,000 a call)"]
+        + per_op["W1 lifecycle after create (a Worker's calls)"]
     )
     say(
         table(
