@@ -448,7 +448,7 @@ end
 
 local function schedule(id, phase, due_ms, priority)
   if not (priority >= -100 and priority <= 100) then priority = 0 end  -- also NaN
-  priority = math.floor(priority)
+  if priority % 1 ~= 0 then priority = math.floor(priority) end
   if due_ms <= NOW then
     place(id, phase, (100 - priority) * PRIO_SPAN + due_ms)
   else

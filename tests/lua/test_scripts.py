@@ -15,7 +15,7 @@ from asynctaskd import AsyncClient
 from asynctaskd.codec import pairs_to_dict
 from asynctaskd.errors import ScriptError
 from asynctaskd.keys import Keys, new_task_id
-from asynctaskd.model import Status
+from asynctaskd.model import Status, is_legal
 from asynctaskd.store import Call, Code, Lease, Store
 from tests.conftest import wait_until
 from tests.lua.helpers import (
@@ -491,6 +491,22 @@ async def test_illegal_worker_transitions_are_refused(store: Store) -> None:
     # (PENDING_SUBMIT is legal from here: a vendor job that ended having done nothing)
     for target in (Status.SUBMITTING, Status.SUBMIT_UNKNOWN):
         assert (await store.save(c2.lease, target)).code is Code.ILLEGAL, target
+
+
+async def test_one_save_many_judges_each_transition_on_its_own(store: Store) -> None:
+    # saves of one batch from one status to different targets each get the model's answer
+    targets = [Status.RUNNING, Status.SUBMITTED, Status.SUBMITTING, Status.SUBMITTED,
+               Status.SUCCEEDED, Status.RUNNING, Status.PENDING_SUBMIT, Status.FAILED]  # fmt: skip
+    for _ in targets:
+        await create(store)
+    batch = await store.claim(0, "submit", len(targets), 10_000, "w1")
+    assert len(batch.claimed) == len(targets)
+    calls = [store.ops.save(c.lease, t) for c, t in zip(batch.claimed, targets, strict=True)]
+    results, _, _ = await store.pipeline(calls)  # one save_many: all are of shard 0
+    for target, result in zip(targets, results, strict=True):
+        want = Code.OK if is_legal(Status.SUBMITTING, target, "W") else Code.ILLEGAL
+        assert result.code is want, target
+    assert {r.code for r in results} == {Code.OK, Code.ILLEGAL}
 
 
 async def test_save_writes_and_deletes_fields_together(

@@ -295,6 +295,22 @@ MUTANTS: tuple[Mutant, ...] = (
         t(SCRIPTS, "test_illegal_worker_transitions_are_refused"),
     ),
     Mutant(
+        "int-field-takes-minus-zero",
+        "a stored counter is an integer as Redis writes one: no '-0', no leading zeros",
+        "lua/_int_field.lua",
+        "    return b >= 48 and b <= 57 and ((a >= 49 and a <= 57) or (a == 45 and b ~= 48))",
+        "    return b >= 48 and b <= 57 and ((a >= 49 and a <= 57) or a == 45)",
+        t(SCRIPTS, "test_int_field_takes_exactly_the_counters_redis_writes"),
+    ),
+    Mutant(
+        "ready-order-trusts-the-input",
+        "tasks claimed together go in ready order (priority, due time, id), however they came",
+        "lua/_schedule.lua",
+        "      if sa > sb or (sa == sb and not (a < b)) then",
+        "      if false then",
+        t("tests/lua/test_fresh_claim.py") + t(STRAIGHT),
+    ),
+    Mutant(
         "renew-ignores-the-fence",
         "a stale holder cannot renew the new holder's lease",
         "lua/renew.lua",
