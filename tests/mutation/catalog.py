@@ -234,8 +234,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "fresh-before-due",
         "only a new task due now is claimed straight from its request; one due later waits",
         "lua/_intake.lua",
-        "  if FRESH and #fresh < FRESH_MOST and tonumber(f.due_ms) <= NOW",
-        "  if FRESH and #fresh < FRESH_MOST",
+        "  if FRESH and #fresh < FRESH_MOST and due <= NOW and deadline > NOW then",
+        "  if FRESH and #fresh < FRESH_MOST and deadline > NOW then",
         FRESH_PROPERTIES,  # tests/lua/test_fresh_claim.py lets it through
     ),
     Mutant(
@@ -243,16 +243,16 @@ MUTANTS: tuple[Mutant, ...] = (
         "new tasks of one priority are claimed straight in due-time order, as the ready set "
         "gives them, whatever their ids",
         "lua/_intake.lua",
-        "      score[id] = (100 - tonumber(f.priority)) * PRIO_SPAN + tonumber(f.due_ms)",
-        "      score[id] = (100 - tonumber(f.priority)) * PRIO_SPAN",
+        "    FRESH_SCORE[id] = (100 - priority) * PRIO_SPAN + due",
+        "    FRESH_SCORE[id] = (100 - priority) * PRIO_SPAN",
         FRESH_PROPERTIES,  # tests/lua/test_fresh_claim.py lets it through
     ),
     Mutant(
         "fresh-ties-reversed",
         "new tasks of one ready score are claimed in id byte order, as the ready set gives",
         "lua/_schedule.lua",
-        "      return a < b",
-        "      return a > b",
+        "          return x < y",
+        "          return x > y",
         (
             "tests/lua/test_fresh_claim.py::test_ties_go_by_id_in_byte_order_as_in_the_ready_set",
             *FRESH_PROPERTIES,
@@ -330,8 +330,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "claim-keeps-the-fence",
         "every claim takes a new fence, so older holders become stale",
         "lua/claim.lua",
-        "    local fence, v = (tonumber(h.fence) or 0) + 1, (tonumber(h.version) or 0) + 1",
-        "    local fence, v = (tonumber(h.fence) or 0), (tonumber(h.version) or 0) + 1",
+        "    local fence, v = (h.fence or 0) + 1, (h.version or 0) + 1",
+        "    local fence, v = (h.fence or 0) + 0, (h.version or 0) + 1",
         t(
             SCRIPTS,
             "test_claim_leases_with_a_new_fence",
@@ -370,8 +370,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "start-does-not-count-attempts",
         "each start counts one vendor submit attempt",
         "lua/_start.lua",
-        "  local attempts = int_s((tonumber(t[8]) or 0) + 1)",
-        "  local attempts = int_s((tonumber(t[8]) or 0) + 0)",
+        "  local attempts = int_s((t[8] or 0) + 1)",
+        "  local attempts = int_s((t[8] or 0) + 0)",
         t(SCRIPTS, "test_full_lifecycle_and_terminal_bookkeeping"),
     ),
     # --- the reaper -----------------------------------------------------------------------------
