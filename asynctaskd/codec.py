@@ -160,12 +160,7 @@ def decode_task(hash_: Mapping[bytes, bytes], task_id: str | None = None) -> Tas
     """
     fields = _FIELDS.copy()
     fields.update(hash_)
-    try:
-        return _decode_task(fields, task_id)
-    except CorruptTask:
-        raise
-    except (ValueError, TypeError, OverflowError, msgspec.DecodeError) as exc:
-        raise _diagnosis(hash_, task_id, exc) from None  # a value would not parse: name it
+    return _decode_fields(fields, task_id)
 
 
 def decode_flat_task(flat: list[bytes], task_id: str | None = None) -> Task:
@@ -175,12 +170,17 @@ def decode_flat_task(flat: list[bytes], task_id: str | None = None) -> Task:
     fields = _FIELDS.copy()
     pairs = iter(flat)
     fields.update(zip(pairs, pairs, strict=True))
+    return _decode_fields(fields, task_id)
+
+
+def _decode_fields(fields: dict[bytes, bytes | None], task_id: str | None) -> Task:
+    """`_decode_task`, with a value that would not parse named in the CorruptTask raised."""
     try:
         return _decode_task(fields, task_id)
     except CorruptTask:
         raise
     except (ValueError, TypeError, OverflowError, msgspec.DecodeError) as exc:
-        raise _diagnosis(fields, task_id, exc) from None  # as decode_task
+        raise _diagnosis(fields, task_id, exc) from None
 
 
 def _diagnosis(
@@ -216,7 +216,7 @@ def _decode_task(fields: dict[bytes, bytes | None], task_id: str | None) -> Task
             except UnicodeDecodeError:
                 raise CorruptTask(task_id or "?", "a field name is not UTF-8") from None
     # Inline on purpose: a helper call per field was half the cost. A value that does not
-    # parse raises here, and decode_task's _diagnosis names its field.
+    # parse raises here, and _decode_fields has _diagnosis name its field.
     (
         v, handler_v, status_v, handle_v, created_v, deadline_v, progress_v, updated_v,
         due_v, finished_v, code_v, message_v, dedup_v, params_v, metadata_v, tenant_v,
