@@ -17,16 +17,15 @@ local function ready_order(ids, score)
     if not string.find(id, '^[0-9A-Z]+%-?[0-9]*$') then plain = false; break end
   end
   if plain then
+    local function before(x, y)
+      if score[x] ~= score[y] then return score[x] < score[y] end
+      return x < y
+    end
     -- often in order already (promoted in due order, requests in arrival order): then
     -- one look at each neighbour, not a sort
     for i = 2, #ids do
-      local a, b = ids[i - 1], ids[i]
-      local sa, sb = score[a], score[b]
-      if sa > sb or (sa == sb and not (a < b)) then
-        table.sort(ids, function(x, y)
-          if score[x] ~= score[y] then return score[x] < score[y] end
-          return x < y
-        end)
+      if before(ids[i], ids[i - 1]) then
+        table.sort(ids, before)
         return
       end
     end

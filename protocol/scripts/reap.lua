@@ -74,19 +74,15 @@ end
 
 --- @include _settings
 
--- version: the task's version, a number or its text; extra: more field, value pairs
+local NO_FIELDS = {}
+
+-- version: the task's version, a number or its text; extra: more field, value pairs.
+-- One call, no table of its arguments built per event.
 local function emit(id, status, version, extra)
   if not EVENTS_MAXLEN then settings(true) end
   if type(version) == 'number' then version = int_s(version) end
-  if not extra then  -- the usual event: no table to build and unpack
-    redis.call('XADD', P .. 'events', 'MAXLEN', '~', EVENTS_MAXLEN, '*',
-               'task', id, 'status', status, 'version', version)
-    return
-  end
-  local args = {'XADD', P .. 'events', 'MAXLEN', '~', EVENTS_MAXLEN, '*',
-                'task', id, 'status', status, 'version', version}
-  for i = 1, #extra do args[#args + 1] = extra[i] end
-  redis.call(unpack(args))
+  redis.call('XADD', P .. 'events', 'MAXLEN', '~', EVENTS_MAXLEN, '*',
+             'task', id, 'status', status, 'version', version, unpack(extra or NO_FIELDS))
 end
 
 -- include: _int_arg
@@ -254,16 +250,15 @@ local function ready_order(ids, score)
     if not string.find(id, '^[0-9A-Z]+%-?[0-9]*$') then plain = false; break end
   end
   if plain then
+    local function before(x, y)
+      if score[x] ~= score[y] then return score[x] < score[y] end
+      return x < y
+    end
     -- often in order already (promoted in due order, requests in arrival order): then
     -- one look at each neighbour, not a sort
     for i = 2, #ids do
-      local a, b = ids[i - 1], ids[i]
-      local sa, sb = score[a], score[b]
-      if sa > sb or (sa == sb and not (a < b)) then
-        table.sort(ids, function(x, y)
-          if score[x] ~= score[y] then return score[x] < score[y] end
-          return x < y
-        end)
+      if before(ids[i], ids[i - 1]) then
+        table.sort(ids, before)
         return
       end
     end
