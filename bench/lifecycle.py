@@ -50,6 +50,24 @@ class Instant:
         return Succeeded({"ok": True})
 
 
+def w1_worker(
+    store: Store,
+    http: httpx.AsyncClient,
+    inflight: int = 1000,
+    batch: int = 100,
+    lease: str = "30s",
+) -> tuple[Worker, Instant]:
+    """W1's worker and its instant handler: `inflight` calls, claims of `batch`, and a 1 ms
+    poll interval (the one query is due at once)."""
+    config = parse_config(
+        f'[worker]\nmax_inflight = {inflight}\nbatch_size = {batch}\nlease = "{lease}"\n'
+        '[retry]\npoll_interval = "1ms"\n'
+    )
+    handler = Instant()
+    entry = {"instant": HandlerEntry(key="instant", handler=handler, provider="instant")}
+    return Worker(store, entry, config, http=http), handler
+
+
 def redis_cpu(client: Any) -> float:
     info = client.info("cpu")
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
@@ -109,19 +127,13 @@ async def run(url: str, n: int, inflight: int, batch: int) -> dict[str, Any]:
     await store.prepare()
     ids = [new_task_id() for _ in range(n)]
     await create_tasks(store, ids, "instant")
-    config = parse_config(
-        f'[worker]\nmax_inflight = {inflight}\nbatch_size = {batch}\nlease = "30s"\n'
-        '[retry]\npoll_interval = "1ms"\n'
-    )
-    handler = Instant()
-    entry = {"instant": HandlerEntry(key="instant", handler=handler, provider="instant")}
     tune_gc()  # as the daemon process does once it is set up
     before = commandstats(sync)
     rcpu0 = redis_cpu(sync)
     cpu0 = time.process_time()
     t0 = time.perf_counter()
     async with httpx.AsyncClient() as http:
-        worker = Worker(store, entry, config, http=http)
+        worker, handler = w1_worker(store, http, inflight, batch)
         await worker.run_until_idle()
     wall = time.perf_counter() - t0
     cpu = time.process_time() - cpu0

@@ -210,11 +210,8 @@ async def _w1(server: CallgrindServer, tasks: int) -> list[tuple[str, int, int]]
     claims, starts and saves as it batches them, promotions of due polls included."""
     import httpx
 
-    from asynctaskd.config import parse_config
-    from asynctaskd.handlers import HandlerEntry
-    from asynctaskd.worker import Worker
     from bench import create_tasks
-    from bench.lifecycle import Instant
+    from bench.lifecycle import w1_worker
 
     client = redis.asyncio.Redis(port=server.port)
     await client.flushdb()
@@ -224,14 +221,9 @@ async def _w1(server: CallgrindServer, tasks: int) -> list[tuple[str, int, int]]
     server.counted()
     await create_tasks(store, ids, "instant")
     rows = [("W1 create (create_many, 1,000 a call)", tasks, server.counted())]
-    config = parse_config(
-        '[worker]\nmax_inflight = 1000\nbatch_size = 100\nlease = "120s"\n'
-        '[retry]\npoll_interval = "1ms"\n'
-    )
-    handler = Instant()
-    entry = {"instant": HandlerEntry(key="instant", handler=handler, provider="instant")}
     async with httpx.AsyncClient() as http:
-        await Worker(store, entry, config, http=http).run_until_idle()
+        worker, handler = w1_worker(store, http, lease="120s")  # a server under callgrind
+        await worker.run_until_idle()
     rows.append(("W1 lifecycle after create (a Worker's calls)", tasks, server.counted()))
     if sorted(handler.submits) != sorted(ids) or max(handler.submits.values()) != 1:
         raise RuntimeError("W1: not every task was submitted exactly once")
