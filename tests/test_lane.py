@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -17,7 +17,7 @@ from redis._parsers.base import BaseParser  # the test reads redis-py's own tabl
 
 from asynctaskd import wire
 from asynctaskd.connection import open_async
-from asynctaskd.connection.lane import Lane, lane_settings
+from asynctaskd.connection.lane import Lane, Lanes, lane_settings, lanes_for
 from asynctaskd.errors import StoreUnavailable
 from asynctaskd.keys import Keys, new_task_id
 from asynctaskd.store import Store
@@ -111,6 +111,121 @@ async def test_replies_and_error_replies_are_those_of_the_pool_path(pool: Any) -
         assert isinstance(noscript, rex.NoScriptError)
     finally:
         lane.close()
+
+
+async def test_a_batch_gets_the_replies_of_the_pool_path_in_order(pool: Any) -> None:
+    """`call_many`, as the store sends a pipeline: replies (error replies as values) in
+    the order of the commands, a big one split over many reads among them, the same as
+    `wire.exchange` gets; then the lane goes on with lone calls and batches of one."""
+    commands: list[tuple[Any, ...]] = [
+        ("SET", "big", b"y" * (2 * 1024 * 1024 + 3)),
+        ("GET", "big"),
+        ("GET", "missing"),
+        ("EVALSHA", "0" * 40, 0),  # NOSCRIPT
+        ("EVAL", "return {1, {2, {'three', false}}, redis.error_reply('WRONGTYPE in')}", 0),
+        ("INCR", "big"),  # ERR not an integer
+        ("EVAL", "return redis.error_reply(ARGV[1])", 0, "MOVED 3999 127.0.0.1:6381"),
+        ("ECHO", "last"),
+    ]
+    payload = b"".join(wire.pack(c) for c in commands)
+    theirs = await wire.exchange(pool, payload, len(commands))
+    lane = _lane(pool)
+    try:
+        ours = await lane.call_many(payload, len(commands))
+        _same(ours, theirs)
+        assert await lane.call(wire.pack(("ECHO", "lone"))) == b"lone"
+        assert await lane.call_many(wire.pack(("ECHO", "one")), 1) == [b"one"]
+        many = await lane.call_many(b"".join(wire.pack(("INCR", "n")) for _ in range(500)), 500)
+        assert many == list(range(1, 501))
+    finally:
+        lane.close()
+
+
+async def test_a_batch_cut_short_closes_the_lane_and_the_next_opens_a_new_one(
+    pool: Any,
+) -> None:
+    lane = _lane(pool)
+    try:
+        # a batch whose last reply takes longer than the socket timeout (0.5 s)
+        payload = wire.pack(("ECHO", "a")) + wire.pack(("BLPOP", "nothing", 2))
+        with pytest.raises(rex.TimeoutError):
+            await lane.call_many(payload, 2)
+        # ...unless the call allows for the last command's own wait
+        assert await lane.call_many(payload, 2, last_wait=2.5) == [b"a", None]
+        assert await lane.call_many(wire.pack(("ECHO", "b")) * 2, 2) == [b"b", b"b"]
+    finally:
+        lane.close()
+
+
+def _in_use(lane: Lane) -> Callable[[], Awaitable[bool]]:
+    async def busy() -> bool:
+        return lane.busy
+
+    return busy
+
+
+async def test_lanes_hand_out_an_idle_lane_up_to_their_limit(pool: Any) -> None:
+    settings = lane_settings(pool)
+    assert settings is not None
+    lanes = Lanes(settings, 2)
+    try:
+        first = lanes.idle()
+        assert first is not None and lanes.idle() is first  # idle: the same one again
+        slow = asyncio.ensure_future(first.call(wire.pack(("BLPOP", "nothing", 0.3))))
+        await wait_until(_in_use(first), "the first lane in use")
+        second = lanes.idle()
+        assert second is not None and second is not first
+        other = asyncio.ensure_future(second.call(wire.pack(("BLPOP", "nothing", 0.3))))
+        await wait_until(_in_use(second), "the second lane in use")
+        assert lanes.idle() is None  # both in use: the caller takes the pool's path
+        assert await slow is None and await other is None
+        assert lanes.idle() is first
+    finally:
+        lanes.close()
+    with pytest.raises(ValueError, match="at least one"):
+        Lanes(settings, 0)
+
+
+@pytest.mark.parametrize(("size", "limit"), [(1, 1), (4, 1), (16, 1), (32, 2), (64, 4), (1000, 4)])
+def test_a_pool_gets_a_lane_per_sixteen_connections_one_to_four(
+    redis_url: str, size: int, limit: int
+) -> None:
+    lanes = lanes_for(_pool(redis_url, max_connections=size))
+    assert lanes is not None and lanes.limit == limit
+    assert lanes_for(_pool(redis_url, protocol=3)) is None
+
+
+async def test_the_store_sends_its_batches_on_lanes_while_the_pool_is_taken(
+    keys: Keys,
+) -> None:
+    """Every pooled connection checked out (a blocking pool would make a pipeline wait):
+    batches still go, on the lanes; a lone call and two batches at once use two lanes and
+    the held connection."""
+    server = start_server("redis-server")
+    client = open_async(server.url, socket_timeout=2, max_connections=16)
+    taken: list[Any] = []
+    store = Store(client, keys)
+    try:
+        await store.prepare()
+        created = [await create(store) for _ in range(6)]
+        pool = client.connection_pool
+        taken = [await pool.get_connection() for _ in range(pool.max_connections)]
+        results = await store.run_many([store.ops.cancel(c.task_id) for c in created[:2]])
+        assert all(r is not None and not isinstance(r, Exception) for r in results)
+        await pool.release(taken.pop())  # one for the call that finds both lanes in use
+        assert store._lanes is not None and store._lanes.limit == 1
+        both = await asyncio.gather(
+            store.run_many([store.ops.cancel(created[2].task_id)]),
+            store.run_many([store.ops.cancel(created[3].task_id)]),
+            store.run(store.ops.cancel(created[4].task_id)),
+        )
+        assert all(r is not None for r in both)
+    finally:
+        for connection in taken:
+            await client.connection_pool.release(connection)
+        await store.close()
+        await client.aclose()
+        server.stop()
 
 
 async def _blocked(client: redis.asyncio.Redis, name: str) -> None:
@@ -346,7 +461,8 @@ async def test_the_lane_works_on_a_descriptor_past_what_select_takes(store: Stor
         await store.close()  # the next lone call opens the lane on a descriptor > 1024
         created = await create(store)
         assert await store.run(store.ops.cancel(created.task_id)) is not None
-        lane = store._lane
+        assert store._lanes is not None
+        lane = store._lanes.idle()
         assert lane is not None and lane._protocol is not None
         fd = lane._protocol.transport.get_extra_info("socket").fileno()
         assert fd > 1024

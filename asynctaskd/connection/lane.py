@@ -1,11 +1,12 @@
-"""A lean connection for the script calls a caller makes one at a time (a producer
-awaiting one submit after the other): one asyncio Protocol, its replies parsed by
-`hiredis.Reader`, one request on it at a time.
+"""A lean connection for script calls: one asyncio Protocol, its replies parsed by
+`hiredis.Reader`, one request on it at a time (a packed command, or a batch of them).
 
-Why: such a call spends most of its client CPU in redis-py's connection (a timer task
-per write, a stream reader, the parser's readiness checks), not in the client. The lane
-writes the packed command on the transport and waits for one future the protocol sets
-when hiredis has a whole reply: what `wire.exchange` does, in about a third of the CPU.
+Why: a call spends most of its client CPU in redis-py's connection (a timer task per
+write, a stream reader, the parser's readiness checks, the pool's lock and condition),
+not in the client. The lane writes the packed commands on the transport and waits for
+one future the protocol sets when hiredis has read every reply: what `wire.exchange`
+does, in about half the CPU for one command (a producer's lone submit) and less still
+for a batch (a daemon's claims and saves). `Lanes` keeps a few of them for one pool.
 
 What it is not: a client. It serves only what `lane_settings` accepts, a pool of plain
 TCP or unix-socket connections of redis-py's own classes (or asynctaskd's, which only
@@ -21,11 +22,12 @@ Behaviour, as the pool's path (`wire.exchange`): an error reply comes back as a 
 the same redis-py exception class with the same text (`reply_error`, redis-py's own
 table); a reply later than the socket timeout (plus the call's own wait) raises
 `redis.exceptions.TimeoutError`; a closed or refused connection raises
-`redis.exceptions.ConnectionError`, a refused AUTH `AuthenticationError`; after any of
+`redis.exceptions.ConnectionError` (a reset, its `OSError`), a refused AUTH
+`AuthenticationError`; after any of
 these, a protocol error or a cancelled call, the lane is closed, and the next call opens
 a new one. It belongs to the event loop it was opened on (a call on another loop opens a
 new one). Not safe for two calls at once: `busy` says it is in use, and the caller then
-takes another path.
+takes another path (`Lanes.idle` hands out one that is not).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import redis.exceptions as rex
 
 from asynctaskd.wire import pack
 
-__all__ = ["Lane", "LaneSettings", "lane_settings", "reply_error"]
+__all__ = ["Lane", "LaneSettings", "Lanes", "lane_settings", "lanes_for", "reply_error"]
 
 # redis-py's table (the one its parsers use): an error reply's first word, the class
 # redis-py raises for it, with the word cut off the text; under ERR, by whole text.
@@ -155,6 +157,9 @@ class _Protocol(asyncio.Protocol):
         self.reader = hiredis.Reader(replyError=reply_error, protocolError=rex.InvalidResponse)
         self.transport: asyncio.Transport | None = None
         self.waiter: asyncio.Future[Any] | None = None
+        # A batch's replies so far, and how many it is (None: one reply, set as it is)
+        self.replies: list[Any] | None = None
+        self.expected = 1
         self.lost = False
         self.poller: Any = None  # select.poll on the socket (no FD_SETSIZE limit)
         # One timer for the waiting reply, kept across calls (a timer armed and cancelled
@@ -177,19 +182,32 @@ class _Protocol(asyncio.Protocol):
         return bool(self.poller.poll(0))
 
     def data_received(self, data: bytes) -> None:
-        self.reader.feed(data)
-        try:
-            reply = self.reader.gets()
-        except Exception as exc:  # a protocol error: nothing after it can be trusted
-            self._fail(rex.InvalidResponse(f"Protocol error: {exc}"))
+        reader = self.reader
+        reader.feed(data)
+        while True:
+            try:
+                reply = reader.gets()
+            except Exception as exc:  # a protocol error: nothing after it can be trusted
+                self._fail(rex.InvalidResponse(f"Protocol error: {exc}"))
+                return
+            if reply is False:  # (RESP2 has no false: this is "not yet a whole reply")
+                return
+            waiter = self.waiter
+            if waiter is None or waiter.done():
+                self._fail(rex.InvalidResponse("a reply nobody asked for"))  # out of step
+                return
+            replies = self.replies
+            if replies is not None:
+                replies.append(reply)
+                if len(replies) < self.expected:
+                    continue
+                reply = replies
+            self.waiter = self.replies = None
+            if reader.has_data():
+                self._fail(rex.InvalidResponse("a reply nobody asked for"))  # out of step
+                return
+            waiter.set_result(reply)
             return
-        if reply is False:
-            return
-        waiter, self.waiter = self.waiter, None
-        if waiter is None or waiter.done() or self.reader.has_data():
-            self._fail(rex.InvalidResponse("a reply nobody asked for"))  # out of step
-            return
-        waiter.set_result(reply)
 
     def arm(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
         """The reply now awaited must come by `deadline` (loop time)."""
@@ -213,14 +231,16 @@ class _Protocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
-        self._fail(rex.ConnectionError(CLOSED))
+        # A reset (or another socket error) is raised as it is, as the pool path's read
+        # raises it; a connection the server closed, in redis-py's words.
+        self._fail(exc if isinstance(exc, OSError) else rex.ConnectionError(CLOSED))
 
     def _fail(self, exc: Exception) -> None:
         self.lost = True
         if self.watchdog is not None:
             self.watchdog.cancel()
             self.watchdog = None
-        waiter, self.waiter = self.waiter, None
+        waiter, self.waiter, self.replies = self.waiter, None, None
         if waiter is not None and not waiter.done():
             waiter.set_exception(exc)
         if self.transport is not None:
@@ -250,9 +270,42 @@ class Lane:
             protocol = self._protocol
             if protocol is None or protocol.lost or self._loop is not loop or protocol.stale():
                 protocol = await self._open(loop)
-            return await self._round_trip(protocol, loop, payload, last_wait)
+            return self._checked(await self._round_trip(protocol, loop, payload, last_wait))
         finally:
             self.busy = False
+
+    async def call_many(self, payload: bytes, count: int, last_wait: float = 0.0) -> list[Any]:
+        """Write `count` packed commands at once (`payload`), return their replies in order
+        (error replies as values): `wire.exchange`'s contract. The replies may take the
+        socket timeout plus `last_wait` (the last command's own wait). Raises RuntimeError
+        if busy."""
+        if self.busy:
+            raise RuntimeError("the lane is in use")
+        self.busy = True
+        try:
+            loop = asyncio.get_running_loop()
+            protocol = self._protocol
+            if protocol is None or protocol.lost or self._loop is not loop or protocol.stale():
+                protocol = await self._open(loop)
+            if count == 1:
+                return [self._checked(await self._round_trip(protocol, loop, payload, last_wait))]
+            protocol.replies, protocol.expected = [], count
+            replies: list[Any] = await self._round_trip(protocol, loop, payload, last_wait)
+            for reply in replies:
+                self._checked(reply)
+            return replies
+        finally:
+            self.busy = False
+
+    def _checked(self, reply: Any) -> Any:
+        """As redis-py's parser: an error reply that means a connection error (the server's
+        "max number of clients reached") is raised, and the connection dropped."""
+        if isinstance(reply, rex.ConnectionError) or (
+            isinstance(reply, list) and reply and isinstance(reply[0], rex.ConnectionError)
+        ):
+            self.close()
+            raise reply if isinstance(reply, rex.ConnectionError) else reply[0]
+        return reply
 
     async def _round_trip(
         self, protocol: _Protocol, loop: asyncio.AbstractEventLoop, payload: bytes, wait: float
@@ -263,21 +316,13 @@ class Lane:
             protocol.arm(loop, loop.time() + budget + wait)
         try:
             protocol.transport.write(payload)  # type: ignore[union-attr]  # set on connect
-            reply = await waiter
+            return await waiter
         except TimeoutError:
             self.close()
             raise rex.TimeoutError(f"no reply from Redis within {budget} s") from None
         except BaseException:  # closed, refused, cancelled: a reply may still be on its way
             self.close()
             raise
-        # As redis-py's parser: an error reply that means a connection error (the server's
-        # "max number of clients reached") is raised, and the connection dropped.
-        if isinstance(reply, rex.ConnectionError) or (
-            isinstance(reply, list) and reply and isinstance(reply[0], rex.ConnectionError)
-        ):
-            self.close()
-            raise reply if isinstance(reply, rex.ConnectionError) else reply[0]
-        return reply
 
     async def _open(self, loop: asyncio.AbstractEventLoop) -> _Protocol:
         self.close()
@@ -303,7 +348,7 @@ class Lane:
         if s.db:
             handshake.append(("SELECT", s.db))
         for command in handshake:
-            reply = await self._round_trip(protocol, loop, pack(command), 0.0)
+            reply = self._checked(await self._round_trip(protocol, loop, pack(command), 0.0))
             if isinstance(reply, Exception):
                 self.close()
                 if command[0] == "SELECT":
@@ -316,3 +361,55 @@ class Lane:
         protocol, self._protocol, self._loop = self._protocol, None, None
         if protocol is not None:
             protocol._fail(rex.ConnectionError("the lane was closed"))
+
+
+# A pool's lanes: one per this many of its connections, at least one, at most _LANES_MAX.
+_CONNECTIONS_PER_LANE: Final = 16
+_LANES_MAX: Final = 4
+
+
+class Lanes:
+    """A few lanes with the same settings, opened as calls need them: `idle()` hands out
+    one that is not in use, or None once `limit` are (the caller takes the pool's path).
+
+    They are connections beside the pool's, not of it: `limit` more at most. Lanes that
+    are idle stay open (and are checked as they are taken, as one lane is)."""
+
+    __slots__ = ("_lanes", "limit", "settings")
+
+    def __init__(self, settings: LaneSettings, limit: int) -> None:
+        if limit < 1:
+            raise ValueError("a set of lanes holds at least one")
+        self.settings = settings
+        self.limit = limit
+        self._lanes: list[Lane] = []
+
+    def idle(self) -> Lane | None:
+        """A lane not in use (the first, as far as one is: a few stay busy, the rest
+        are never opened), or None if `limit` are in use. The caller calls it at once:
+        a lane is marked busy as its call begins."""
+        for lane in self._lanes:
+            if not lane.busy:
+                return lane
+        if len(self._lanes) < self.limit:
+            lane = Lane(self.settings)
+            self._lanes.append(lane)
+            return lane
+        return None
+
+    def close(self) -> None:
+        """Close every lane (a call on one fails; the next call opens it again)."""
+        for lane in self._lanes:
+            lane.close()
+
+
+def lanes_for(pool: Any) -> Lanes | None:
+    """The lanes that may stand in for `pool`'s connections (None: none may, as
+    `lane_settings` says): one per _CONNECTIONS_PER_LANE of its connections, at least one
+    and at most _LANES_MAX."""
+    settings = lane_settings(pool)
+    if settings is None:
+        return None
+    size = getattr(pool, "max_connections", 0)
+    size = size if isinstance(size, int) else 0
+    return Lanes(settings, max(1, min(_LANES_MAX, size // _CONNECTIONS_PER_LANE)))

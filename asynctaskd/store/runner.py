@@ -16,7 +16,7 @@ import redis.asyncio.cluster as redis_cluster
 import redis.exceptions as rex
 from redis import Redis as SyncRedis
 
-from asynctaskd.connection.lane import Lane, lane_settings
+from asynctaskd.connection.lane import Lanes, lanes_for
 from asynctaskd.errors import StoreUnavailable
 from asynctaskd.keys import Keys, settings_problem
 from asynctaskd.model import Task, shard_of
@@ -77,15 +77,15 @@ class _Runner(_Base):
         # gate (WAITAOF/WAIT) follows that node's writes on the same connection.
         self.cluster = isinstance(redis, redis_cluster.RedisCluster)
         self._nodes: dict[str, _AsyncRedis] = {}
-        # Lone script calls (`run`) go out on the lane (asynctaskd.connection.lane) where
-        # it can stand in for the pool's connections, else (and while it is busy) on one
-        # connection kept out of the pool.
+        # Script calls go out on lanes (asynctaskd.connection.lane) where they can stand in
+        # for the pool's connections: lone calls (`run`) and batches (`_send_packed`).
+        # While every lane is in use, a lone call takes one connection kept out of the
+        # pool, and a batch a pooled connection.
         self._held: Held | None = None
-        self._lane: Lane | None = None
+        self._lanes: Lanes | None = None
         if not self.cluster:
             self._held = Held(redis.connection_pool)
-            lane = lane_settings(redis.connection_pool)
-            self._lane = None if lane is None else Lane(lane)
+            self._lanes = lanes_for(redis.connection_pool)
 
     async def prepare(self) -> None:
         """Load every script into Redis and write the per-shard settings."""
@@ -132,8 +132,8 @@ class _Runner(_Base):
             return await self.redis.evalsha(script.sha, len(call.keys), *call.keys, *call.args)
         sha = self.scripts[call.script].sha
         payload = pack(("EVALSHA", sha, len(call.keys), *call.keys, *call.args))
-        lane = self._lane
-        if lane is not None and not lane.busy:
+        lane = None if self._lanes is None else self._lanes.idle()
+        if lane is not None:
             reply = await lane.call(payload)
         else:
             assert self._held is not None
@@ -213,8 +213,8 @@ class _Runner(_Base):
     async def close(self) -> None:
         """Give back the connection lone calls use, close the per-node clients of cluster
         mode (the main client is the caller's)."""
-        if self._lane is not None:
-            self._lane.close()
+        if self._lanes is not None:
+            self._lanes.close()
         if self._held is not None:
             await self._held.close()
         for client in self._nodes.values():
@@ -229,9 +229,9 @@ class _Runner(_Base):
         trailer_wait: float,
         client: redis.asyncio.Redis | None = None,
     ) -> list[Any]:
-        """One write of every EVALSHA (and the trailer) on one pooled connection of
-        `client` (a cluster node's own client; by default ours), then one reply per
-        command; an error reply is returned in its place, not raised.
+        """One write of every EVALSHA (and the trailer) on an idle lane, or on one pooled
+        connection of `client` (a cluster node's own client; by default ours), then one
+        reply per command; an error reply is returned in its place, not raised.
 
         What redis-py's `Pipeline` does, without its per-command packing and bookkeeping
         (half the daemon's save cost; `wire` says how). No retry: a dropped connection
@@ -244,6 +244,10 @@ class _Runner(_Base):
         ]
         if trailer is not None:
             commands.append(pack(trailer))
+        if client is None and self._lanes is not None:
+            lane = self._lanes.idle()
+            if lane is not None:
+                return await lane.call_many(b"".join(commands), len(commands), trailer_wait)
         pool = (client or self.redis).connection_pool
         return await exchange(pool, b"".join(commands), len(commands), trailer_wait)
 

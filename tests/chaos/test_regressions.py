@@ -229,15 +229,22 @@ def break_script(store: Store, monkeypatch: pytest.MonkeyPatch, script: str) -> 
         await real(self, command, check_health)
 
     monkeypatch.setattr(AbstractConnection, "send_packed_command", send)
-    # Lone calls go out on the store's lane, not a redis-py connection: its write fails so.
-    real_call = Lane.call
+    # Calls and batches go out on the store's lanes, not redis-py connections: their
+    # writes fail so.
+    real_call, real_many = Lane.call, Lane.call_many
 
     async def call(self: Lane, payload: bytes, last_wait: float = 0.0) -> Any:
         if sha in payload:
             raise RuntimeError(UVLOOP_CLOSED)
         return await real_call(self, payload, last_wait)
 
+    async def call_many(self: Lane, payload: bytes, count: int, last_wait: float = 0.0) -> Any:
+        if sha in payload:
+            raise RuntimeError(UVLOOP_CLOSED)
+        return await real_many(self, payload, count, last_wait)
+
     monkeypatch.setattr(Lane, "call", call)
+    monkeypatch.setattr(Lane, "call_many", call_many)
 
 
 async def test_a_closed_transport_is_store_unavailable(
