@@ -164,6 +164,32 @@ def _in_use(lane: Lane) -> Callable[[], Awaitable[bool]]:
     return busy
 
 
+async def test_more_replies_than_asked_for_fail_the_call_or_close_the_lane(pool: Any) -> None:
+    """Out of step (a reply nobody asked for): the call fails at once if the extra reply
+    came with its own (it used to wait forever), else the lane closes when it comes; the
+    next call opens a new connection either way."""
+    lane = _lane(pool)
+    try:
+        two = wire.pack(("ECHO", "a")) + wire.pack(("ECHO", "b"))
+        try:
+            got = await asyncio.wait_for(lane.call(two), 5)
+        except rex.InvalidResponse as exc:
+            assert "nobody asked for" in str(exc)
+        else:
+            assert got == b"a"
+            await wait_until(_closed(lane), "the lane closed by the extra reply")
+        assert await lane.call_many(wire.pack(("ECHO", "c")) * 2, 2) == [b"c", b"c"]
+    finally:
+        lane.close()
+
+
+def _closed(lane: Lane) -> Callable[[], Awaitable[bool]]:
+    async def lost() -> bool:
+        return lane._protocol is None or lane._protocol.lost
+
+    return lost
+
+
 async def test_lanes_hand_out_an_idle_lane_up_to_their_limit(pool: Any) -> None:
     settings = lane_settings(pool)
     assert settings is not None

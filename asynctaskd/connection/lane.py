@@ -202,10 +202,10 @@ class _Protocol(asyncio.Protocol):
                 if len(replies) < self.expected:
                     continue
                 reply = replies
-            self.waiter = self.replies = None
-            if reader.has_data():
-                self._fail(rex.InvalidResponse("a reply nobody asked for"))  # out of step
+            if reader.has_data():  # more than was asked for: out of step (the call fails)
+                self._fail(rex.InvalidResponse("a reply nobody asked for"))
                 return
+            self.waiter = self.replies = None
             waiter.set_result(reply)
             return
 

@@ -719,4 +719,12 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_url_value_with_a_dot_segment_or_control_character_is_never_sent",
         ),
     ),
+    Mutant(
+        "lane-batch-answered-at-its-first-reply",
+        "a batch on a lane is answered once every reply it sent for has come, in order",
+        "asynctaskd/connection/lane.py",
+        "                if len(replies) < self.expected:",
+        "                if len(replies) < 1:",
+        t("tests/test_lane.py", "test_a_batch_gets_the_replies_of_the_pool_path_in_order"),
+    ),
 )
