@@ -262,17 +262,7 @@ class Lane:
     async def call(self, payload: bytes, last_wait: float = 0.0) -> Any:
         """Write one packed command, return its reply (an error reply as a value). The
         reply may take the socket timeout plus `last_wait`. Raises RuntimeError if busy."""
-        if self.busy:
-            raise RuntimeError("the lane is in use")
-        self.busy = True
-        try:
-            loop = asyncio.get_running_loop()
-            protocol = self._protocol
-            if protocol is None or protocol.lost or self._loop is not loop or protocol.stale():
-                protocol = await self._open(loop)
-            return self._checked(await self._round_trip(protocol, loop, payload, last_wait))
-        finally:
-            self.busy = False
+        return (await self.call_many(payload, 1, last_wait))[0]
 
     async def call_many(self, payload: bytes, count: int, last_wait: float = 0.0) -> list[Any]:
         """Write `count` packed commands at once (`payload`), return their replies in order
