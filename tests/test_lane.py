@@ -202,6 +202,9 @@ async def test_lanes_hand_out_an_idle_lane_up_to_their_limit(pool: Any) -> None:
         assert first is not None and lanes.idle() is first  # idle: the same one again
         slow = asyncio.ensure_future(first.call(wire.pack(("BLPOP", "nothing", 0.3))))
         await wait_until(_in_use(first), "the first lane in use")
+        with pytest.raises(RuntimeError, match="in use"):  # one call at a time...
+            await first.call(wire.pack(("ECHO", "x")))
+        assert first.busy  # ...and refusing another leaves the first one's lane in use
         second = lanes.idle()
         assert second is not None and second is not first
         other = asyncio.ensure_future(second.call(wire.pack(("BLPOP", "nothing", 0.3))))
