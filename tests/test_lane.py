@@ -364,6 +364,33 @@ async def test_the_handshake_takes_the_pools_password_db_and_name(password_serve
         await pool.disconnect()
 
 
+def _client_info(listed: bytes) -> dict[str, str]:
+    """CLIENT LIST's (or CLIENT INFO's) fields of one connection."""
+    return dict(field.split("=", 1) for field in listed.decode().split() if "=" in field)
+
+
+@pytest.mark.parametrize("options", [{}, {"driver_info": None}], ids=["default", "no-info"])
+async def test_the_lane_tells_the_server_what_the_pools_connections_do(
+    redis_url: str, options: dict[str, Any]
+) -> None:
+    """CLIENT SETINFO: the library name and version redis-py sends (or nothing, where the
+    pool sends nothing); a server without SETINFO (Redis 7.0) shows neither on either."""
+    pool = _pool(redis_url, **options)
+    lane = _lane(pool)
+    try:
+        [theirs] = await wire.exchange(pool, wire.pack(("CLIENT", "INFO")), 1)
+        ours = await lane.call(wire.pack(("CLIENT", "INFO")))
+        pooled, laned = _client_info(theirs), _client_info(ours)
+        assert laned["id"] != pooled["id"]  # two connections...
+        for field in ("lib-name", "lib-ver"):  # ...that say the same of themselves
+            assert laned.get(field) == pooled.get(field)
+        if "lib-name" in pooled and not options:  # the server has SETINFO (7.2 and on)
+            assert pooled["lib-name"] == "redis-py" and pooled["lib-ver"] == redis.__version__
+    finally:
+        lane.close()
+        await pool.disconnect()
+
+
 async def _error(call: Any) -> BaseException:
     """The error a call raised, or the one it answered (a refused AUTH raises, a command
     without it answers NOAUTH)."""

@@ -13,10 +13,10 @@ TCP or unix-socket connections of redis-py's own classes (or asynctaskd's, which
 word connect errors better) speaking RESP2, without a credential provider or decoded
 replies; TLS, Sentinel, Cluster, RESP3 keep the pool. It takes the pool's settings: host
 and port or path, username and password (AUTH), db (SELECT), client name (CLIENT
-SETNAME), socket timeout and connect timeout. It does not send CLIENT SETINFO (a label
-for CLIENT LIST) nor run health checks; before each call it checks, as the pool does
-before it hands a connection out, that the server has not closed the connection (and
-opens a new one if it has).
+SETNAME), socket timeout and connect timeout, and sends the library name and version
+redis-py sends (CLIENT SETINFO, a label for CLIENT LIST). It runs no health checks:
+before each call it checks, as the pool does before it hands a connection out, that the
+server has not closed the connection (and opens a new one if it has).
 
 Behaviour, as the pool's path (`wire.exchange`): an error reply comes back as a value,
 the same redis-py exception class with the same text (`reply_error`, redis-py's own
@@ -119,6 +119,9 @@ class LaneSettings(NamedTuple):
     client_name: str | None
     socket_timeout: float | None
     connect_timeout: float | None
+    # What redis-py tells the server about itself (CLIENT SETINFO), None: nothing
+    lib_name: str | None = None
+    lib_version: str | None = None
 
 
 def lane_settings(pool: Any) -> LaneSettings | None:
@@ -137,6 +140,7 @@ def lane_settings(pool: Any) -> LaneSettings | None:
     if kwargs.get("credential_provider") is not None:
         return None
     timeout = kwargs.get("socket_timeout")
+    lib_name, lib_version = _library(cls, kwargs)
     return LaneSettings(
         host=str(kwargs.get("host", "localhost")),
         port=int(kwargs.get("port", 6379)),
@@ -147,7 +151,27 @@ def lane_settings(pool: Any) -> LaneSettings | None:
         client_name=kwargs.get("client_name"),
         socket_timeout=timeout,
         connect_timeout=kwargs.get("socket_connect_timeout") or timeout,
+        lib_name=lib_name,
+        lib_version=lib_version,
     )
+
+
+def _library(cls: type, kwargs: dict[str, Any]) -> tuple[str | None, str | None]:
+    """The library name and version redis-py sends on the pool's connections (CLIENT
+    SETINFO LIB-NAME and LIB-VER), read off one it makes and does not open: its
+    `driver_info` (redis-py 7 and on) or its `lib_name` and `lib_version` (before)."""
+    try:
+        connection = cls(**kwargs)
+    except Exception:  # (a connection class that will not be made without a socket)
+        return None, None
+    info = getattr(connection, "driver_info", None)
+    if info is not None:
+        name, version = getattr(info, "formatted_name", None), getattr(info, "lib_version", None)
+    else:
+        name = getattr(connection, "lib_name", None)
+        version = getattr(connection, "lib_version", None)
+    return (name if isinstance(name, str) and name else None,
+            version if isinstance(version, str) and version else None)  # fmt: skip
 
 
 class _Protocol(asyncio.Protocol):
@@ -335,10 +359,16 @@ class Lane:
                              else ("AUTH", s.username, s.password))  # fmt: skip
         if s.client_name:
             handshake.append(("CLIENT", "SETNAME", s.client_name))
+        if s.lib_name:
+            handshake.append(("CLIENT", "SETINFO", "LIB-NAME", s.lib_name))
+        if s.lib_version:
+            handshake.append(("CLIENT", "SETINFO", "LIB-VER", s.lib_version))
         if s.db:
             handshake.append(("SELECT", s.db))
         for command in handshake:
             reply = self._checked(await self._round_trip(protocol, loop, pack(command), 0.0))
+            if isinstance(reply, rex.ResponseError) and command[1:2] == ("SETINFO",):
+                continue  # a server before 7.2 has no SETINFO: as redis-py, go on without
             if isinstance(reply, Exception):
                 self.close()
                 if command[0] == "SELECT":
