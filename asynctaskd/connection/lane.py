@@ -405,9 +405,9 @@ class Lanes:
         self._lanes: list[Lane] = []
 
     def idle(self) -> Lane | None:
-        """A lane not in use (the first, as far as one is: a few stay busy, the rest
-        are never opened), or None if `limit` are in use. The caller calls it at once:
-        a lane is marked busy as its call begins."""
+        """The first lane not in use (a new one while fewer than `limit` are open), or
+        None if `limit` are in use: as many are opened as calls ever overlapped. The
+        caller calls it at once: a lane is marked busy as its call begins."""
         for lane in self._lanes:
             if not lane.busy:
                 return lane
