@@ -285,8 +285,19 @@ class Lane:
 
     async def call(self, payload: bytes, last_wait: float = 0.0) -> Any:
         """Write one packed command, return its reply (an error reply as a value). The
-        reply may take the socket timeout plus `last_wait`. Raises RuntimeError if busy."""
-        return (await self.call_many(payload, 1, last_wait))[0]
+        reply may take the socket timeout plus `last_wait`. Raises RuntimeError if busy.
+
+        Not `call_many` of one: a producer's sequential submits go through here, and the
+        coroutine and list more cost each ~0.5% of its instructions."""
+        if self.busy:
+            raise RuntimeError("the lane is in use")
+        self.busy = True
+        try:
+            loop = asyncio.get_running_loop()
+            protocol = self._usable(loop) or await self._open(loop)
+            return self._checked(await self._round_trip(protocol, loop, payload, last_wait))
+        finally:
+            self.busy = False
 
     async def call_many(self, payload: bytes, count: int, last_wait: float = 0.0) -> list[Any]:
         """Write `count` packed commands at once (`payload`), return their replies in order
@@ -298,9 +309,7 @@ class Lane:
         self.busy = True
         try:
             loop = asyncio.get_running_loop()
-            protocol = self._protocol
-            if protocol is None or protocol.lost or self._loop is not loop or protocol.stale():
-                protocol = await self._open(loop)
+            protocol = self._usable(loop) or await self._open(loop)
             if count == 1:
                 return [self._checked(await self._round_trip(protocol, loop, payload, last_wait))]
             protocol.replies, protocol.expected = [], count
@@ -310,6 +319,14 @@ class Lane:
             return replies
         finally:
             self.busy = False
+
+    def _usable(self, loop: asyncio.AbstractEventLoop) -> _Protocol | None:
+        """The open connection, if a call on `loop` may use it (not lost, of this loop, not
+        closed by the server meanwhile); None: open a new one."""
+        protocol = self._protocol
+        if protocol is None or protocol.lost or self._loop is not loop or protocol.stale():
+            return None
+        return protocol
 
     def _checked(self, reply: Any) -> Any:
         """As redis-py's parser: an error reply that means a connection error (the server's
