@@ -137,6 +137,8 @@ async def test_a_batch_gets_the_replies_of_the_pool_path_in_order(pool: Any) -> 
         assert await lane.call_many(wire.pack(("ECHO", "one")), 1) == [b"one"]
         many = await lane.call_many(b"".join(wire.pack(("INCR", "n")) for _ in range(500)), 500)
         assert many == list(range(1, 501))
+        with pytest.raises(ValueError, match="at least one"):
+            await lane.call_many(b"", 0)  # (nothing would ever answer it)
     finally:
         lane.close()
 
