@@ -283,52 +283,39 @@ class Lane:
         self._protocol: _Protocol | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def call(self, payload: bytes, last_wait: float = 0.0) -> Any:
-        """Write one packed command, return its reply (an error reply as a value). The
-        reply may take the socket timeout plus `last_wait`. Raises RuntimeError if busy.
-
-        Not `call_many` of one: a producer's sequential submits go through here, and a
-        batch of one (a coroutine level and a list more) cost each ~0.5% more."""
-        if self.busy:
-            raise RuntimeError("the lane is in use")
-        self.busy = True
-        try:
-            loop = asyncio.get_running_loop()
-            protocol = self._usable(loop) or await self._open(loop)
-            return self._checked(await self._round_trip(protocol, loop, payload, last_wait))
-        finally:
-            self.busy = False
-
-    async def call_many(self, payload: bytes, count: int, last_wait: float = 0.0) -> list[Any]:
-        """Write `count` packed commands at once (`payload`), return their replies in order
-        (error replies as values): `wire.exchange`'s contract. The replies may take the
-        socket timeout plus `last_wait` (the last command's own wait). Raises RuntimeError
-        if busy."""
-        if count < 1:
+    async def call(
+        self, payload: bytes, last_wait: float = 0.0, *, count: int | None = None
+    ) -> Any:
+        """Write one packed command, return its reply (an error reply as a value); with
+        `count`, `payload` is that many packed commands, and the reply the list of theirs
+        in order (`call_many`). The reply may take the socket timeout plus `last_wait`
+        (the last command's own wait). Raises RuntimeError if busy."""
+        if count is not None and count < 1:
             raise ValueError("a batch holds at least one command")
         if self.busy:
             raise RuntimeError("the lane is in use")
         self.busy = True
         try:
             loop = asyncio.get_running_loop()
-            protocol = self._usable(loop) or await self._open(loop)
-            if count == 1:
-                return [self._checked(await self._round_trip(protocol, loop, payload, last_wait))]
-            protocol.replies, protocol.expected = [], count
-            replies: list[Any] = await self._round_trip(protocol, loop, payload, last_wait)
-            for reply in replies:
-                self._checked(reply)
-            return replies
+            protocol = self._protocol
+            if protocol is None or protocol.lost or self._loop is not loop or protocol.stale():
+                protocol = await self._open(loop)
+            if count is not None:
+                protocol.replies, protocol.expected = [], count
+            reply = await self._round_trip(protocol, loop, payload, last_wait)
+            if count is None:
+                return self._checked(reply)
+            for each in reply:
+                self._checked(each)
+            return reply
         finally:
             self.busy = False
 
-    def _usable(self, loop: asyncio.AbstractEventLoop) -> _Protocol | None:
-        """The open connection, if a call on `loop` may use it (not lost, of this loop, not
-        closed by the server meanwhile); None: open a new one."""
-        protocol = self._protocol
-        if protocol is None or protocol.lost or self._loop is not loop or protocol.stale():
-            return None
-        return protocol
+    async def call_many(self, payload: bytes, count: int, last_wait: float = 0.0) -> list[Any]:
+        """`count` packed commands written at once (`payload`), their replies in order
+        (error replies as values): `wire.exchange`'s contract, as `call` keeps it."""
+        replies: list[Any] = await self.call(payload, last_wait, count=count)
+        return replies
 
     def _checked(self, reply: Any) -> Any:
         """As redis-py's parser: an error reply that means a connection error (the server's

@@ -229,22 +229,16 @@ def break_script(store: Store, monkeypatch: pytest.MonkeyPatch, script: str) -> 
         await real(self, command, check_health)
 
     monkeypatch.setattr(AbstractConnection, "send_packed_command", send)
-    # Calls and batches go out on the store's lanes, not redis-py connections: their
-    # writes fail so.
-    real_call, real_many = Lane.call, Lane.call_many
+    # Calls and batches (`call_many` is `call` with a count) go out on the store's lanes,
+    # not redis-py connections: their writes fail so.
+    real_call = Lane.call
 
-    async def call(self: Lane, payload: bytes, last_wait: float = 0.0) -> Any:
+    async def call(self: Lane, payload: bytes, last_wait: float = 0.0, **kw: Any) -> Any:
         if sha in payload:
             raise RuntimeError(UVLOOP_CLOSED)
-        return await real_call(self, payload, last_wait)
-
-    async def call_many(self: Lane, payload: bytes, count: int, last_wait: float = 0.0) -> Any:
-        if sha in payload:
-            raise RuntimeError(UVLOOP_CLOSED)
-        return await real_many(self, payload, count, last_wait)
+        return await real_call(self, payload, last_wait, **kw)
 
     monkeypatch.setattr(Lane, "call", call)
-    monkeypatch.setattr(Lane, "call_many", call_many)
 
 
 async def test_a_closed_transport_is_store_unavailable(
