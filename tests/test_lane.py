@@ -159,11 +159,13 @@ async def test_a_batch_cut_short_closes_the_lane_and_the_next_opens_a_new_one(
         lane.close()
 
 
-def _in_use(lane: Lane) -> Callable[[], Awaitable[bool]]:
-    async def busy() -> bool:
-        return lane.busy
+def _until(check: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
+    """`check` as the async predicate `wait_until` polls."""
 
-    return busy
+    async def holds() -> bool:
+        return check()
+
+    return holds
 
 
 async def test_more_replies_than_asked_for_fail_the_call_or_close_the_lane(pool: Any) -> None:
@@ -182,17 +184,11 @@ async def test_more_replies_than_asked_for_fail_the_call_or_close_the_lane(pool:
             assert "nobody asked for" in str(got)
         else:
             assert got == b"a"
-            await wait_until(_closed(lane), "the lane closed by the extra reply")
+            closed = _until(lambda: lane._protocol is None or lane._protocol.lost)
+            await wait_until(closed, "the lane closed by the extra reply")
         assert await lane.call_many(wire.pack(("ECHO", "c")) * 2, 2) == [b"c", b"c"]
     finally:
         lane.close()
-
-
-def _closed(lane: Lane) -> Callable[[], Awaitable[bool]]:
-    async def lost() -> bool:
-        return lane._protocol is None or lane._protocol.lost
-
-    return lost
 
 
 async def test_lanes_hand_out_an_idle_lane_up_to_their_limit(pool: Any) -> None:
@@ -203,14 +199,14 @@ async def test_lanes_hand_out_an_idle_lane_up_to_their_limit(pool: Any) -> None:
         first = lanes.idle()
         assert first is not None and lanes.idle() is first  # idle: the same one again
         slow = asyncio.ensure_future(first.call(wire.pack(("BLPOP", "nothing", 0.3))))
-        await wait_until(_in_use(first), "the first lane in use")
+        await wait_until(_until(lambda: first.busy), "the first lane in use")
         with pytest.raises(RuntimeError, match="in use"):  # one call at a time...
             await first.call(wire.pack(("ECHO", "x")))
         assert first.busy  # ...and refusing another leaves the first one's lane in use
         second = lanes.idle()
         assert second is not None and second is not first
         other = asyncio.ensure_future(second.call(wire.pack(("BLPOP", "nothing", 0.3))))
-        await wait_until(_in_use(second), "the second lane in use")
+        await wait_until(_until(lambda: second.busy), "the second lane in use")
         assert lanes.idle() is None  # both in use: the caller takes the pool's path
         assert await slow is None and await other is None
         assert lanes.idle() is first
@@ -233,8 +229,9 @@ async def test_the_store_sends_its_batches_on_lanes_while_the_pool_is_taken(
     keys: Keys,
 ) -> None:
     """Every pooled connection checked out (a blocking pool would make a pipeline wait):
-    batches still go, on the lanes; a lone call and two batches at once use two lanes and
-    the held connection."""
+    batches still go, on the lane (a pool of 16 has one); with one pooled connection
+    free, two batches and a lone call at once take the lane, that connection and the
+    held connection."""
     server = start_server("redis-server")
     client = open_async(server.url, socket_timeout=2, max_connections=16)
     taken: list[Any] = []
