@@ -114,9 +114,10 @@ async def test_replies_and_error_replies_are_those_of_the_pool_path(pool: Any) -
 
 
 async def test_a_batch_gets_the_replies_of_the_pool_path_in_order(pool: Any) -> None:
-    """`call_many`, as the store sends a pipeline: replies (error replies as values) in
-    the order of the commands, a big one split over many reads among them, the same as
-    `wire.exchange` gets; then the lane goes on with lone calls and batches of one."""
+    """A batch (`call` with a count), as the store sends a pipeline: replies (error
+    replies as values) in the order of the commands, a big one split over many reads
+    among them, the same as `wire.exchange` gets; then the lane goes on with lone calls
+    and batches of one."""
     commands: list[tuple[Any, ...]] = [
         ("SET", "big", b"y" * (2 * 1024 * 1024 + 3)),
         ("GET", "big"),
@@ -131,14 +132,14 @@ async def test_a_batch_gets_the_replies_of_the_pool_path_in_order(pool: Any) -> 
     theirs = await wire.exchange(pool, payload, len(commands))
     lane = _lane(pool)
     try:
-        ours = await lane.call_many(payload, len(commands))
+        ours = await lane.call(payload, count=len(commands))
         _same(ours, theirs)
         assert await lane.call(wire.pack(("ECHO", "lone"))) == b"lone"
-        assert await lane.call_many(wire.pack(("ECHO", "one")), 1) == [b"one"]
-        many = await lane.call_many(b"".join(wire.pack(("INCR", "n")) for _ in range(500)), 500)
+        assert await lane.call(wire.pack(("ECHO", "one")), count=1) == [b"one"]
+        many = await lane.call(b"".join(wire.pack(("INCR", "n")) for _ in range(500)), count=500)
         assert many == list(range(1, 501))
         with pytest.raises(ValueError, match="at least one"):
-            await lane.call_many(b"", 0)  # (nothing would ever answer it)
+            await lane.call(b"", count=0)  # (nothing would ever answer it)
     finally:
         lane.close()
 
@@ -151,10 +152,10 @@ async def test_a_batch_cut_short_closes_the_lane_and_the_next_opens_a_new_one(
         # a batch whose last reply takes longer than the socket timeout (0.5 s)
         payload = wire.pack(("ECHO", "a")) + wire.pack(("BLPOP", "nothing", 2))
         with pytest.raises(rex.TimeoutError):
-            await lane.call_many(payload, 2)
+            await lane.call(payload, count=2)
         # ...unless the call allows for the last command's own wait
-        assert await lane.call_many(payload, 2, last_wait=2.5) == [b"a", None]
-        assert await lane.call_many(wire.pack(("ECHO", "b")) * 2, 2) == [b"b", b"b"]
+        assert await lane.call(payload, last_wait=2.5, count=2) == [b"a", None]
+        assert await lane.call(wire.pack(("ECHO", "b")) * 2, count=2) == [b"b", b"b"]
     finally:
         lane.close()
 
@@ -186,7 +187,7 @@ async def test_more_replies_than_asked_for_fail_the_call_or_close_the_lane(pool:
             assert got == b"a"
             closed = _until(lambda: lane._protocol is None or lane._protocol.lost)
             await wait_until(closed, "the lane closed by the extra reply")
-        assert await lane.call_many(wire.pack(("ECHO", "c")) * 2, 2) == [b"c", b"c"]
+        assert await lane.call(wire.pack(("ECHO", "c")) * 2, count=2) == [b"c", b"c"]
     finally:
         lane.close()
 

@@ -288,8 +288,9 @@ class Lane:
     ) -> Any:
         """Write one packed command, return its reply (an error reply as a value); with
         `count`, `payload` is that many packed commands, and the reply the list of theirs
-        in order (`call_many`). The reply may take the socket timeout plus `last_wait`
-        (the last command's own wait). Raises RuntimeError if busy."""
+        in order (error replies as values): `wire.exchange`'s contract. The reply may take
+        the socket timeout plus `last_wait` (the last command's own wait). Raises
+        RuntimeError if busy."""
         if count is not None and count < 1:
             raise ValueError("a batch holds at least one command")
         if self.busy:
@@ -310,12 +311,6 @@ class Lane:
             return reply
         finally:
             self.busy = False
-
-    async def call_many(self, payload: bytes, count: int, last_wait: float = 0.0) -> list[Any]:
-        """`count` packed commands written at once (`payload`), their replies in order
-        (error replies as values): `wire.exchange`'s contract, as `call` keeps it."""
-        replies: list[Any] = await self.call(payload, last_wait, count=count)
-        return replies
 
     def _checked(self, reply: Any) -> Any:
         """As redis-py's parser: an error reply that means a connection error (the server's

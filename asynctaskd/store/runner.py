@@ -211,8 +211,8 @@ class _Runner(_Base):
             await refresh_slots(cluster)
 
     async def close(self) -> None:
-        """Give back the connection lone calls use, close the per-node clients of cluster
-        mode (the main client is the caller's)."""
+        """Close the lanes, give back the held connection, close the per-node clients of
+        cluster mode (the main client is the caller's)."""
         if self._lanes is not None:
             self._lanes.close()
         if self._held is not None:
@@ -244,12 +244,13 @@ class _Runner(_Base):
         ]
         if trailer is not None:
             commands.append(pack(trailer))
-        if client is None and self._lanes is not None:
-            lane = self._lanes.idle()
-            if lane is not None:
-                return await lane.call_many(b"".join(commands), len(commands), trailer_wait)
+        payload, count = b"".join(commands), len(commands)
+        lane = None if client is not None or self._lanes is None else self._lanes.idle()
+        if lane is not None:
+            replies: list[Any] = await lane.call(payload, trailer_wait, count=count)
+            return replies
         pool = (client or self.redis).connection_pool
-        return await exchange(pool, b"".join(commands), len(commands), trailer_wait)
+        return await exchange(pool, payload, count, trailer_wait)
 
     async def _pipeline_by_node(
         self, calls: Sequence[Call[Any]], trailer: tuple[Any, ...] | None, trailer_wait: float

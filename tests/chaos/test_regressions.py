@@ -229,8 +229,8 @@ def break_script(store: Store, monkeypatch: pytest.MonkeyPatch, script: str) -> 
         await real(self, command, check_health)
 
     monkeypatch.setattr(AbstractConnection, "send_packed_command", send)
-    # Calls and batches (`call_many` is `call` with a count) go out on the store's lanes,
-    # not redis-py connections: their writes fail so.
+    # Calls and batches (`call` with a count) go out on the store's lanes, not redis-py
+    # connections: their writes fail so.
     real_call = Lane.call
 
     async def call(self: Lane, payload: bytes, last_wait: float = 0.0, **kw: Any) -> Any:
