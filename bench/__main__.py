@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             scripts = script_cost.run()
             emit("script_cost", scripts)
             record("script_cost", scripts)
-            daemon = daemon_cost.run()
+            daemon = daemon_cost.run(floor=True)
             emit("daemon_cost", daemon)
             record("daemon_cost", daemon)
 

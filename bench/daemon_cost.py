@@ -83,21 +83,42 @@ def _callgrind(flag: str) -> None:
     )
 
 
-def _child(redis_url: str, vendor_url: str, tasks: int) -> int:
+async def _floor(
+    redis_url: str, vendor_url: str, tasks: int, parts: frozenset[str]
+) -> dict[str, Any]:
+    """Child side of `--floor`: bench/poll_floor.py's daemon of the fewest lines, counted."""
+    from asynctaskd.daemon import tune_gc
+    from bench import poll_floor
+
+    redis = await poll_floor.connect(redis_url)
+    floor = await poll_floor.setup(redis, vendor_url, tasks, parts)
+    tune_gc()  # as the Worker is counted
+    _callgrind("--zero")
+    await floor.run(tasks)
+    _callgrind("--dump")
+    return {"statuses": {"SUCCEEDED": floor.done}, "claims": floor.claims}
+
+
+def _child(redis_url: str, vendor_url: str, tasks: int, floor: str | None = None) -> int:
+    """`floor`: None counts the Worker, else the floor with these parts (comma list)."""
     import uvloop
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        out = runner.run(_worker(redis_url, vendor_url, tasks))
+        if floor is None:
+            out = runner.run(_worker(redis_url, vendor_url, tasks))
+        else:
+            parts = frozenset(filter(None, floor.split(",")))
+            out = runner.run(_floor(redis_url, vendor_url, tasks, parts))
     print(json.dumps(out), flush=True)  # noqa: T201 - read by the parent
     return 0
 
 
-def run(tasks: int = 600, polls: int = 3) -> dict[str, Any]:
-    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
-        raise SystemExit("valgrind not found: install it (Debian: apt install valgrind)")
-    binary = find_binary(os.environ.get("BENCH_REDIS_SERVER", "redis-server"))
-    if binary is None:
-        raise SystemExit("redis-server not found (set BENCH_REDIS_SERVER)")
+def _count(
+    binary: str, tasks: int, polls: int, floor: str | None
+) -> tuple[int, bool, dict[str, Any]]:
+    """One counted child (the Worker, or the floor with the parts `floor` lists) on its own
+    Redis and vendor: its instructions, whether every task SUCCEEDED after one submit and
+    `polls` polls, and the machine line."""
     with (
         workdir("bench-daemon-cost-") as tmp,
         ServerProcess(binary) as server,
@@ -105,13 +126,14 @@ def run(tasks: int = 600, polls: int = 3) -> dict[str, Any]:
     ):
         m = machine(server.port)
         out = tmp / "callgrind.out"
+        argv = [str(Path(__file__).resolve()), "--child", server.url, vendor.url, str(tasks)]
         child, proc = run_child(
-            [str(Path(__file__).resolve()), "--child", server.url, vendor.url, str(tasks)],
+            [*argv, *(["--floor", floor] if floor is not None else [])],
             timeout=900,
             prefix=["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}.%p"],
         )
         if proc.returncode != 0 or child is None:
-            raise RuntimeError(f"the counted worker failed:\n{proc.stdout}\n{proc.stderr[-3000:]}")
+            raise RuntimeError(f"the counted child failed:\n{proc.stdout}\n{proc.stderr[-3000:]}")
         dumps = [p for p in tmp.glob("callgrind.out.*.*") if p.suffix[1:].isdigit()]
         if len(dumps) != 1:
             raise RuntimeError(f"expected one callgrind dump, found {dumps}")
@@ -122,45 +144,91 @@ def run(tasks: int = 600, polls: int = 3) -> dict[str, Any]:
         )
         log = vendor.submit_log()
         jobs = vendor.jobs()
-    calls = tasks * (1 + polls)
     ok = (
         child["statuses"] == {"SUCCEEDED": tasks}
         and len(log) == tasks
         and all(entry["outcome"] == "created" for entry in log)
         and all(job["polls"] == polls for job in jobs)
     )
-    per_task = total / tasks
+    return total, ok, m
+
+
+def run(
+    tasks: int = 600, polls: int = 3, floor: bool = False, parts: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """Count the Worker; with `floor`, bench/poll_floor.py's workload too, bare and then
+    with each of `parts` (the daemon's own HTTP client, its codec) swapped in."""
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        raise SystemExit("valgrind not found: install it (Debian: apt install valgrind)")
+    binary = find_binary(os.environ.get("BENCH_REDIS_SERVER", "redis-server"))
+    if binary is None:
+        raise SystemExit("redis-server not found (set BENCH_REDIS_SERVER)")
+    total, ok, m = _count(binary, tasks, polls, floor=None)
+    calls = tasks * (1 + polls)
+    rows = [
+        ("per task", f"{total / tasks:,.0f}"),
+        ("per vendor call", f"{total / calls:,.0f}"),
+        ("all SUCCEEDED, each submitted once", str(ok)),
+    ]
+    result: dict[str, Any] = {
+        "machine": m,
+        "tasks": tasks,
+        "polls": polls,
+        "instructions_per_task": round(total / tasks),
+        "instructions_per_call": round(total / calls),
+    }
+    if floor:
+        floor_total, floor_ok, _ = _count(binary, tasks, polls, floor="")
+        ok = ok and floor_ok
+        rows += [
+            ("floor per task (bench/poll_floor.py)", f"{floor_total / tasks:,.0f}"),
+            ("floor per vendor call", f"{floor_total / calls:,.0f}"),
+            ("daemon / floor", f"{total / floor_total:.2f}x"),
+            ("floor: all SUCCEEDED, each submitted once", str(floor_ok)),
+        ]
+        result["floor_per_task"] = round(floor_total / tasks)
+        result["floor_per_call"] = round(floor_total / calls)
+        for part in parts:
+            part_total, part_ok, _ = _count(binary, tasks, polls, floor=part)
+            ok = ok and part_ok
+            rows += [
+                (f"floor with the daemon's {part}: per task", f"{part_total / tasks:,.0f}"),
+                (f"  its {part} per task", f"{(part_total - floor_total) / tasks:,.0f}"),
+                ("  all SUCCEEDED, each submitted once", str(part_ok)),
+            ]
+            result[f"floor_{part}_per_task"] = round(part_total / tasks)
     say(
         table(
             f"Daemon instructions ({tasks} tasks, a submit and {polls} polls each, callgrind)",
             ["figure", "value"],
-            [
-                ("per task", f"{per_task:,.0f}"),
-                ("per vendor call", f"{total / calls:,.0f}"),
-                ("all SUCCEEDED, each submitted once", str(ok)),
-            ],
+            rows,
         )
     )
     say(f"  machine: {machine_line(m)}")
-    return {
-        "machine": m,
-        "tasks": tasks,
-        "polls": polls,
-        "instructions_per_task": round(per_task),
-        "instructions_per_call": round(total / calls),
-        "ok": ok,
-    }
+    result["ok"] = ok
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["--child"]:
-        return _child(args[1], args[2], int(args[3]))
+        floor = args[5] if args[4:5] == ["--floor"] else None
+        return _child(args[1], args[2], int(args[3]), floor=floor)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tasks", type=int, default=600)
     parser.add_argument("--polls", type=int, default=3)
+    parser.add_argument(
+        "--floor", action="store_true", help="count bench/poll_floor.py's workload too"
+    )
+    parser.add_argument(
+        "--parts",
+        default="",
+        help="with --floor, count the floor again with each of these daemon parts in it "
+        "(comma list: fetch, codec)",
+    )
     parsed = parser.parse_args(args)
-    result = run(parsed.tasks, parsed.polls)
+    parts = tuple(filter(None, parsed.parts.split(",")))
+    result = run(parsed.tasks, parsed.polls, floor=parsed.floor or bool(parts), parts=parts)
     emit("daemon_cost", result)
     return 0 if result["ok"] else 1
 

@@ -1,0 +1,357 @@
+"""The floor of a poll: the daemon's workload done by the fewest Python lines we can write.
+
+What any daemon of this design must do per vendor call, built straight from the libraries
+the project uses (an asyncio protocol, hiredis, httptools, msgspec) and nothing of its own:
+claim tasks from Redis in batches (one EVALSHA returns each task's whole hash), run each call
+in an asyncio task of its own (at most 100 at once), make the call over a kept-alive HTTP/1.1
+connection, decode the vendor's JSON, and save the outcome with one EVALSHA per task, the
+saves of a loop turn written together. The workload is bench/daemon_cost.py's: each task is
+submitted once (POST) and polled (GET) until the fake vendor says it succeeded.
+
+Left out, on purpose, is everything the daemon does for its guarantees and its operators:
+leases, fences and versions (the save checks nothing), the start mark before a submit, a
+deadline and a read timeout per call, retries and error mapping, admission, validation of
+what Redis and the vendor send, metrics, logging, draining. So its count is below what
+any correct daemon can reach; the gap to the daemon's is what those cost, and the room any
+further speed-up has to work in.
+
+`--parts fetch,codec` swaps the daemon's own parts in, to price each: its HTTP client
+(`ctx.fetch`) for the bare connection, its codec (a claimed hash decoded into a Task) for a
+dict of the hash. bench/daemon_cost.py `--floor [--parts ...]` counts the floor under
+callgrind beside the daemon; `python bench/poll_floor.py [--tasks 2000] [--polls 8]
+[--parts ...]` times it (process CPU per call; the task hashes are written first, untimed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import hiredis
+import httptools
+import msgspec
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+DUE = "floor:due"
+PARTS = frozenset({"fetch", "codec"})
+# Take up to ARGV[1] ids off the due list; reply with each task's whole hash.
+CLAIM = """
+local ids = redis.call('LPOP', KEYS[1], ARGV[1])
+if not ids then return {} end
+local out = {}
+for i = 1, #ids do out[i] = redis.call('HGETALL', 'floor:task:' .. ids[i]) end
+return out
+"""
+# Write the outcome; a task not done goes back on the due list.
+SAVE = """
+redis.call('HSET', 'floor:task:' .. ARGV[1], 'status', ARGV[2], 'handle', ARGV[3],
+  'version', ARGV[4])
+if ARGV[2] ~= 'SUCCEEDED' then redis.call('RPUSH', KEYS[1], ARGV[1]) end
+return {1, ARGV[4]}
+"""
+
+
+def task_hash(task_id: str) -> dict[str, str]:
+    """A stored task's fields, as many and as long as a pending task's in the daemon's store."""
+    now = str(int(time.time() * 1000))
+    return {
+        "id": task_id, "handler": "demo", "status": "PENDING_SUBMIT", "created_ms": now,
+        "updated_ms": now, "due_ms": now, "deadline_ms": str(int(now) + 600_000),
+        "timeout_ms": "600000", "params": '{"n":1}', "priority": "0", "provider": "demo",
+        "version": "1", "submit_attempts": "0", "poll_count": "0", "consecutive_errors": "0",
+        "throttles": "0", "fence": "0", "owner": "", "dedup": "", "handle": "",
+    }  # fmt: skip
+
+
+class _Redis(asyncio.Protocol):
+    """One connection: replies answer the oldest waiting future (RESP2, hiredis)."""
+
+    def __init__(self) -> None:
+        self.reader = hiredis.Reader()
+        self.waiting: collections.deque[asyncio.Future[Any]] = collections.deque()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.reader.feed(data)
+        while (reply := self.reader.gets()) is not False:
+            self.waiting.popleft().set_result(reply)
+
+    def send(self, payload: bytes, futures: list[asyncio.Future[Any]]) -> None:
+        assert self.transport is not None
+        self.waiting.extend(futures)
+        self.transport.write(payload)
+
+
+class _Saves:
+    """Saves of one loop turn go out in one write."""
+
+    def __init__(self, redis: _Redis, loop: asyncio.AbstractEventLoop) -> None:
+        self.redis = redis
+        self.loop = loop
+        self.payloads: list[bytes] = []
+        self.futures: list[asyncio.Future[Any]] = []
+
+    def add(self, payload: bytes) -> asyncio.Future[Any]:
+        if not self.payloads:
+            self.loop.call_soon(self.flush)
+        future = self.loop.create_future()
+        self.payloads.append(payload)
+        self.futures.append(future)
+        return future
+
+    def flush(self) -> None:
+        payloads, futures, self.payloads, self.futures = self.payloads, self.futures, [], []
+        self.redis.send(b"".join(payloads), futures)
+
+
+class _Http(asyncio.Protocol):
+    """One kept-alive HTTP/1.1 connection, one exchange at a time, parsed by llhttp."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.parser = httptools.HttpResponseParser(self)
+        self.chunks: list[bytes] = []
+        self.waiter: asyncio.Future[tuple[int, bytes]] | None = None
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+
+    def on_message_complete(self) -> None:
+        assert self.waiter is not None
+        self.waiter.set_result((self.parser.get_status_code(), b"".join(self.chunks)))
+
+    def request(self, payload: bytes) -> asyncio.Future[tuple[int, bytes]]:
+        assert self.transport is not None
+        self.chunks = []
+        self.waiter = self.loop.create_future()
+        self.transport.write(payload)
+        return self.waiter
+
+
+class Floor:
+    """The daemon of the fewest lines. `parts` swaps the daemon's own parts in, one at a
+    time, to price them: "fetch" makes the vendor calls through `ctx.fetch` (the
+    project's HTTP client: `make_http_client` and its Fetcher), "codec" decodes each
+    claimed hash into a Task with the project's codec (what a claim's reply goes through)."""
+
+    def __init__(
+        self, redis: _Redis, vendor: str, inflight: int = 100, parts: frozenset[str] = frozenset()
+    ) -> None:
+        unknown = parts - PARTS
+        if unknown:
+            raise ValueError(f"unknown parts {sorted(unknown)}: choose from {sorted(PARTS)}")
+        self.vendor = vendor.rstrip("/")
+        self.fetch: Any = None
+        if "fetch" in parts:
+            from asynctaskd.transport import fetcher_for, make_http_client
+
+            self.fetch = fetcher_for(make_http_client())
+        self.decode: Any = None
+        if "codec" in parts:
+            from asynctaskd.codec import decode_flat_task
+
+            self.decode = decode_flat_task
+        self.loop = asyncio.get_running_loop()
+        self.redis = redis
+        self.saves = _Saves(redis, self.loop)
+        url = httptools.parse_url(vendor.encode())
+        self.host, self.port = url.host.decode(), url.port
+        self.head = b"Host: %s:%d\r\n" % (url.host, url.port)
+        self.idle: list[_Http] = []
+        self.limit = inflight
+        self.inflight = 0
+        self.slot = asyncio.Event()
+        self.done = 0
+        self.claims = 0
+        self.claim_sha = self.save_sha = ""
+
+    async def prepare(self) -> None:
+        self.claim_sha = (await self._call(b"SCRIPT", b"LOAD", CLAIM)).decode()
+        self.save_sha = (await self._call(b"SCRIPT", b"LOAD", SAVE)).decode()
+
+    async def _call(self, *args: Any) -> Any:
+        future = self.loop.create_future()
+        self.redis.send(hiredis.pack_command(args), [future])
+        return await future
+
+    async def run(self, tasks: int) -> None:
+        async with asyncio.TaskGroup() as calls:
+            while self.done < tasks:
+                free = self.limit - self.inflight
+                if free > 0:
+                    claimed = await self._call(b"EVALSHA", self.claim_sha, 1, DUE, free)
+                    self.claims += 1
+                    for flat in claimed:
+                        self.inflight += 1
+                        if self.decode is not None:
+                            calls.create_task(self.call_task(self.decode(flat)))
+                            continue
+                        pairs = iter(flat)
+                        calls.create_task(self.call(dict(zip(pairs, pairs, strict=True))))
+                    if len(claimed) == free:
+                        continue
+                self.slot.clear()
+                await self.slot.wait()
+                await asyncio.sleep(0.001)  # let a round's saves land: claims of many
+
+    async def call(self, task: dict[bytes, bytes]) -> None:
+        """One call of a claimed hash, as it came from Redis."""
+        stored = task[b"handle"]
+        job = msgspec.json.decode(stored)["external_id"] if stored else None
+        params = msgspec.json.decode(task[b"params"]) if job is None else None
+        await self._vendor_call(task[b"id"].decode(), params, job, int(task[b"version"]))
+
+    async def call_task(self, task: Any) -> None:
+        """One call of a claimed hash decoded into a Task (the "codec" part)."""
+        handle = task.handle
+        job = handle["external_id"] if handle else None
+        await self._vendor_call(task.id, task.params, job, task.version)
+
+    async def _vendor_call(self, task_id: str, params: Any, job: str | None, version: int) -> None:
+        if job is None:
+            body = msgspec.json.encode({"input": params, "ref": task_id})
+            status, answer = await self._post(b"/v1/jobs", body)
+            self._check(status, answer)
+            job = msgspec.json.decode(answer)["id"]
+            outcome = b"SUBMITTED"
+        else:
+            status, answer = await self._get(b"/v1/jobs/%s" % job.encode())
+            self._check(status, answer)
+            view = msgspec.json.decode(answer)
+            outcome = b"SUCCEEDED" if view["status"] == "succeeded" else b"RUNNING"
+        handle = msgspec.json.encode({"external_id": job})
+        reply = await self.saves.add(
+            hiredis.pack_command(
+                (b"EVALSHA", self.save_sha, 1, DUE, task_id, outcome, handle, version + 1)
+            )
+        )
+        if reply[0] != 1:
+            raise RuntimeError(f"the save failed: {reply!r}")
+        if outcome == b"SUCCEEDED":
+            self.done += 1
+        self.inflight -= 1
+        self.slot.set()
+
+    @staticmethod
+    def _check(status: int, answer: bytes) -> None:
+        if status >= 300:
+            raise RuntimeError(f"the vendor answered {status}: {answer[:200]!r}")
+
+    async def _post(self, path: bytes, body: bytes) -> tuple[int, bytes]:
+        if self.fetch is not None:
+            reply = await self.fetch(
+                "POST", self.vendor + path.decode(), content=body,
+                headers={"Content-Type": "application/json"},
+            )  # fmt: skip
+            return reply.status, reply.content
+        conn = self.idle.pop() if self.idle else await self._connect()
+        answer = await conn.request(
+            b"POST %s HTTP/1.1\r\n%sContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (path, self.head, len(body), body)
+        )
+        self.idle.append(conn)
+        return answer
+
+    async def _get(self, path: bytes) -> tuple[int, bytes]:
+        if self.fetch is not None:
+            reply = await self.fetch("GET", self.vendor + path.decode())
+            return reply.status, reply.content
+        conn = self.idle.pop() if self.idle else await self._connect()
+        answer = await conn.request(b"GET %s HTTP/1.1\r\n%s\r\n" % (path, self.head))
+        self.idle.append(conn)
+        return answer
+
+    async def _connect(self) -> _Http:
+        _, conn = await self.loop.create_connection(lambda: _Http(self.loop), self.host, self.port)
+        return conn
+
+
+async def connect(redis_url: str) -> _Redis:
+    url = httptools.parse_url(redis_url.encode())
+    _, redis = await asyncio.get_running_loop().create_connection(
+        _Redis, url.host.decode(), url.port
+    )
+    return redis
+
+
+async def setup(
+    redis: _Redis, vendor_url: str, tasks: int, parts: frozenset[str] = frozenset()
+) -> Floor:
+    """The tasks' hashes and the due list, written before anything is counted."""
+    floor = Floor(redis, vendor_url, parts=parts)
+    await floor.prepare()
+    for start in range(0, tasks, 500):
+        ids = [f"t{i:08d}" for i in range(start, min(tasks, start + 500))]
+        batch = [
+            hiredis.pack_command((b"HSET", f"floor:task:{i}", *_flat(task_hash(i)))) for i in ids
+        ]
+        batch.append(hiredis.pack_command((b"RPUSH", DUE, *ids)))
+        futures = [floor.loop.create_future() for _ in batch]
+        redis.send(b"".join(batch), futures)
+        await asyncio.gather(*futures)
+    return floor
+
+
+def _flat(fields: dict[str, str]) -> list[str]:
+    return [part for pair in fields.items() for part in pair]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tasks", type=int, default=2000)
+    parser.add_argument("--polls", type=int, default=8)
+    parser.add_argument(
+        "--parts", default="", help=f"comma list of the daemon's parts to use: {sorted(PARTS)}"
+    )
+    args = parser.parse_args(argv)
+    parts = frozenset(filter(None, args.parts.split(",")))
+
+    import uvloop
+
+    from asynctaskd.daemon import tune_gc
+    from asynctaskd.devtools.fakevendor import Behaviour, FakeVendorProcess
+    from asynctaskd.embedded import ServerProcess, find_binary
+
+    binary = find_binary("redis-server")
+    if binary is None:
+        raise SystemExit("redis-server not found")
+
+    async def timed(redis_url: str, vendor_url: str) -> tuple[float, int]:
+        floor = await setup(await connect(redis_url), vendor_url, args.tasks, parts)
+        tune_gc()  # as `asynctaskd run` does
+        cpu = time.process_time()
+        await floor.run(args.tasks)
+        return time.process_time() - cpu, floor.claims
+
+    with (
+        ServerProcess(binary) as server,
+        FakeVendorProcess.start(Behaviour(polls_to_done=args.polls)) as vendor,
+        asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner,
+    ):
+        cpu, claims = runner.run(timed(server.url, vendor.url))
+    calls = args.tasks * (1 + args.polls)
+    print(  # noqa: T201
+        f"floor: {cpu / calls * 1e6:.1f} us of CPU per call, {claims / calls:.3f} claims per call"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
