@@ -26,6 +26,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,13 @@ from asynctaskd.embedded import ServerProcess, find_binary
 from bench import create_tasks, emit, machine, machine_line, run_child, say, table, workdir
 
 
-async def _worker(redis_url: str, vendor_url: str, tasks: int) -> dict[str, Any]:
-    """Child side (under valgrind): create the tasks, count the worker's run."""
+async def prepare_worker(
+    redis_url: str, vendor_url: str, tasks: int
+) -> tuple[Any, Callable[[], Awaitable[dict[str, int]]]]:
+    """The counted Worker, ready to run: `tasks` tasks created, the demo handler calling the
+    fake vendor through the shared client, 100 calls in flight, a 1 ms poll interval, the
+    garbage collector tuned as `asynctaskd run` tunes it. Returns it and what to await once
+    it ran: it closes the clients and returns how many tasks ended in each status."""
     from asynctaskd.config import parse_config
     from asynctaskd.daemon import tune_gc
     from asynctaskd.devtools.demo import DemoHandler
@@ -61,17 +67,27 @@ async def _worker(redis_url: str, vendor_url: str, tasks: int) -> dict[str, Any]
     tune_gc()  # as `asynctaskd run` does once it is set up
     http = make_http_client()
     worker = Worker(store, entries, config, http=http)
+
+    async def finish() -> dict[str, int]:
+        await http.aclose()
+        statuses: dict[str, int] = {}
+        for tid in ids:
+            task = await store.get(tid)
+            key = task.status.value if task is not None else "missing"
+            statuses[key] = statuses.get(key, 0) + 1
+        await redis.aclose()
+        return statuses
+
+    return worker, finish
+
+
+async def _worker(redis_url: str, vendor_url: str, tasks: int) -> dict[str, Any]:
+    """Child side (under valgrind): create the tasks, count the worker's run."""
+    worker, finish = await prepare_worker(redis_url, vendor_url, tasks)
     _callgrind("--zero")
     await worker.run_until_idle()
     _callgrind("--dump")
-    await http.aclose()
-    statuses: dict[str, int] = {}
-    for tid in ids:
-        task = await store.get(tid)
-        key = task.status.value if task is not None else "missing"
-        statuses[key] = statuses.get(key, 0) + 1
-    await redis.aclose()
-    return {"statuses": statuses}
+    return {"statuses": await finish()}
 
 
 def _callgrind(flag: str) -> None:

@@ -12,14 +12,21 @@ Left out, on purpose, is everything the daemon does for its guarantees and its o
 leases, fences and versions (the save checks nothing), the start mark before a submit, a
 deadline and a read timeout per call, retries and error mapping, admission, validation of
 what Redis and the vendor send, metrics, logging, draining. So its count is below what
-any correct daemon can reach; the gap to the daemon's is what those cost, and the room any
-further speed-up has to work in.
+any correct daemon can reach: the gap to the daemon's is what those cost and what the
+daemon's own layers cost, the room any further speed-up has to work in. (Its claims also
+return params on polls, which the daemon's query claims leave out: a little against it.)
 
 `--parts fetch,codec` swaps the daemon's own parts in, to price each: its HTTP client
 (`ctx.fetch`) for the bare connection, its codec (a claimed hash decoded into a Task) for a
-dict of the hash. bench/daemon_cost.py `--floor [--parts ...]` counts the floor under
-callgrind beside the daemon; `python bench/poll_floor.py [--tasks 2000] [--polls 8]
-[--parts ...]` times it (process CPU per call; the task hashes are written first, untimed).
+dict of the hash.
+
+    python bench/poll_floor.py [--tasks 2000] [--polls 8] [--rounds 3] [--parts fetch,codec]
+times the daemon (bench/daemon_cost.py's Worker), the floor and the floor with each part,
+each in a child process of its own on a fresh Redis and vendor, in alternating order:
+process CPU per call from the first claim to the last save (the tasks are written first,
+untimed), medians, and each over the floor. Prints a table, then one JSON line
+{"bench": "poll_floor", ...}. bench/daemon_cost.py `--floor [--parts ...]` counts the
+same subjects in instructions under callgrind.
 """
 
 from __future__ import annotations
@@ -27,6 +34,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import json
+import math
+import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,6 +49,8 @@ import msgspec
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import emit, machine, machine_line, run_child, say, table
 
 DUE = "floor:due"
 PARTS = frozenset({"fetch", "codec"})
@@ -313,44 +326,118 @@ def _flat(fields: dict[str, str]) -> list[str]:
     return [part for pair in fields.items() for part in pair]
 
 
+async def _timed(subject: str, redis_url: str, vendor_url: str, tasks: int) -> dict[str, Any]:
+    """Child side: run one subject ("daemon", "floor" or "floor+PART") over `tasks` tasks
+    and return its process CPU from the first claim to the last save."""
+    from asynctaskd.daemon import tune_gc
+
+    if subject == "daemon":
+        from bench.daemon_cost import prepare_worker
+
+        worker, finish = await prepare_worker(redis_url, vendor_url, tasks)
+        cpu = time.process_time()
+        await worker.run_until_idle()
+        cpu = time.process_time() - cpu
+        statuses = await finish()
+        return {"cpu": cpu, "ok": statuses == {"SUCCEEDED": tasks}}
+    parts = frozenset(subject.split("+")[1:])
+    floor = await setup(await connect(redis_url), vendor_url, tasks, parts)
+    tune_gc()  # as `asynctaskd run` does
+    cpu = time.process_time()
+    await floor.run(tasks)
+    cpu = time.process_time() - cpu
+    return {"cpu": cpu, "ok": floor.done == tasks, "claims": floor.claims}
+
+
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["child"]:
+        import uvloop
+
+        subject, redis_url, vendor_url, tasks = args[1], args[2], args[3], int(args[4])
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            out = runner.run(_timed(subject, redis_url, vendor_url, tasks))
+        print(json.dumps(out), flush=True)  # noqa: T201 - read by the parent
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tasks", type=int, default=2000)
     parser.add_argument("--polls", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
-        "--parts", default="", help=f"comma list of the daemon's parts to use: {sorted(PARTS)}"
+        "--parts", default="", help=f"comma list of the daemon's parts to price: {sorted(PARTS)}"
     )
-    args = parser.parse_args(argv)
-    parts = frozenset(filter(None, args.parts.split(",")))
+    parsed = parser.parse_args(args)
+    parts = [p for p in parsed.parts.split(",") if p]
+    unknown = set(parts) - PARTS
+    if unknown:
+        parser.error(f"unknown parts {sorted(unknown)}: choose from {sorted(PARTS)}")
+    result = run(parsed.tasks, parsed.polls, parsed.rounds, parts)
+    emit("poll_floor", result)
+    return 0 if result["ok"] else 1
 
-    import uvloop
 
-    from asynctaskd.daemon import tune_gc
+def run(tasks: int, polls: int, rounds: int, parts: list[str]) -> dict[str, Any]:
+    """Time the daemon, the floor and the floor with each of `parts`, each in a child of
+    its own on a fresh Redis and vendor, in alternating order, `rounds` times."""
     from asynctaskd.devtools.fakevendor import Behaviour, FakeVendorProcess
     from asynctaskd.embedded import ServerProcess, find_binary
 
-    binary = find_binary("redis-server")
+    binary = find_binary(os.environ.get("BENCH_REDIS_SERVER", "redis-server"))
     if binary is None:
-        raise SystemExit("redis-server not found")
-
-    async def timed(redis_url: str, vendor_url: str) -> tuple[float, int]:
-        floor = await setup(await connect(redis_url), vendor_url, args.tasks, parts)
-        tune_gc()  # as `asynctaskd run` does
-        cpu = time.process_time()
-        await floor.run(args.tasks)
-        return time.process_time() - cpu, floor.claims
-
-    with (
-        ServerProcess(binary) as server,
-        FakeVendorProcess.start(Behaviour(polls_to_done=args.polls)) as vendor,
-        asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner,
-    ):
-        cpu, claims = runner.run(timed(server.url, vendor.url))
-    calls = args.tasks * (1 + args.polls)
-    print(  # noqa: T201
-        f"floor: {cpu / calls * 1e6:.1f} us of CPU per call, {claims / calls:.3f} claims per call"
+        raise SystemExit("redis-server not found (set BENCH_REDIS_SERVER)")
+    subjects = ["daemon", "floor", *(f"floor+{p}" for p in parts)]
+    calls = tasks * (1 + polls)
+    per_call: dict[str, list[float]] = {s: [] for s in subjects}
+    ok = True
+    m: dict[str, Any] = {}
+    for r in range(rounds):
+        order = subjects if r % 2 == 0 else subjects[::-1]
+        for subject in order:
+            with (
+                ServerProcess(binary) as server,
+                FakeVendorProcess.start(Behaviour(polls_to_done=polls)) as vendor,
+            ):
+                m = machine(server.port)
+                argv = [str(Path(__file__).resolve()), "child", subject, server.url, vendor.url]
+                child, proc = run_child([*argv, str(tasks)], timeout=600)
+                jobs = vendor.jobs()
+            good = (
+                proc.returncode == 0
+                and child is not None
+                and child["ok"]
+                and len(jobs) == tasks
+                and all(job["polls"] == polls for job in jobs)
+            )
+            if child is None or proc.returncode != 0:
+                say(f"  {subject} failed:\n{proc.stdout}\n{proc.stderr[-3000:]}")
+            ok = ok and good
+            if child is not None:
+                per_call[subject].append(child["cpu"] / calls * 1e6)
+                say(f"  round {r + 1} {subject:>16}: {per_call[subject][-1]:5.1f} us of CPU a call")
+    medians = {s: statistics.median(v) for s, v in per_call.items() if v}
+    floor = medians.get("floor", math.nan)
+    rows = [
+        (s, f"{medians[s]:.1f}", f"{min(per_call[s]):.1f}-{max(per_call[s]):.1f}",
+         f"{medians[s] / floor:.2f}x", f"{medians[s] - floor:+.1f}")
+        for s in subjects if s in medians
+    ]  # fmt: skip
+    say(
+        table(
+            f"Poll floor: {tasks} tasks, a submit and {polls} polls each, process CPU per call, "
+            f"medians of {rounds}",
+            ["subject", "us/call", "min-max", "/ floor", "us over floor"],
+            rows,
+        )
     )
-    return 0
+    say(f"  every task SUCCEEDED after one submit and {polls} polls: {ok}")
+    say(f"  machine: {machine_line(m)}")
+    return {
+        "machine": m,
+        "tasks": tasks,
+        "polls": polls,
+        "us_per_call": {s: round(v, 2) for s, v in medians.items()},
+        "ok": ok,
+    }
 
 
 if __name__ == "__main__":
