@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -84,6 +85,13 @@ def stopping(*servers: PrivateServer) -> Iterator[None]:
     finally:
         for server in servers:
             server.stop()
+
+
+def log_tail(server: PrivateServer, size: int = 4000) -> str:
+    """The end of a server's or a sentinel's log, headed by its port."""
+    path = server.data_dir / "server.log"
+    text = path.read_text()[-size:] if path.exists() else "(no log)"
+    return f"\n--- {type(server).__name__} {server.port} ---\n{text}"
 
 
 def watched_master(
@@ -178,8 +186,16 @@ def test_daemon_and_client_carry_on_through_a_failover(binary: Path, tmp_path: P
                 timeout=60,
             )
         except AssertionError as exc:
+            # What each task is now (None: gone), and what the daemon, the replicas and the
+            # sentinels logged: a task that vanishes across the failover (seen about once
+            # in a hundred runs under load) is otherwise unexplained.
+            now = {i: None if (t := client.get(i)) is None else t.status for i in before + after}
+            gone = [("before" if i in before else "after", i) for i, st in now.items() if not st]
             logs = "".join(p.read_text()[-3000:] for p in tmp_path.glob("daemon-*.log"))
-            raise AssertionError(f"{exc}: {statuses(client, before + after)}\n{logs}") from None
+            servers = "".join(log_tail(s) for s in [*replicas, *sentinels])
+            raise AssertionError(
+                f"{exc}: {Counter(now.values())}, gone: {gone}\n{logs}{servers}"
+            ) from None
         created = [e for e in vendor.submit_log() if e["outcome"] == "created"]
         assert len(created) == 40 and len({e["ref"] for e in created}) == 40
         # Every vendor submit waited for a replica to acknowledge its "started" mark.
