@@ -12,9 +12,14 @@ Instructions are not time (a syscall's kernel work is not counted, and an instru
 may take a cycle or a hundred), but the same code and inputs give the same count to
 within ~0.5% whatever else the machine does, so a change of 1% shows.
 
-    python bench/daemon_cost.py [--tasks 600] [--polls 3]
+`--floor` also counts bench/poll_floor.py's floor of a poll on the same workload (the
+fewest lines over the same libraries, nothing checked), each in a child of its own, and
+`--parts fetch,codec` the floor again with each of the daemon's parts in it: what the
+daemon pays over the floor, and what each part costs of that.
+
+    python bench/daemon_cost.py [--tasks 600] [--polls 3] [--floor [--parts fetch,codec]]
 Prints a table, then one JSON line {"bench": "daemon_cost", ...}. Needs valgrind;
-~1 minute for 600 tasks.
+~1 minute for 600 tasks, ~20 s more for the floor and for each part.
 """
 
 from __future__ import annotations
