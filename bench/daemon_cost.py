@@ -41,6 +41,7 @@ if __package__ in (None, ""):
 from asynctaskd.devtools.fakevendor import Behaviour, FakeVendorProcess
 from asynctaskd.embedded import ServerProcess, find_binary
 from bench import create_tasks, emit, machine, machine_line, run_child, say, table, workdir
+from bench.poll_floor import PARTS, prepare_floor
 
 
 async def prepare_worker(
@@ -108,12 +109,7 @@ async def _floor(
     redis_url: str, vendor_url: str, tasks: int, parts: frozenset[str]
 ) -> dict[str, Any]:
     """Child side of `--floor`: bench/poll_floor.py's daemon of the fewest lines, counted."""
-    from asynctaskd.daemon import tune_gc
-    from bench import poll_floor
-
-    redis = await poll_floor.connect(redis_url)
-    floor = await poll_floor.setup(redis, vendor_url, tasks, parts)
-    tune_gc()  # as the Worker is counted
+    floor = await prepare_floor(redis_url, vendor_url, tasks, parts)
     _callgrind("--zero")
     await floor.run(tasks)
     _callgrind("--dump")
@@ -249,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parsed = parser.parse_args(args)
     parts = tuple(filter(None, parsed.parts.split(",")))
+    if unknown := set(parts) - PARTS:
+        parser.error(f"unknown parts {sorted(unknown)}: choose from {sorted(PARTS)}")
     result = run(parsed.tasks, parsed.polls, floor=parsed.floor or bool(parts), parts=parts)
     emit("daemon_cost", result)
     return 0 if result["ok"] else 1

@@ -40,6 +40,7 @@ import os
 import statistics
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -296,18 +297,16 @@ class Floor:
         return conn
 
 
-async def connect(redis_url: str) -> _Redis:
-    url = httptools.parse_url(redis_url.encode())
-    _, redis = await asyncio.get_running_loop().create_connection(
-        _Redis, url.host.decode(), url.port
-    )
-    return redis
-
-
-async def setup(
-    redis: _Redis, vendor_url: str, tasks: int, parts: frozenset[str] = frozenset()
+async def prepare_floor(
+    redis_url: str, vendor_url: str, tasks: int, parts: frozenset[str] = frozenset()
 ) -> Floor:
-    """The tasks' hashes and the due list, written before anything is counted."""
+    """The floor, ready to run (the companion of bench/daemon_cost.py's `prepare_worker`):
+    connected, the tasks' hashes and the due list written, the garbage collector tuned as
+    `asynctaskd run` tunes it. Nothing of this is timed or counted."""
+    from asynctaskd.daemon import tune_gc
+
+    url = urllib.parse.urlsplit(redis_url)
+    _, redis = await asyncio.get_running_loop().create_connection(_Redis, url.hostname, url.port)
     floor = Floor(redis, vendor_url, parts=parts)
     await floor.prepare()
     for start in range(0, tasks, 500):
@@ -319,6 +318,7 @@ async def setup(
         futures = [floor.loop.create_future() for _ in batch]
         redis.send(b"".join(batch), futures)
         await asyncio.gather(*futures)
+    tune_gc()
     return floor
 
 
@@ -329,8 +329,6 @@ def _flat(fields: dict[str, str]) -> list[str]:
 async def _timed(subject: str, redis_url: str, vendor_url: str, tasks: int) -> dict[str, Any]:
     """Child side: run one subject ("daemon", "floor" or "floor+PART") over `tasks` tasks
     and return its process CPU from the first claim to the last save."""
-    from asynctaskd.daemon import tune_gc
-
     if subject == "daemon":
         from bench.daemon_cost import prepare_worker
 
@@ -340,9 +338,7 @@ async def _timed(subject: str, redis_url: str, vendor_url: str, tasks: int) -> d
         cpu = time.process_time() - cpu
         statuses = await finish()
         return {"cpu": cpu, "ok": statuses == {"SUCCEEDED": tasks}}
-    parts = frozenset(subject.split("+")[1:])
-    floor = await setup(await connect(redis_url), vendor_url, tasks, parts)
-    tune_gc()  # as `asynctaskd run` does
+    floor = await prepare_floor(redis_url, vendor_url, tasks, frozenset(subject.split("+")[1:]))
     cpu = time.process_time()
     await floor.run(tasks)
     cpu = time.process_time() - cpu

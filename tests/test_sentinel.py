@@ -190,7 +190,9 @@ def test_daemon_and_client_carry_on_through_a_failover(binary: Path, tmp_path: P
             # sentinels logged: a task that vanishes across the failover (seen about once
             # in a hundred runs under load) is otherwise unexplained.
             now = {i: None if (t := client.get(i)) is None else t.status for i in before + after}
-            gone = [("before" if i in before else "after", i) for i, st in now.items() if not st]
+            gone = [
+                ("before" if i in before else "after", i) for i, st in now.items() if st is None
+            ]
             logs = "".join(p.read_text()[-3000:] for p in tmp_path.glob("daemon-*.log"))
             servers = "".join(log_tail(s) for s in [*replicas, *sentinels])
             raise AssertionError(
